@@ -1,0 +1,29 @@
+# Two commands: `make bench` and `make test`. Both (re)create .venv when it is missing or stale.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: bench test gpu-test gpu-bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,plot]'
+	@touch $(STAMP)
+
+bench: $(STAMP)
+	$(PY) -m jhicache.bench
+
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests
+
+# On the GPU machine (preinstalled packages, no venv): the gpu-marked tests, then the bench.
+gpu-test:
+	JHICACHE_GPU_TESTS=1 PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider -m gpu tests
+
+gpu-bench:
+	PYTHONPATH=. python3 -m jhicache.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

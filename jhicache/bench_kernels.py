@@ -1,0 +1,237 @@
+"""Kernel benchmark on the GPU: every pallas_kernels op at Qwen2 shapes, page 64, bf16, with ceilings."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from pallas_kernels import page_copy as pc
+
+SHAPES = {"qwen2-0.5b": dict(layers=24, kv_heads=2, dim=64, heads=14),
+          "qwen2-7b": dict(layers=28, kv_heads=4, dim=128, heads=28)}
+PAGE = 64
+DT = jnp.bfloat16
+GB = 1e9
+
+
+def _shardings():
+    d = jax.devices()[0]
+    mk = jax.sharding.SingleDeviceSharding
+    return mk(d, memory_kind="device"), mk(d, memory_kind="pinned_host")
+
+
+def timeit(step: Callable[[], object], reps: int = 7, warm: int = 2) -> float:
+    """Median seconds of `step` (which must return what to block on) after warm-up calls."""
+    for _ in range(warm):
+        jax.block_until_ready(step())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _rand(key, shape, dtype=DT, sharding=None):
+    x = jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+    return x if sharding is None else jax.device_put(x, sharding)
+
+
+def ceilings(res: dict) -> None:
+    dev, host = _shardings()
+    n = 512 << 20
+    h = jax.device_put(np.ones(n // 2, np.float16), host)
+    d = jax.device_put(np.ones(n // 2, np.float16), dev)
+    res["pcie_h2d_gbps"] = n / timeit(lambda: jax.device_put(h, dev)) / GB
+    res["pcie_d2h_gbps"] = n / timeit(lambda: jax.device_put(d, host)) / GB
+    big = _rand(0, (1 << 29,), jnp.bfloat16)  # 1 GiB
+    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
+    res["hbm_copy_gbps"] = 2 * big.nbytes / timeit(lambda: copy(big)) / GB  # read + write
+    res["hbm_copy_note"] = "elementwise x+1 on 1 GiB bf16, bytes read + written"
+
+
+def transfers(res: dict, layers=24, kv_heads=2, dim=64, n=512, host_pages=2048, dev_pages=1024) -> None:
+    dev, host = _shardings()
+    shape = (PAGE, kv_heads, dim)
+    hk = [_rand(l, (host_pages, *shape), sharding=host) for l in range(layers)]
+    hv = [_rand(100 + l, (host_pages, *shape), sharding=host) for l in range(layers)]
+    dk = [jnp.zeros((dev_pages, *shape), DT) for _ in range(layers)]
+    dv = [jnp.zeros((dev_pages, *shape), DT) for _ in range(layers)]
+    rng = np.random.default_rng(0)
+    hid = jnp.asarray(rng.permutation(host_pages)[:n].astype(np.int32))
+    did = jnp.asarray(rng.permutation(dev_pages)[:n].astype(np.int32))
+    nbytes = 2 * layers * n * PAGE * kv_heads * dim * 2
+    res["transfer_bytes"] = nbytes
+    box = {"dk": dk, "dv": dv, "hk": hk, "hv": hv}
+
+    def load_per_layer(num_programs=64):
+        for l in range(layers):
+            box["dk"][l], box["dv"][l] = pc.load_pages(hk[l], hv[l], box["dk"][l], box["dv"][l], hid, did,
+                                                       num_programs=num_programs)
+        return box["dk"] + box["dv"]
+
+    def load_all(num_programs=64):
+        box["dk"], box["dv"] = map(list, pc.load_pages_layers(hk, hv, box["dk"], box["dv"], hid, did,
+                                                               num_programs=num_programs))
+        return box["dk"] + box["dv"]
+
+    stage = [_rand(200 + l, (2, n, *shape), sharding=host) for l in range(layers)]
+
+    def load_staging():
+        for l in range(layers):
+            on_dev = jax.device_put(stage[l], dev)
+            box["dk"][l], box["dv"][l] = pc.scatter_pages_layers([box["dk"][l], box["dv"][l]], on_dev, did)
+        return box["dk"] + box["dv"]
+
+    def put_only():
+        return [jax.device_put(s, dev) for s in stage]
+
+    paths = {"zero_copy_per_layer_p64": load_per_layer, "zero_copy_per_layer_p16": lambda: load_per_layer(16),
+             "zero_copy_per_layer_p256": lambda: load_per_layer(256), "zero_copy_all_layers_p64": load_all,
+             "zero_copy_all_layers_p256": lambda: load_all(256),
+             "staging_device_put_plus_scatter": load_staging, "staging_device_put_only": put_only}
+    res["load_paths_gbps"] = {k: _safe(lambda f=f: nbytes / timeit(f) / GB) for k, f in paths.items()}
+
+    def wb_per_layer(num_programs=64):
+        for l in range(layers):
+            box["hk"][l], box["hv"][l] = pc.write_back_pages(box["dk"][l], box["dv"][l],
+                                                             box["hk"][l], box["hv"][l], did, hid,
+                                                             num_programs=num_programs)
+        return box["hk"] + box["hv"]
+
+    def wb_all(num_programs=64):
+        box["hk"], box["hv"] = map(list, pc.write_back_pages_layers(box["dk"], box["dv"], box["hk"], box["hv"],
+                                                                     did, hid, num_programs=num_programs))
+        return box["hk"] + box["hv"]
+
+    def wb_staging():
+        return [jax.device_put(pc.gather_pages_layers([box["dk"][l], box["dv"][l]], did), host)
+                for l in range(layers)]
+
+    paths = {"zero_copy_per_layer_p64": wb_per_layer, "zero_copy_per_layer_p256": lambda: wb_per_layer(256),
+             "zero_copy_all_layers_p64": wb_all, "zero_copy_all_layers_p256": lambda: wb_all(256),
+             "staging_gather_plus_device_put": wb_staging}
+    res["writeback_paths_gbps"] = {k: _safe(lambda f=f: nbytes / timeit(f) / GB) for k, f in paths.items()}
+    res["load_gbps"] = max(v for k, v in res["load_paths_gbps"].items() if isinstance(v, float)
+                           and k != "staging_device_put_only")  # a load must place the pages
+    res["writeback_gbps"] = max(v for v in res["writeback_paths_gbps"].values() if isinstance(v, float))
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  a failing path is a result to record, not a crash
+        return f"ERROR {type(e).__name__}: {str(e)[:300]}"
+
+
+def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=16384, pages=2048, **_) -> None:
+    k = jnp.zeros((pages, PAGE, kv_heads, dim), DT)
+    v = jnp.zeros_like(k)
+    kn, vn = _rand(1, (tokens, kv_heads, dim)), _rand(2, (tokens, kv_heads, dim))
+    per_req = tokens // 8
+    table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: 8 * (per_req // PAGE)].reshape(8, -1)
+                        .astype(np.int32))
+    req = jnp.repeat(jnp.arange(8, dtype=jnp.int32), per_req)
+    pos = jnp.tile(jnp.arange(per_req, dtype=jnp.int32), 8)
+    box = [k, v]
+    nbytes = 2 * 2 * kn.nbytes  # K and V, read + write
+    out = {}
+    for tpp in (1, 4, 16):
+        def step(tpp=tpp):
+            box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp)
+            return box
+        out[f"tokens_per_program_{tpp}"] = _safe(lambda: nbytes / timeit(step) / GB)
+    res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
+
+
+def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, **_) -> None:
+    rng = np.random.default_rng(0)
+    b, t = 4, 2048
+    pages_per = t // PAGE
+    table = jnp.asarray(rng.permutation(b * pages_per + 8)[: b * pages_per].reshape(b, -1).astype(np.int32))
+    k = _rand(3, (b * pages_per + 8, PAGE, kv_heads, dim))
+    v = _rand(4, k.shape)
+    q = _rand(5, (b * t, heads, dim))
+    lens = jnp.full((b,), t, jnp.int32)
+    start = jnp.arange(b, dtype=jnp.int32) * t
+    scale = dim**-0.5
+    r = {"batch": b, "tokens_per_request": t, "prefix": 0}
+    for bq, bk, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4)):
+        f = jax.jit(lambda q, k, v: pk.paged_attention(q, k, v, table, lens, start, lens, sm_scale=scale,
+                                                       block_q=bq, block_k=bk, num_warps=w))
+        r[f"extend_ms_bq{bq}_bk{bk}_w{w}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
+    kc = k[table].reshape(b, t, kv_heads, dim)
+    vc = v[table].reshape(b, t, kv_heads, dim)
+    qc = q.reshape(b, t, heads, dim)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                 implementation="cudnn"))
+    r["cudnn_ms"] = _safe(lambda: timeit(lambda: cudnn(qc, kc, vc)) * 1e3)
+    res.setdefault("extend_attention", {})[name] = r
+    decode_attention(res, name, kv_heads, dim, heads)
+
+
+def decode_attention(res: dict, name: str, kv_heads: int, dim: int, heads: int) -> None:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    rng = np.random.default_rng(1)
+    b, seq = 32, 4096
+    per = seq // PAGE
+    num_pages = b * per + 8
+    table = jnp.asarray(rng.permutation(num_pages)[: b * per].reshape(b, per).astype(np.int32))
+    k, v = _rand(6, (num_pages, PAGE, kv_heads, dim)), _rand(7, (num_pages, PAGE, kv_heads, dim))
+    q = _rand(8, (b, heads, dim))
+    lens = jnp.full((b,), seq, jnp.int32)
+    r = {"batch": b, "seq_len": seq, "kv_bytes": 2 * b * seq * kv_heads * dim * 2}
+    for splits, bk in ((8, 64), (16, 64), (32, 64), (16, 128)):
+        f = jax.jit(lambda q, k, v: pk.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5,
+                                                              splits=splits, block_k=bk))
+        r[f"ours_ms_splits{splits}_bk{bk}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
+    kh, vh = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))  # jax's layout [Hkv, pages, S, D]
+    g = jax.jit(lambda q, k, v: jax_paged.paged_attention(q, k, v, table, lens))
+    r["jax_pallas_paged_ms"] = _safe(lambda: timeit(lambda: g(q, kh, vh)) * 1e3)
+    res.setdefault("decode_attention", {})[name] = r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "page_size": PAGE, "dtype": "bfloat16"}
+    for part in (lambda: ceilings(res), lambda: transfers(res)):
+        err = _safe(part)
+        if isinstance(err, str):
+            res.setdefault("errors", []).append(err)
+        print(json.dumps(res, indent=1, default=str), flush=True)
+    for name, shape in SHAPES.items():
+        for part in (kv_write, attention):
+            err = _safe(lambda part=part: part(res, name, **shape))
+            if isinstance(err, str):
+                res.setdefault("errors", []).append(f"{name} {part.__name__}: {err}")
+    best = lambda d: min((v for k, v in d.items() if k.startswith(("extend_ms", "ours_ms")) and isinstance(v, float)),  # noqa: E731
+                         default=None)
+    res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values() for v in s["gbps"].values()
+                                if isinstance(v, float)), default=None)
+    for name in SHAPES:
+        for key in ("extend_attention", "decode_attention"):
+            if name in res.get(key, {}):
+                res[key][name]["ours_best_ms"] = best(res[key][name])
+    text = json.dumps(res, indent=1, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return res
+
+
+if __name__ == "__main__":
+    main()

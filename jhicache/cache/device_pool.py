@@ -1,0 +1,85 @@
+"""DevicePool: the per-layer K/V page arrays in device memory (HBM); page 0 is a reserved padding sink.
+
+Also defines `PoolLayout`, the page geometry both tiers share. The pool only holds arrays:
+kernels and the transfer controller read the current arrays, return new ones (donation) and
+put them back with `set_layer`, so the pool always holds the newest version of each layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESERVED_PAGES = 1  # device page 0: padded tokens write there; never handed out, never read
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Geometry of one tier: `num_layers` K and V arrays of [num_pages, page_size, heads, head_dim]."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = jnp.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers, K and V."""
+        per_layer = self.page_size * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * per_layer
+
+    def same_page_shape(self, other: PoolLayout) -> bool:
+        """True when pages can be copied between the two tiers (only num_pages may differ)."""
+        return dataclasses.replace(other, num_pages=self.num_pages) == self
+
+
+class PagePool:
+    """Per-layer K and V page arrays in one memory kind of one device."""
+
+    def __init__(self, layout: PoolLayout, device: jax.Device | None = None,
+                 memory_kind: str = "device") -> None:
+        self.layout = layout
+        self.device = device if device is not None else jax.devices()[0]
+        self.sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
+        zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype), out_shardings=self.sharding)
+        self.k: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
+        self.v: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
+    def set_layer(self, layer: int, k: jax.Array, v: jax.Array) -> None:
+        """Stores the newest K/V arrays of `layer` (after a kernel donated the old ones)."""
+        if k.shape != self.layout.page_shape or v.shape != self.layout.page_shape:
+            raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != {self.layout.page_shape}")
+        self.k[layer], self.v[layer] = k, v
+
+    def read_pages(self, layer: int, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Copies `pages` of one layer to numpy (tests and debugging; blocks)."""
+        idx = np.asarray(pages, dtype=np.int64)
+        return np.asarray(self.k[layer])[idx], np.asarray(self.v[layer])[idx]
+
+
+class DevicePool(PagePool):
+    """The device tier; page 0 is reserved as the padding sink."""
+
+    def __init__(self, layout: PoolLayout, device: jax.Device | None = None) -> None:
+        if layout.num_pages <= RESERVED_PAGES:
+            raise ValueError(f"num_pages must be > {RESERVED_PAGES} (device page 0 is reserved)")
+        super().__init__(layout, device, memory_kind="device")

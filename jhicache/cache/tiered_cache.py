@@ -1,0 +1,320 @@
+"""TieredCache: the radix tree joined with the device and host page allocators, the write policy
+and the transfer controller; the only object the engine talks to for prefix caching.
+
+Page regions of the device tier (page 0 is the reserved padding sink and belongs to none):
+| region     | owner                         | leaves it by                                  |
+|------------|-------------------------------|-----------------------------------------------|
+| free       | device PageAllocator          | alloc_device / load_back                      |
+| held       | running requests (engine)     | insert (tree takes it) / free_device          |
+| evictable  | unlocked tree nodes           | evict_device (write-back or drop)             |
+| protected  | locked tree nodes             | unlock                                        |
+Host tier: free, or host copy of a tree node (device+host or host-only); only host-only leaves
+are host-evicted, and only when a host allocation would otherwise fail.
+
+Rule that keeps copies correct: before any page leaves the tree, queued write-backs are launched
+(`TransferController.launch_writes`), so every copy reading a page is dispatched before the page
+can be reused, and JAX orders it before any later kernel that writes that page (transfer.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable, Sequence
+
+from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
+from jhicache.cache.host_pool import HostPool
+from jhicache.cache.invariants import check_invariants
+from jhicache.cache.pages import PageAllocator
+from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
+from jhicache.cache.ticket import LoadTicket
+from jhicache.cache.transfer import CopyFns, TransferController, TransferKind, TransferOp
+
+
+class WritePolicy(enum.Enum):
+    """When a node's device pages are copied to the host tier."""
+
+    WRITE_BACK = "write_back"  # only when the node is evicted from device
+    WRITE_THROUGH = "write_through"  # when the node enters the tree (first insert visit)
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
+
+
+_STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",
+          "evicted_device_tokens", "evicted_host_tokens", "dropped_nodes", "dropped_tokens",
+          "write_through_failures", "load_back_skipped", "load_back_over_quota",
+          "load_back_failures", "load_back_stale", "alloc_failures")
+
+
+class TieredCache:
+    """Prefix cache over device pages with an optional pinned-host tier (None: device only)."""
+
+    def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
+                 policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
+                 write_through_threshold: int = 2, copy_fns: CopyFns | None = None) -> None:
+        if page_size != device_pool.layout.page_size:
+            raise ValueError(f"page_size {page_size} != device pool's {device_pool.layout.page_size}")
+        if write_through_threshold < 1 or load_back_threshold < 0:
+            raise ValueError("write_through_threshold must be >= 1, load_back_threshold >= 0")
+        self.page_size, self.policy = page_size, WritePolicy(policy)
+        self.load_back_threshold = load_back_threshold
+        self.write_threshold = 1 if self.policy is WritePolicy.WRITE_THROUGH else write_through_threshold
+        self.tree = RadixTree(page_size)
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
+        self.host_alloc = PageAllocator(host_pool.layout.num_pages) if host_pool else None
+        self.controller = TransferController(device_pool, host_pool, copy_fns) if host_pool else None
+        self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
+        self._host_pinned: set[Node] = set()  # host-only nodes a load-back is about to read
+        self._stats = dict.fromkeys(_STATS, 0)
+
+    # -- match / lock / insert -----------------------------------------------------------
+    def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
+        """Longest cached prefix; `tokens` is floored to whole pages (after dropping the last
+        token when `leave_last`, so at least one token is always left to compute)."""
+        n = len(tokens) - (1 if leave_last and tokens else 0)
+        return self.tree.match(tokens[:n - n % self.page_size])
+
+    def lock(self, node: Node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: Node) -> None:
+        self.tree.unlock(node)
+
+    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> int:
+        """Caches `tokens` (page-aligned) whose KV is in `device_pages`; returns the prefix length
+        that was already on device.
+
+        Ownership after the call, with `old` = the device_len the caller matched and locked:
+        pages `[0, old)` were the tree's already; pages `[old, ret)` (ret = returned length, in
+        pages `ret // page_size`) duplicate tree pages and the caller must `free_device` them;
+        pages from `ret` on now belong to the tree (adopted by host-only nodes or a new leaf)
+        and must never be freed by the caller.
+        """
+        result = self.tree.insert(tokens, device_pages)
+        if self.policy is not WritePolicy.WRITE_BACK and self.host_alloc is not None:
+            for node in result.touched:
+                if node.host_pages is None and node.hit_count >= self.write_threshold:
+                    self._write_through(node)
+        return result.prefix_len
+
+    def _write_through(self, node: Node) -> None:
+        assert node.device_pages is not None and self.controller is not None
+        host = self._alloc_host(len(node.device_pages))
+        if host is None:
+            self._stats["write_through_failures"] += 1  # stays device-only; retried on a later visit
+            return
+        node.host_pages = host
+        self.controller.queue_write_back(node.device_pages, host)
+
+    # -- device pages --------------------------------------------------------------------
+    def alloc_device(self, n_pages: int) -> list[int] | None:
+        """`n_pages` device pages for the caller, evicting LRU unlocked leaves if needed; None
+        (nothing evicted) when free + evictable pages cannot cover the request."""
+        if n_pages < 0:
+            raise ValueError(f"cannot allocate {n_pages} pages")
+        short = n_pages - self.device_alloc.num_free
+        if short > self.tree.evictable_pages:
+            self._stats["alloc_failures"] += 1
+            return None
+        if short > 0:
+            self.evict_device(short)
+        return self.device_alloc.alloc(n_pages)
+
+    def free_device(self, pages: Iterable[int]) -> None:
+        """Returns pages the caller holds (never pages the tree owns) to the free list."""
+        self.device_alloc.free(list(pages))
+
+    def evict_device(self, n_pages: int) -> int:
+        """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable;
+        returns the number of device pages freed (may overshoot: whole nodes)."""
+        heap = [(n.last_access, n.node_id, n) for n in self.tree.device_eviction_candidates()]
+        freed: list[int] = []
+        while len(freed) < n_pages and heap:
+            node = heapq.heappop(heap)[2]
+            if node.parent is None or node.lock_count or not self.tree.is_device_leaf(node):
+                continue  # stale heap entry
+            parent = node.parent
+            freed += self._evict_one(node)
+            if parent.lock_count == 0 and self.tree.is_device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self._release_device(freed)
+        return len(freed)
+
+    def _evict_one(self, node: Node) -> list[int]:
+        """Device copy out: drop it if on host, else write back (write_back policy) or drop."""
+        assert node.device_pages is not None
+        self._stats["evicted_device_tokens"] += len(node.key)
+        if node.host_pages is None and self.policy is WritePolicy.WRITE_BACK and self.controller:
+            host = self._alloc_host(len(node.device_pages))
+            if host is not None:
+                node.host_pages = host
+                self.controller.queue_write_back(node.device_pages, host)
+        if node.host_pages is not None:
+            return self.tree.detach_device_pages(node)
+        return self._drop(node)
+
+    def _drop(self, node: Node) -> list[int]:
+        """Deletes a node that has no host copy, with its host-only descendants (never orphaned)."""
+        device, host, host_tokens = self.tree.remove_subtree(node)
+        self._stats["dropped_nodes"] += 1
+        self._stats["dropped_tokens"] += len(node.key)
+        self._stats["evicted_host_tokens"] += host_tokens
+        self._release_host(host)
+        return device
+
+    def _release_device(self, pages: list[int]) -> None:
+        if self.controller is not None:
+            self.controller.launch_writes()  # every copy reading these pages is dispatched first
+        self.device_alloc.free(pages)
+
+    # -- host pages ----------------------------------------------------------------------
+    def _alloc_host(self, n_pages: int) -> list[int] | None:
+        assert self.host_alloc is not None
+        short = n_pages - self.host_alloc.num_free
+        if short > 0:
+            if short > self._host_evictable_pages():
+                return None
+            self.evict_host(short)
+        return self.host_alloc.alloc(n_pages)
+
+    def _host_evictable_pages(self) -> int:
+        pinned = sum(len(n.host_pages or ()) for n in self._host_pinned)
+        return self.tree.host_only_pages() - pinned
+
+    def evict_host(self, n_pages: int) -> int:
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages freed."""
+        if self.host_alloc is None:
+            return 0
+        heap = [(n.last_access, n.node_id, n) for n in self.tree.host_eviction_candidates()]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < n_pages and heap:
+            node = heapq.heappop(heap)[2]
+            if node in self._host_pinned or not self.tree.is_host_leaf(node):
+                continue
+            parent = node.parent
+            _, host, tokens = self.tree.remove_subtree(node)
+            freed += host
+            self._stats["evicted_host_tokens"] += tokens
+            if parent is not None and self.tree.is_host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self._release_host(freed)
+        return len(freed)
+
+    def _release_host(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        assert self.host_alloc is not None and self.controller is not None
+        self.controller.launch_writes()  # no merged launch may write one host page twice
+        self.host_alloc.free(pages)
+
+    # -- load-back -----------------------------------------------------------------------
+    def load_back(self, match: MatchResult, quota_pages: int | None = None) -> LoadTicket | None:
+        """Brings the whole host-only run after `match.last_device_node` back to device, or
+        nothing. None (counted) when: no host tier or host hit, the run is shorter than
+        `load_back_threshold` tokens, it needs more than `quota_pages`, device pages cannot be
+        freed, or the match is stale. On success the nodes are on device at once and locked
+        until the copy completes (released by `poll`); the caller reads the data only after
+        `launch()` and `ticket.wait(layer)`. Matched pages = match.device_pages + ticket.device_pages.
+        """
+        run = self._host_run(match.last_node) if self.controller and match.host_len else []
+        if not run:
+            if match.host_len and self.controller:
+                self._stats["load_back_stale"] += 1
+            return None
+        tokens = sum(len(n.key) for n in run)
+        if tokens < self.load_back_threshold:
+            self._stats["load_back_skipped"] += 1
+            return None
+        if quota_pages is not None and tokens // self.page_size > quota_pages:
+            self._stats["load_back_over_quota"] += 1
+            return None
+        device = self._alloc_for_run(run, tokens // self.page_size)
+        if device is None:
+            self._stats["load_back_failures"] += 1
+            return None
+        return self._start_load(run, device)
+
+    def _host_run(self, last: Node) -> list[Node]:
+        """Host-only nodes from below the deepest device ancestor down to `last` (top-down)."""
+        run: list[Node] = []
+        node: Node | None = last
+        while node is not None and node.device_pages is None:
+            run.append(node)
+            node = node.parent
+        return run[::-1] if node is not None else []  # None: `last` was removed from the tree
+
+    def _alloc_for_run(self, run: list[Node], n_pages: int) -> list[int] | None:
+        anchor = run[0].parent
+        assert anchor is not None
+        self.tree.lock(anchor)  # the eviction below must keep the device prefix
+        self._host_pinned.update(run)  # ... and the host pages we are about to read
+        try:
+            return self.alloc_device(n_pages)
+        finally:
+            self._host_pinned.difference_update(run)
+            self.tree.unlock(anchor)
+
+    def _start_load(self, run: list[Node], device: list[int]) -> LoadTicket:
+        assert self.controller is not None
+        host: list[int] = []
+        offset = 0
+        for node in run:
+            assert node.host_pages is not None
+            self.tree.attach_device_pages(node, device[offset:offset + len(node.host_pages)])
+            offset += len(node.host_pages)
+            host += node.host_pages
+        self.tree.lock(run[-1])
+        ticket = self.controller.queue_load_back(host, device)
+        self._loading[ticket.op_id] = run[-1]
+        return ticket
+
+    # -- stepping ------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Dispatches all queued transfers (write-backs, then load-backs); call before the forward."""
+        if self.controller is not None:
+            self.controller.launch()
+
+    def poll(self) -> int:
+        """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
+        if self.controller is None:
+            return 0
+        return self._retire(self.controller.poll())
+
+    def on_step(self) -> int:
+        """Per engine step: launch what is queued, retire what completed."""
+        self.launch()
+        return self.poll()
+
+    def flush(self) -> int:
+        """Launches and waits for every transfer, then retires them."""
+        if self.controller is None:
+            return 0
+        return self._retire(self.controller.flush())
+
+    def _retire(self, ops: list[TransferOp]) -> int:
+        for op in ops:
+            if op.kind is TransferKind.LOAD_BACK:
+                self.tree.unlock(self._loading.pop(op.op_id))
+        return len(ops)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        stats = dict(self._stats)
+        if self.controller is not None:
+            c, page_bytes = self.controller.counters, self.device_pool.layout.page_bytes
+            stats.update(write_back_ops=c["write_back_ops"], load_back_ops=c["load_back_ops"],
+                         write_back_bytes=c["write_back_pages"] * page_bytes,
+                         load_back_bytes=c["load_back_pages"] * page_bytes)
+        stats.update(device_free_pages=self.device_alloc.num_free,
+                     evictable_tokens=self.tree.evictable_pages * self.page_size,
+                     protected_tokens=self.tree.protected_pages * self.page_size,
+                     host_free_pages=self.host_alloc.num_free if self.host_alloc else 0,
+                     loads_in_flight=len(self._loading))
+        return stats
+
+    def check_invariants(self, extra_owned_device_pages: Iterable[int] = (),
+                         extra_owned_host_pages: Iterable[int] = ()) -> None:
+        """Raises InvariantError; pass the device pages held by running requests."""
+        check_invariants(self.tree, self.device_alloc, self.host_alloc,
+                         extra_owned_device_pages, extra_owned_host_pages)

@@ -1,0 +1,189 @@
+"""TransferController: queues write-backs (device->host) and load-backs (host->device), merges each
+kind into one launch per layer, and reports completion per operation.
+
+Who does what, in which order
+-----------------------------
+| phase            | thread           | device work                                   |
+|------------------|------------------|-----------------------------------------------|
+| queue_*          | scheduler thread | none (page id lists only)                     |
+| launch_writes    | scheduler thread | per layer: write_back_pages(device -> host),  |
+|                  |                  | host arrays donated, dispatched asynchronously |
+| launch_loads     | scheduler thread | per layer: load_pages(host -> device), device |
+|                  |                  | arrays donated, dispatched asynchronously     |
+| forward          | scheduler thread | kernels that read / donate the device arrays  |
+| poll             | scheduler thread | none: non-blocking `is_ready` on the outputs  |
+`launch()` always dispatches writes before loads. On GPU the copies are Pallas kernels that
+access pinned host memory directly; they run on the compute stream, like the forward.
+
+Why this is safe with donated device buffers
+--------------------------------------------
+Everything is dispatched from one thread, and the pools always hold the newest array of each
+layer (each kernel's outputs are put back with `set_layer`). JAX keeps program order for
+dispatched work: a computation that donates (or otherwise overwrites) a buffer is held back by
+the runtime until every earlier-dispatched computation reading that buffer has finished (PjRt
+records a usage event per read and the donating execution waits on them; on GPU they also share
+the stream). Hence a write-back dispatched before the pages are freed reads the old contents even
+if the very next kernel reuses those pages; `TieredCache` frees evicted device pages right after
+`launch_writes()` instead of waiting for the copy ("ordered before any reuse"). The same holds
+for host pages (a later write-back into a host page is ordered after an earlier load reading it)
+and for loads (the forward consuming layer l takes the load's output array as input). What the
+runtime cannot order is a write-back that is still only *queued*, so the cache launches pending
+writes before any page leaves the tree. Completion is still reported, for statistics and for
+releasing load-back locks: an op is complete when its outputs (or the pool's newer versions of
+them) are ready.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhicache.cache.device_pool import PagePool
+from jhicache.cache.ticket import LoadTicket, array_ready, block_on
+
+PageCopy = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+class CopyFns(NamedTuple):
+    """The page-transfer functions (one layer each, see pallas_kernels/page_copy.py)."""
+
+    load: PageCopy  # (host_k, host_v, device_k, device_v, host_ids, device_ids) -> device k, v
+    write_back: PageCopy  # (device_k, device_v, host_k, host_v, device_ids, host_ids) -> host k, v
+
+
+def default_copy_fns() -> CopyFns:
+    from pallas_kernels.page_copy import load_pages, write_back_pages  # imported late: optional
+
+    return CopyFns(load_pages, write_back_pages)
+
+
+class TransferKind(enum.Enum):
+    WRITE_BACK = "write_back"
+    LOAD_BACK = "load_back"
+
+
+class TransferOp(NamedTuple):
+    """One queued copy of page pairs; reported back by `poll` once complete."""
+
+    op_id: int
+    kind: TransferKind
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+    ticket: LoadTicket | None
+
+
+class _Launch(NamedTuple):
+    ops: list[TransferOp]
+    outputs: list[jax.Array]  # one per layer (K; V comes from the same kernel call)
+    pool: PagePool  # whose newer arrays succeed `outputs`
+
+
+class TransferController:
+    """Merges and launches page copies between a DevicePool and a HostPool."""
+
+    def __init__(self, device_pool: PagePool, host_pool: PagePool, copy_fns: CopyFns | None = None) -> None:
+        if not device_pool.layout.same_page_shape(host_pool.layout):
+            raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.copy_fns = copy_fns if copy_fns is not None else default_copy_fns()
+        self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
+        self._in_flight: list[_Launch] = []
+        self._next_id = 0
+        self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
+                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0}
+
+    def _op(self, kind: TransferKind, device_pages: Sequence[int], host_pages: Sequence[int],
+            ticket: LoadTicket | None = None) -> TransferOp:
+        if len(device_pages) != len(host_pages) or not device_pages:
+            raise ValueError(f"need equal, non-empty page lists: {len(device_pages)} vs {len(host_pages)}")
+        op = TransferOp(self._next_id, kind, tuple(device_pages), tuple(host_pages), ticket)
+        self._next_id += 1
+        self._queued[kind].append(op)
+        return op
+
+    def queue_write_back(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> int:
+        """Queues a device->host copy; returns its op id."""
+        return self._op(TransferKind.WRITE_BACK, device_pages, host_pages).op_id
+
+    def queue_load_back(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadTicket:
+        """Queues a host->device copy; the ticket becomes waitable once launched."""
+        ticket = LoadTicket(self._next_id, self.device_pool.num_layers, host_pages, device_pages)
+        self._op(TransferKind.LOAD_BACK, device_pages, host_pages, ticket)
+        return ticket
+
+    def num_queued(self) -> int:
+        return sum(len(q) for q in self._queued.values())
+
+    def launch(self) -> None:
+        """Dispatches everything queued: write-backs first, then load-backs."""
+        self.launch_writes()
+        self.launch_loads()
+
+    def launch_writes(self) -> None:
+        ops = self._take(TransferKind.WRITE_BACK)
+        if ops:
+            dev, host = _merged_ids(ops)
+            src, dst, fn = self.device_pool, self.host_pool, self.copy_fns.write_back
+            outputs = self._copy_layers(fn, src, dst, dev, host)
+            self._in_flight.append(_Launch(ops, outputs, dst))
+
+    def launch_loads(self) -> None:
+        ops = self._take(TransferKind.LOAD_BACK)
+        if ops:
+            dev, host = _merged_ids(ops)
+            src, dst, fn = self.host_pool, self.device_pool, self.copy_fns.load
+            outputs = self._copy_layers(fn, src, dst, host, dev)
+            for op in ops:
+                assert op.ticket is not None
+                op.ticket.bind(outputs, lambda layer: dst.k[layer])
+            self._in_flight.append(_Launch(ops, outputs, dst))
+
+    def _take(self, kind: TransferKind) -> list[TransferOp]:
+        ops, self._queued[kind] = self._queued[kind], []
+        if ops:
+            pages = sum(len(op.device_pages) for op in ops)
+            self.counters[f"{kind.value}_ops"] += len(ops)
+            self.counters[f"{kind.value}_pages"] += pages
+            self.counters[f"{kind.value}_launches"] += 1
+        return ops
+
+    def _copy_layers(self, fn: PageCopy, src: PagePool, dst: PagePool,
+                     src_ids: jax.Array, dst_ids: jax.Array) -> list[jax.Array]:
+        outputs = []
+        for layer in range(src.num_layers):
+            k, v = fn(src.k[layer], src.v[layer], dst.k[layer], dst.v[layer], src_ids, dst_ids)
+            dst.set_layer(layer, k, v)
+            outputs.append(k)
+        return outputs
+
+    def poll(self) -> list[TransferOp]:
+        """Non-blocking: ops whose launch has completed, in launch order."""
+        done: list[TransferOp] = []
+        while self._in_flight and self._launch_ready(self._in_flight[0]):
+            done += self._in_flight.pop(0).ops
+        return done
+
+    def _launch_ready(self, launch: _Launch) -> bool:
+        successor = lambda layer: launch.pool.k[layer]  # noqa: E731
+        return all(array_ready(a, i, successor) for i, a in enumerate(launch.outputs))
+
+    def flush(self) -> list[TransferOp]:
+        """Launches everything queued and blocks until all launched copies complete."""
+        self.launch()
+        for launch in self._in_flight:
+            for layer, arr in enumerate(launch.outputs):
+                block_on(arr, layer, lambda i, p=launch.pool: p.k[i])
+        return self.poll()
+
+
+def _merged_ids(ops: list[TransferOp]) -> tuple[jax.Array, jax.Array]:
+    """Concatenated (device ids, host ids) of `ops`, int32. Not padded: the copy kernels demand
+    unique destination ids, so padding would need a sink page per padded entry."""
+    dev = [p for op in ops for p in op.device_pages]
+    host = [p for op in ops for p in op.host_pages]
+    return jnp.asarray(np.asarray(dev, np.int32)), jnp.asarray(np.asarray(host, np.int32))

@@ -1,0 +1,164 @@
+"""Engine: the public entry point; builds pools, cache, scheduler and runner, and steps them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhicache.batch import Batch, model_inputs
+from jhicache.cache import DevicePool, HostPool, PoolLayout, TieredCache
+from jhicache.config import CacheMode, EngineConfig, KVDtype
+from jhicache.request import Request, RequestOutput
+from jhicache.runner import ModelRunner
+from jhicache.sampling import SamplingParams, sample, sampling_arrays
+from jhicache.stats import EngineStats
+from models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
+
+_CPU_DEFAULT_DEVICE_TOKENS = 16384
+
+
+def _jnp_dtype(dtype: KVDtype) -> jnp.dtype:
+    return jnp.dtype(jnp.bfloat16 if dtype is KVDtype.BFLOAT16 else jnp.float32)
+
+
+class Engine:
+    """Serves token-id prompts with continuous batching over a two-tier prefix cache."""
+
+    def __init__(self, model: Qwen2ForCausalLM, config: EngineConfig) -> None:
+        self.model_config: Qwen2Config = model.config
+        self.config = config
+        layout = self._device_layout(model.config, config)
+        self.device_pool = DevicePool(layout)
+        host_pool = None
+        if config.cache_mode is CacheMode.HIERARCHICAL:
+            host_tokens = config.host_tokens_for(layout.num_pages * config.page_size)
+            host_pool = HostPool(PoolLayout(**{**layout.__dict__, "num_pages": host_tokens // config.page_size}))
+        self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
+                                 config.load_back_threshold, config.write_through_threshold)
+        from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
+
+        self.scheduler = Scheduler(config, self.cache)
+        self.runner = ModelRunner(model, self.device_pool)
+        self.counters = EngineStats()
+        self._next_rid = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
+        """An engine over a Hugging Face Qwen2 checkpoint directory."""
+        return cls(load_pretrained(path, dtype=_jnp_dtype(config.dtype)), config)
+
+    @classmethod
+    def from_preset(cls, name: str, config: EngineConfig = EngineConfig(), seed: int = 0) -> Engine:
+        """An engine over seeded random weights of a preset shape (`tiny`, `qwen2-0.5b`, ...)."""
+        return cls(init_random(preset_config(name), seed=seed, dtype=_jnp_dtype(config.dtype)), config)
+
+    @staticmethod
+    def _device_layout(model: Qwen2Config, config: EngineConfig) -> PoolLayout:
+        dtype = _jnp_dtype(config.dtype)
+        token_bytes = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * dtype.itemsize
+        tokens = config.device_kv_tokens or _default_device_tokens(token_bytes, config.device_memory_fraction)
+        return PoolLayout(num_layers=model.num_hidden_layers, num_pages=tokens // config.page_size + 1,
+                          page_size=config.page_size, num_kv_heads=model.num_key_value_heads,
+                          head_dim=model.head_dim, dtype=dtype)
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
+        """Runs `prompts` (token-id lists) to completion with continuous batching; outputs in order."""
+        per_prompt = self._per_prompt_params(prompts, params)
+        for prompt, p in zip(prompts, per_prompt):
+            self._validate(prompt, p)
+        now = time.perf_counter()
+        requests = [self._new_request(prompt, p, now) for prompt, p in zip(prompts, per_prompt)]
+        for req in requests:
+            self.scheduler.add(req)
+        self._run_until_idle()
+        return [req.to_output() for req in requests]
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters: cache hits, transfers, evictions, and load time hidden vs exposed."""
+        return {**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats()}
+
+    def check_invariants(self) -> None:
+        """Raises `InvariantError` on any page-accounting error in either tier."""
+        self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
+
+    # ---- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _per_prompt_params(prompts: Sequence[Sequence[int]], params) -> list[SamplingParams]:
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return params
+
+    def _validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("empty prompt")
+        tokens = np.asarray(prompt)
+        if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+            raise ValueError("a prompt must be a flat list of integer token ids")
+        vocab = self.model_config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ValueError(f"token id out of range [0, {vocab}): min {tokens.min()}, max {tokens.max()}")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.model_config.max_position_embeddings:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's context "
+                             f"({self.model_config.max_position_embeddings})")
+        capacity = (self.device_pool.layout.num_pages - 1) * self.config.page_size
+        if total > capacity:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds the device pool ({capacity} tokens)")
+
+    def _new_request(self, prompt: Sequence[int], params: SamplingParams, now: float) -> Request:
+        self._next_rid += 1
+        return Request(rid=self._next_rid, prompt=[int(t) for t in prompt], params=params, arrival_s=now)
+
+    def _run_until_idle(self) -> None:
+        idle_steps = 0
+        while self.scheduler.has_work():
+            progressed = self.step()
+            idle_steps = 0 if progressed else idle_steps + 1
+            if idle_steps > 2 * len(self.scheduler.running) + 8:
+                raise RuntimeError("scheduler made no progress: device pool too small for the running requests")
+        self.cache.flush()
+        self.cache.poll()
+
+    def step(self) -> bool:
+        """One scheduling step and forward; False when nothing could run."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return False
+        sampled = self._forward(batch)
+        finished = self.scheduler.commit(batch, sampled, time.perf_counter())
+        self.counters.record_finished(finished)
+        if self.config.check_invariants_every_step:
+            self.check_invariants()
+        return True
+
+    def _forward(self, batch: Batch) -> dict[int, int]:
+        tokens, meta, last_index = model_inputs(batch, self.config.page_size)
+        start = time.perf_counter()
+        logits, load_wait_s = self.runner.run(tokens, meta, last_index, batch.tickets)
+        rows = batch.chunks
+        arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
+                                 logits.shape[0])
+        ids = np.asarray(sample(logits, *map(jnp.asarray, arrays)))
+        self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s)
+        return {c.request.rid: int(ids[i]) for i, c in enumerate(rows) if c.samples}
+
+
+def _default_device_tokens(token_bytes: int, fraction: float) -> int:
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+    if not stats:
+        return _CPU_DEFAULT_DEVICE_TOKENS
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return max(int(free * fraction) // token_bytes, 1024)

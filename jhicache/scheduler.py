@@ -1,0 +1,209 @@
+"""Scheduler: waiting and running queues; admission with cache match and load-back; retraction.
+
+Each step is either a prefill batch (continuing chunked prompts first, then newly admitted
+requests, under a token budget) or a decode batch (one token for every decoding request).
+Pages: a request's `device_pages[: shared_len // page_size]` belong to the cache and are protected
+by the lock on `cache_handle`; the rest are private until `finish` hands them to the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from jhicache.batch import Batch, Chunk
+from jhicache.cache import LoadTicket, TieredCache
+from jhicache.config import CacheMode, EngineConfig
+from jhicache.request import FinishReason, Request, RequestStatus
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    """Decides what each step computes and keeps page ownership straight while doing so."""
+
+    def __init__(self, config: EngineConfig, cache: TieredCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.page_size = config.page_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens", "retracted_requests"), 0)
+
+    @property
+    def reuse(self) -> bool:
+        return self.config.cache_mode is not CacheMode.OFF
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        """The next batch: prefill work first (it unblocks TTFT), otherwise one decode step."""
+        self.cache.poll()
+        batch = self._prefill_batch() or self._decode_batch()
+        # Every queued transfer starts now, before the forward: a load-back is never left queued.
+        self.cache.launch()
+        if batch is None and self.running:
+            # Only prefilling requests that cannot get pages are left: free the newest one's.
+            self.retract(self.running[-1])
+        return batch
+
+    # ---- prefill -------------------------------------------------------------------------
+
+    def _prefill_batch(self) -> Batch | None:
+        budget = self.config.chunked_prefill_tokens
+        chunks: list[Chunk] = []
+        for req in self.running:
+            if req.status is RequestStatus.PREFILLING and budget > 0:
+                chunk = self._next_chunk(req, budget)
+                if chunk is None:
+                    break
+                chunks.append(chunk)
+                budget -= chunk.length
+        tickets: list[LoadTicket] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            admitted = self._admit(self.waiting[0], budget, tickets)
+            if admitted is None:
+                break
+            self.waiting.popleft()
+            chunks.append(admitted)
+            budget -= admitted.length
+        return Batch(chunks=chunks, is_decode=False, tickets=tuple(tickets)) if chunks else None
+
+    def _next_chunk(self, req: Request, budget: int) -> Chunk | None:
+        """Allocates pages for the next piece of `req`'s pending tokens; None if none are free."""
+        length = min(req.pending_len, budget)
+        end = req.cached_len + length
+        pages = self.cache.alloc_device(_pages_for(end, self.page_size) - len(req.device_pages))
+        if pages is None:
+            return None
+        req.device_pages.extend(pages)
+        return Chunk(req, req.cached_len, length)
+
+    def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
+        """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
+        if self.reuse:
+            self._attach_prefix(req, tickets)
+        chunk = self._next_chunk(req, budget)
+        if chunk is None:
+            self._release(req)
+            return None
+        req.status = RequestStatus.PREFILLING
+        self.running.append(req)
+        return chunk
+
+    def _attach_prefix(self, req: Request, tickets: list[LoadTicket]) -> None:
+        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it."""
+        match = self.cache.match(req.tokens, leave_last=True)
+        handle, pages, host_len = match.last_device_node, list(match.device_pages), 0
+        if self.config.cache_mode is CacheMode.HIERARCHICAL and match.host_len:
+            ticket = self.cache.load_back(match, quota_pages=self._load_quota(req, match.device_len))
+            if ticket is not None:
+                tickets.append(ticket)
+                handle, pages = match.last_node, pages + list(ticket.device_pages)
+                host_len = len(ticket.device_pages) * self.page_size
+        self.cache.lock(handle)
+        req.cache_handle = handle
+        req.device_pages = pages
+        req.shared_len = req.cached_len = len(pages) * self.page_size
+        req.device_hit_tokens, req.host_hit_tokens = match.device_len, host_len
+        self.counters["device_hit_tokens"] += match.device_len
+        self.counters["host_hit_tokens"] += host_len
+
+    def _load_quota(self, req: Request, device_len: int) -> int:
+        """Pages a load-back may take: what can be freed, less what `req` itself must compute."""
+        available = self.cache.device_alloc.num_free + self.cache.tree.evictable_pages
+        own = _pages_for(len(req.tokens) + req.params.max_new_tokens, self.page_size)
+        return available - (own - device_len // self.page_size)
+
+    # ---- decode --------------------------------------------------------------------------
+
+    def _decode_batch(self) -> Batch | None:
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        chunks = []
+        while decoding:
+            req = decoding.pop(0)
+            if self._reserve_decode_slot(req, decoding):
+                chunks.append(Chunk(req, req.cached_len, 1))
+        return Batch(chunks=chunks, is_decode=True) if chunks else None
+
+    def _reserve_decode_slot(self, req: Request, others: list[Request]) -> bool:
+        """Gives `req` a page for its next token, retracting the newest other requests if needed."""
+        while len(req.device_pages) * self.page_size <= req.cached_len:
+            pages = self.cache.alloc_device(1)
+            if pages is not None:
+                req.device_pages.extend(pages)
+                return True
+            victim = others.pop() if others else req
+            self.retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def retract(self, req: Request) -> None:
+        """Frees `req`'s pages and re-queues it at the front; its output so far is kept."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.counters["retracted_requests"] += 1
+
+    def _release(self, req: Request) -> None:
+        """Drops everything `req` holds: private pages freed, shared prefix unlocked."""
+        self.cache.free_device(req.device_pages[req.shared_len // self.page_size:])
+        if req.cache_handle is not None:
+            self.cache.unlock(req.cache_handle)
+        req.device_pages, req.cache_handle = [], None
+        req.cached_len = req.shared_len = 0
+
+    # ---- results -------------------------------------------------------------------------
+
+    def commit(self, batch: Batch, sampled: dict[int, int], now: float) -> list[Request]:
+        """Records computed tokens and samples; returns the requests that finished."""
+        finished = []
+        for chunk in batch.chunks:
+            req = chunk.request
+            req.cached_len = chunk.start + chunk.length
+            if not chunk.samples:
+                continue
+            req.status = RequestStatus.DECODING
+            req.output.append(sampled[req.rid])
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if self._check_finished(req):
+                finished.append(req)
+        return finished
+
+    def _check_finished(self, req: Request) -> bool:
+        if req.output[-1] in req.params.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif len(req.output) >= req.params.max_new_tokens:
+            req.finish_reason = FinishReason.LENGTH
+        else:
+            return False
+        self._finish(req)
+        return True
+
+    def _finish(self, req: Request) -> None:
+        """Hands the request's computed full pages to the cache and frees the rest."""
+        self.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        if not self.reuse:
+            self._release(req)
+            return
+        full_pages = req.cached_len // self.page_size
+        aligned = full_pages * self.page_size
+        known = self.cache.insert(req.tokens[:aligned], req.device_pages[:full_pages])
+        shared_pages = req.shared_len // self.page_size
+        duplicates = req.device_pages[shared_pages: known // self.page_size]
+        self.cache.free_device(duplicates + req.device_pages[full_pages:])
+        self.cache.unlock(req.cache_handle)
+        req.device_pages, req.cache_handle = [], None
+
+    def owned_device_pages(self) -> list[int]:
+        """Private pages held by running requests, for the cache's page accounting."""
+        return [p for r in self.running for p in r.device_pages[r.shared_len // self.page_size:]]

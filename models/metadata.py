@@ -1,0 +1,120 @@
+"""AttentionMetadata: where a step's tokens sit in the paged KV cache, and its host-side builder."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch layout. T counts token rows (padded), B request rows (padded).
+
+    `decode_only` is static (a pytree meta field): True means one token per request with
+    T == B, so token row b belongs to request b and the decode kernel is used.
+    """
+
+    positions: jax.Array  # [T] int32 position of each token in its request (0 for padding)
+    token_req: jax.Array  # [T] int32 request row of each token, -1 = padding
+    page_table: jax.Array  # [B, max_pages] int32 page ids per request (0 where unused)
+    seq_lens: jax.Array  # [B] int32 tokens cached after this step (prefix + new), 0 = padding
+    query_start: jax.Array  # [B] int32 first token row of each request
+    query_lens: jax.Array  # [B] int32 new tokens of each request, 0 = padding
+    decode_only: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["positions", "token_req", "page_table", "seq_lens", "query_start", "query_lens"],
+    meta_fields=["decode_only"],
+)
+
+
+def build_metadata(
+    prefix_lens: Sequence[int],
+    new_lens: Sequence[int],
+    page_ids: Sequence[Sequence[int]],
+    *,
+    page_size: int,
+    num_tokens: int | None = None,
+    num_reqs: int | None = None,
+    max_pages: int | None = None,
+    decode_only: bool = False,
+) -> AttentionMetadata:
+    """Lays requests' new tokens out back to back, padded to the given bucket sizes.
+
+    Request b has `prefix_lens[b]` tokens already cached and `new_lens[b]` new ones; its
+    pages `page_ids[b]` must cover prefix + new tokens. Unset sizes default to the exact fit.
+    With `decode_only`, every new_len must be 1 and T is padded to B.
+    """
+    num_real = len(new_lens)
+    num_reqs = num_real if num_reqs is None else num_reqs
+    needed_pages = max((len(p) for p in page_ids), default=1)
+    max_pages = max(needed_pages, 1) if max_pages is None else max_pages
+    total = int(sum(new_lens))
+    if decode_only:
+        if any(n != 1 for n in new_lens):
+            raise ValueError(f"decode_only needs one new token per request, got new_lens={list(new_lens)}")
+        num_tokens = num_reqs if num_tokens is None else num_tokens
+        if num_tokens != num_reqs:
+            raise ValueError(f"decode_only needs num_tokens == num_reqs, got {num_tokens} != {num_reqs}")
+    num_tokens = total if num_tokens is None else num_tokens
+    _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_reqs, max_pages)
+    arrays = _layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages)
+    return AttentionMetadata(**{k: jnp.asarray(v) for k, v in arrays.items()}, decode_only=decode_only)
+
+
+def pack_tokens(token_lists: Sequence[Sequence[int]], num_tokens: int | None = None) -> jax.Array:
+    """Concatenates requests' new token ids in the order `build_metadata` lays them out; pads with 0."""
+    flat = [int(t) for toks in token_lists for t in toks]
+    num_tokens = len(flat) if num_tokens is None else num_tokens
+    if len(flat) > num_tokens:
+        raise ValueError(f"{len(flat)} tokens do not fit in a bucket of {num_tokens}")
+    out = np.zeros((num_tokens,), np.int32)  # [T]
+    out[: len(flat)] = flat
+    return jnp.asarray(out)
+
+
+def _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_reqs, max_pages) -> None:
+    if not len(prefix_lens) == len(new_lens) == len(page_ids):
+        raise ValueError("prefix_lens, new_lens and page_ids must have one entry per request")
+    if len(new_lens) > num_reqs or sum(new_lens) > num_tokens:
+        raise ValueError(f"{len(new_lens)} requests / {sum(new_lens)} tokens exceed buckets {num_reqs} / {num_tokens}")
+    for b, (pre, new, pages) in enumerate(zip(prefix_lens, new_lens, page_ids)):
+        if len(pages) > max_pages or len(pages) * page_size < pre + new:
+            raise ValueError(
+                f"request {b}: {len(pages)} pages of {page_size} cannot hold {pre + new} tokens "
+                f"(or exceed max_pages={max_pages})"
+            )
+
+
+def _layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages) -> dict[str, np.ndarray]:
+    positions = np.zeros((num_tokens,), np.int32)
+    token_req = np.full((num_tokens,), -1, np.int32)
+    page_table = np.zeros((num_reqs, max_pages), np.int32)
+    seq_lens = np.zeros((num_reqs,), np.int32)
+    query_lens = np.zeros((num_reqs,), np.int32)
+    query_start = np.full((num_reqs,), sum(new_lens), np.int32)  # padding rows start past the real tokens
+    start = 0
+    for b, (pre, new, pages) in enumerate(zip(prefix_lens, new_lens, page_ids)):
+        positions[start : start + new] = np.arange(pre, pre + new)
+        token_req[start : start + new] = b
+        page_table[b, : len(pages)] = pages
+        seq_lens[b], query_lens[b], query_start[b] = pre + new, new, start
+        start += new
+    return dict(
+        positions=positions, token_req=token_req, page_table=page_table,
+        seq_lens=seq_lens, query_start=query_start, query_lens=query_lens,
+    )

@@ -1,0 +1,193 @@
+"""Flax NNX Qwen2ForCausalLM matching Hugging Face Qwen2, with attention over a paged KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import Qwen2Config
+from models.metadata import AttentionMetadata
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_attention
+
+try:  # the decode kernel lands with the kernels issue; until then decode runs through paged_attention
+    from pallas_kernels.paged_attention import paged_decode_attention as _decode_kernel
+except ImportError:
+    _decode_kernel = None
+
+_INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations O(1)
+
+KVPages = tuple[jax.Array, jax.Array]  # ([num_pages, page_size, num_kv_heads, head_dim]) * 2
+
+
+def _normal() -> nnx.Initializer:
+    return nnx.initializers.normal(_INIT_STD)
+
+
+def _precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
+    """float32 models are for exactness (tests, HF parity): keep GPUs from using TF32 in their matmuls."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, precision=_precision(dtype),
+        kernel_init=_normal(), bias_init=_normal(), rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen2RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, dim] -> [T, dim]
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        return self.weight[...] * (xf * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """HF default RoPE tables in float32: ([T, head_dim], [T, head_dim]), halves repeated."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF rotate_half convention (not interleaved); tables cast to x's dtype first, as HF does."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [T, H, D]
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata, sm_scale: float) -> jax.Array:
+    """Paged attention of q [T, H, D] over the cache, by the decode kernel when the batch is decode-only."""
+    if not meta.decode_only:
+        return paged_attention(
+            q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens, sm_scale=sm_scale
+        )
+    if _decode_kernel is not None:
+        return _decode_kernel(q, k_pages, v_pages, meta.page_table, meta.seq_lens, sm_scale=sm_scale)
+    rows = jnp.arange(meta.num_reqs, dtype=jnp.int32)  # decode: token row b is request b
+    ones = (meta.seq_lens > 0).astype(jnp.int32)
+    return paged_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, rows, ones, sm_scale=sm_scale)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention: q/k/v with bias, o_proj without; K/V go through the paged cache."""
+
+    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = _linear(config.hidden_size, h * d, True, dtype, rngs)
+        self.k_proj = _linear(config.hidden_size, kv * d, True, dtype, rngs)
+        self.v_proj = _linear(config.hidden_size, kv * d, True, dtype, rngs)
+        self.o_proj = _linear(h * d, config.hidden_size, False, dtype, rngs)
+        self.shape = (h, kv, d)
+        self.rope_theta = config.rope_theta
+
+    def __call__(
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden] -> ([T, hidden], pages, pages)
+        h, kv, d = self.shape
+        t = x.shape[0]
+        cos, sin = rope_cos_sin(meta.positions, d, self.rope_theta)
+        q = apply_rope(self.q_proj(x).reshape(t, h, d), cos, sin)  # [T, H, D]
+        k = apply_rope(self.k_proj(x).reshape(t, kv, d), cos, sin)  # [T, KV, D]
+        v = self.v_proj(x).reshape(t, kv, d)  # [T, KV, D]
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req, meta.positions)
+        out = attend(q, k_pages, v_pages, meta, sm_scale=d**-0.5)  # [T, H, D]
+        return self.o_proj(out.reshape(t, h * d).astype(x.dtype)), k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden]
+        attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k_pages, v_pages
+
+
+class LMHead(nnx.Module):
+    """Final norm and vocabulary projection; reuses the embedding table when tied."""
+
+    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, embed: nnx.Embed | None, rngs: nnx.Rngs):
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embed = embed
+        shape = (config.hidden_size, config.vocab_size)
+        self.kernel = None if embed is not None else nnx.Param(_normal()(rngs.params(), shape, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden] -> [T, vocab] float32
+        x = self.norm(x)
+        weight = self.embed.embedding[...].T if self.embed is not None else self.kernel[...]  # [hidden, vocab]
+        return jnp.dot(x, weight, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+
+
+class Qwen2ForCausalLM(nnx.Module):
+    """Qwen2 decoder exposed in pieces (embed, layer i, head) so a runner can drive layers one by one."""
+
+    def __init__(self, config: Qwen2Config, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=_normal(), rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.head_module = LMHead(config, dtype, tied, rngs)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:  # [T] int32 -> [T, hidden]
+        return self.embed_tokens(tokens)
+
+    def layer(
+        self, i: int, hidden: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Decoder layer i; writes this step's K/V into the layer's pages and returns the new pages."""
+        return self.layers[i](hidden, k_pages, v_pages, meta)
+
+    def head(self, hidden: jax.Array) -> jax.Array:  # [T, hidden] -> [T, vocab] float32
+        return self.head_module(hidden)
+
+    def forward(
+        self, tokens: jax.Array, kv: list[KVPages], meta: AttentionMetadata
+    ) -> tuple[jax.Array, list[KVPages]]:  # tokens [T] -> (logits [T, vocab] float32, new kv)
+        hidden = self.embed(tokens)
+        new_kv = []
+        for i, (k_pages, v_pages) in enumerate(kv):
+            hidden, k_pages, v_pages = self.layer(i, hidden, k_pages, v_pages, meta)
+            new_kv.append((k_pages, v_pages))
+        return self.head(hidden), new_kv
+
+    __call__ = forward
+
+
+def init_kv_pages(config: Qwen2Config, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> list[KVPages]:
+    """Zeroed per-layer (k_pages, v_pages), each [num_pages, page_size, num_kv_heads, head_dim]."""
+    shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_hidden_layers)]

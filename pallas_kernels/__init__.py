@@ -1,0 +1,28 @@
+"""Pallas kernels for paged KV: attention, KV write, slot allocation and page transfers between tiers."""
+
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.page_copy import (
+    gather_pages,
+    gather_pages_layers,
+    load_pages,
+    load_pages_layers,
+    scatter_pages,
+    scatter_pages_layers,
+    write_back_pages,
+    write_back_pages_layers,
+)
+from pallas_kernels.paged_attention import paged_attention, paged_decode_attention
+
+__all__ = [
+    "gather_pages",
+    "gather_pages_layers",
+    "load_pages",
+    "load_pages_layers",
+    "paged_attention",
+    "paged_decode_attention",
+    "scatter_pages",
+    "scatter_pages_layers",
+    "write_back_pages",
+    "write_back_pages_layers",
+    "write_kv",
+]

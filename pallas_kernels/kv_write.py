@@ -1,0 +1,132 @@
+"""Paged KV write: new tokens' K and V of one layer into their page slots (donated, aliased pages)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
+from pallas_kernels.backend import use_interpreter
+
+
+# ---------------------------------------------------------------- kernel
+def _write_kernel(slots_ref, k_new_ref, v_new_ref, _k_in, _v_in, k_out, v_out, *, per_program, count, chunk):
+    """Token t's row goes to flat slot slots[t]; slot -1 (padding) is masked off, never stored."""
+    base = pl.program_id(0) * per_program
+    row = k_out.shape[-1]
+
+    def token(j, carry):
+        t = jnp.minimum(base + j, count - 1)  # tail programs repeat the last token: same bytes, harmless
+        slot = slots_ref[t]
+        valid = jnp.full((chunk,), slot >= 0)
+        dst = jnp.maximum(slot, 0)
+
+        def piece(c, carry2):
+            sl = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            plgpu.store(k_out.at[dst, sl], k_new_ref[t, sl].astype(k_out.dtype), mask=valid)
+            plgpu.store(v_out.at[dst, sl], v_new_ref[t, sl].astype(v_out.dtype), mask=valid)
+            return carry2
+
+        jax.lax.fori_loop(0, row // chunk, piece, 0)
+        return carry
+
+    jax.lax.fori_loop(0, per_program, token, 0)
+
+
+# ---------------------------------------------------------------- pallas_call builder
+def _write_call(k_flat, v_flat, k_rows, v_rows, slots, *, tokens_per_program: int):
+    """k_flat/v_flat: [num_pages*page_size, H*D] aliased to the outputs; k_rows/v_rows: [T, H*D]."""
+    count = slots.shape[0]
+    per_program = min(tokens_per_program, count)
+    kernel = functools.partial(_write_kernel, per_program=per_program, count=count,
+                               chunk=row_chunk(k_flat.shape[-1]))
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype), jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
+        grid=(pl.cdiv(count, per_program),),
+        input_output_aliases={3: 0, 4: 1},
+        interpret=use_interpreter(),
+    )(slots, k_rows, v_rows, k_flat, v_flat)
+
+
+def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """[T] flat slot page*page_size + offset of each token, -1 for padding tokens."""
+    safe_req = jnp.maximum(token_req, 0)
+    col = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    slot = page_table[safe_req, col] * page_size + positions % page_size
+    return jnp.where(token_req >= 0, slot, -1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------- jitted public function
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("tokens_per_program",))
+def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, tokens_per_program: int):
+    num_pages, page_size = k_pages.shape[:2]
+    slots = token_slots(page_table, token_req, positions, page_size)  # [T]
+    flat = lambda x: x.reshape(num_pages * page_size, -1)  # noqa: E731  [pages*S, H*D], a bitcast
+    rows = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  [T, H*D]
+    k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), slots,
+                       tokens_per_program=tokens_per_program)
+    return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim], donated
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim], donated
+    k_new: jax.Array,  # [T, num_kv_heads, head_dim]
+    v_new: jax.Array,  # [T, num_kv_heads, head_dim]
+    page_table: jax.Array,  # [B, max_pages] int32
+    token_req: jax.Array,  # [T] int32 request index per token, -1 = padding (not written)
+    positions: jax.Array,  # [T] int32 position of each token in its request
+    *,
+    tokens_per_program: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes each token at page_table[req, pos // page_size], offset pos % page_size."""
+    _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions)
+    if k_new.shape[0] == 0:
+        return k_pages, v_pages
+    return _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions,
+                     tokens_per_program=tokens_per_program)
+
+
+def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) -> None:
+    check_pages_pair("write_kv pages", k_pages, v_pages)
+    t = k_new.shape[0]
+    check(k_new.shape == (t, *k_pages.shape[2:]), f"k_new shape {k_new.shape} != [T, {k_pages.shape[2:]}]")
+    check(v_new.shape == k_new.shape, f"v_new shape {v_new.shape} != k_new shape {k_new.shape}")
+    check(page_table.ndim == 2 and page_table.dtype == np.int32, f"page_table must be int32 [B, max_pages]")
+    for name, x in (("token_req", token_req), ("positions", positions)):
+        check(x.shape == (t,) and x.dtype == np.int32, f"{name} must be int32 [{t}], got {x.dtype} {x.shape}")
+    if all(is_concrete(x) for x in (page_table, token_req, positions)):
+        _check_referenced_pages(np.asarray(page_table), np.asarray(token_req), np.asarray(positions),
+                                k_pages.shape[0], k_pages.shape[1])
+
+
+def _check_referenced_pages(table, req, pos, num_pages: int, page_size: int) -> None:
+    """Only the entries the tokens use must be valid: padding columns of the table may hold anything."""
+    live = req >= 0
+    req, pos = req[live], pos[live]
+    check(bool((req < table.shape[0]).all()), f"token_req beyond the batch of {table.shape[0]}")
+    check(bool((pos >= 0).all()), "negative positions")
+    cols = pos // page_size
+    check(bool((cols < table.shape[1]).all()), f"positions beyond the page table ({table.shape[1]} pages)")
+    pages = table[req, cols]
+    bad = pages[(pages < 0) | (pages >= num_pages)]
+    check(bad.size == 0, f"page ids out of range [0, {num_pages}): {bad[:8].tolist()}")
+
+
+# ---------------------------------------------------------------- reference
+def write_kv_reference(k_pages, v_pages, k_new, v_new, page_table, token_req, positions):
+    """Pure-jnp reference: a scatter into the flattened token slots; padding tokens dropped."""
+    num_pages, page_size = k_pages.shape[:2]
+    page = page_table[jnp.maximum(token_req, 0), positions // page_size]
+    slot = jnp.where(token_req >= 0, page * page_size + positions % page_size, num_pages * page_size)
+    flat_k = k_pages.reshape(num_pages * page_size, *k_pages.shape[2:])
+    flat_v = v_pages.reshape(num_pages * page_size, *v_pages.shape[2:])
+    flat_k = flat_k.at[slot].set(k_new.astype(k_pages.dtype), mode="drop")
+    flat_v = flat_v.at[slot].set(v_new.astype(v_pages.dtype), mode="drop")
+    return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)

@@ -1,0 +1,124 @@
+"""Paged extend and decode attention against the pure-jnp references."""
+
+from __future__ import annotations
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import importlib
+
+pa = importlib.import_module("pallas_kernels.paged_attention")  # the package re-exports a function of that name
+from tests.kernels.batches import make_batch
+from tests.kernels.helpers import rand
+
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}
+
+
+def _pages(rng, num_pages, page_size, kv_heads, dim, dtype):
+    return [jnp.asarray(rand(rng, (num_pages, page_size, kv_heads, dim), np.float32) - 3.0).astype(dtype)
+            for _ in "kv"]
+
+
+def _close(got, want, dtype):
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=TOL[np.dtype(dtype)], rtol=TOL[np.dtype(dtype)])
+
+
+def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pad_tokens=2, **kw):
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size, pad_tokens=pad_tokens,
+                       pad_requests=1)
+    k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
+    q = jnp.asarray(rand(rng, (batch.token_req.shape[0], heads, dim), np.float32) - 3.0).astype(dtype)
+    meta = [jnp.asarray(x) for x in (batch.page_table, batch.seq_lens, batch.query_start, batch.query_lens)]
+    got = pa.paged_attention(q, k, v, *meta, sm_scale=dim**-0.5, **kw)
+    _close(got, pa.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5), dtype)
+    assert not np.asarray(got, np.float32)[batch.token_req < 0].any()  # zeros at padding rows
+
+
+def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16, **kw):
+    rng = np.random.default_rng(seed)
+    batch = make_batch(rng, [max(s - 1, 0) for s in seq_lens], [1 if s else 0 for s in seq_lens], page_size)
+    k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
+    q = jnp.asarray(rand(rng, (len(seq_lens), heads, dim), np.float32) - 3.0).astype(dtype)
+    table, lens = jnp.asarray(batch.page_table), jnp.asarray(batch.seq_lens)
+    got = pa.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5, **kw)
+    if not seq_lens:
+        return chex.assert_shape(got, (0, heads, dim))
+    _close(got, pa.paged_decode_attention_reference(q, k, v, table, lens, sm_scale=dim**-0.5), dtype)
+    assert not np.asarray(got, np.float32)[np.asarray(seq_lens) == 0].any()
+
+
+lens = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=0, max_size=3)
+
+
+@settings(max_examples=8, deadline=None)
+@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_extend_matches_reference(pairs, page_size, dtype, seed):
+    run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16)
+
+
+def test_extend_mid_page_prefix_no_prefix_and_gqa():
+    run_extend(0, [(5, 14), (0, 3), (16, 16), (40, 1)], 16, np.float32, heads=6, kv_heads=2, block_q=8, block_k=16)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seq_lens=st.lists(st.integers(0, 70), min_size=0, max_size=4), page_size=st.sampled_from([1, 16, 64]),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([1, 3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_decode_matches_reference(seq_lens, page_size, dtype, splits, seed):
+    run_decode(seed, seq_lens, page_size, dtype, block_k=16, splits=splits)
+
+
+def _bad_calls():
+    rng = np.random.default_rng(1)
+    k, v = _pages(rng, 4, 16, 2, 16, np.float32)
+    q = jnp.asarray(rand(rng, (5, 4, 16), np.float32))
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    seq, start, qlen = (np.array(x, np.int32) for x in ([20, 3], [0, 4], [4, 1]))
+    ext = lambda *a, **kw: pa.paged_attention(*a, sm_scale=0.25, **kw)  # noqa: E731
+    return [
+        lambda: ext(q, k, v, np.array([[0, 7], [2, 3]], np.int32), seq, start, qlen),  # page id out of range
+        lambda: ext(q, k, v, table, np.array([40, 3], np.int32), start, qlen),  # beyond the table
+        lambda: ext(q, k, v, table, seq, np.array([0, 5], np.int32), qlen),  # query rows beyond T
+        lambda: ext(q[:, :3], k, v, table, seq, start, qlen),  # heads not a multiple
+        lambda: ext(q[..., :8], k, v, table, seq, start, qlen),  # head_dim
+        lambda: ext(q, k, v.astype(jnp.bfloat16), table, seq, start, qlen),  # K/V dtypes
+        lambda: ext(q, k, v, table, seq.astype(np.int64), start, qlen),
+        lambda: pa.paged_decode_attention(q[:2], k, v, np.array([[0, 9], [2, 3]], np.int32), seq, sm_scale=0.25),
+        lambda: pa.paged_decode_attention(q[:3], k, v, table, seq, sm_scale=0.25),  # batch mismatch
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_attention_invalid_arguments_raise(index):
+    with pytest.raises(ValueError):
+        _bad_calls()[index]()
+
+
+def test_empty_batches():
+    rng = np.random.default_rng(2)
+    k, v = _pages(rng, 3, 16, 2, 16, np.float32)
+    empty = np.zeros((0,), np.int32)
+    out = pa.paged_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty, empty, empty,
+                             sm_scale=0.25)
+    chex.assert_shape(out, (0, 4, 16))
+    chex.assert_shape(pa.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty,
+                                                sm_scale=0.25), (0, 4, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_gpu_extend_and_decode(page_size, dtype):
+    run_extend(3, [(0, 100), (37, 64), (64, 1), (5, 200)], page_size, dtype, heads=14, kv_heads=2, dim=64,
+               pad_tokens=9)
+    run_extend(4, [(130, 70), (0, 33)], page_size, dtype, heads=28, kv_heads=4, dim=128)
+    run_decode(5, [1, 0, 300, 64, 65, 1000], page_size, dtype, heads=14, kv_heads=2, dim=64)
+    run_decode(6, [77, 2000, 0], page_size, dtype, heads=28, kv_heads=4, dim=128, splits=4)

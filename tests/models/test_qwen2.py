@@ -1,0 +1,157 @@
+"""Qwen2 model numerics on CPU: against an independent float64 numpy Qwen2, through the paged KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import (
+    build_metadata, embed_apply, forward_apply, head_apply, init_kv_pages, layer_apply, load_pretrained,
+    pack_tokens, split_model,
+)
+from tests.models.numpy_reference import random_hf_weights, reference_logits, small_hf_config, write_hf_checkpoint
+
+PAGE_SIZE = 4
+NUM_PAGES = 12
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def checkpoint(request, tmp_path_factory) -> tuple[Path, dict, dict]:
+    cfg = small_hf_config(tied=request.param)
+    weights = random_hf_weights(cfg, seed=1 if request.param else 2)
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, weights)
+    return path, cfg, weights
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_pretrained(checkpoint[0], dtype=jnp.float32)
+
+
+def assert_close(ours, ref, rel: float = 1e-4) -> None:
+    ref = np.asarray(ref)
+    np.testing.assert_allclose(np.asarray(ours), ref, rtol=rel, atol=rel * np.abs(ref).max())
+
+
+def step(model, kv, reqs, *, num_tokens=12, num_reqs=4, decode_only=False):
+    """One jitted forward of requests given as (prefix_len, new_tokens, page_ids), padded to one bucket
+    so that the tests share a compiled step."""
+    meta = build_metadata(
+        [r[0] for r in reqs], [len(r[1]) for r in reqs], [r[2] for r in reqs], page_size=PAGE_SIZE,
+        num_tokens=num_tokens, num_reqs=num_reqs, max_pages=4, decode_only=decode_only,
+    )
+    graphdef, state = nnx.split(model)
+    return forward_apply(graphdef, state, pack_tokens([r[1] for r in reqs], meta.num_tokens), kv, meta)
+
+
+def tokens_of(n: int, seed: int, vocab: int = 97) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def test_prefill_matches_numpy_reference(model, checkpoint):
+    _, cfg, weights = checkpoint
+    toks = tokens_of(7, seed=3)
+    logits, kv = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), [(0, toks, [5, 2])])
+    chex.assert_shape(logits, (12, cfg["vocab_size"]))
+    logits = logits[:7]
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_shape(kv[0][0], (NUM_PAGES, PAGE_SIZE, 2, 8))
+    assert_close(logits, reference_logits(weights, cfg, toks))
+
+
+def test_prefill_then_decode_matches_full_forward(model, checkpoint):
+    _, cfg, weights = checkpoint
+    toks = tokens_of(7, seed=4)
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    _, kv = step(model, kv, [(0, toks[:6], [7, 1])])
+    # request row 1 is padding: decode batches are bucketed too
+    logits, kv = step(model, kv, [(6, toks[6:], [7, 1])], num_tokens=None, num_reqs=2, decode_only=True)
+    chex.assert_shape(logits, (2, cfg["vocab_size"]))
+    full, _ = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), [(0, toks, [3, 4])])
+    assert_close(logits[0], full[6], rel=1e-5)
+    assert_close(logits[0], reference_logits(weights, cfg, toks)[-1])
+
+
+def test_ragged_extend_batch_matches_per_request_runs(model, checkpoint):
+    _, cfg, weights = checkpoint
+    seqs = [tokens_of(5, 5), tokens_of(9, 6), tokens_of(3, 7)]
+    prefix = [3, 5, 0]
+    pages = [[1, 2], [3, 4, 5], [6]]
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    _, kv = step(model, kv, [(0, s[:p], pg) for s, p, pg in zip(seqs, prefix, pages) if p])
+    reqs = [(p, s[p:], pg) for s, p, pg in zip(seqs, prefix, pages)]
+    logits, _ = step(model, kv, reqs)  # padded: 9 real tokens of 3 requests in a bucket of 12 / 4
+    start = 0
+    for seq, p in zip(seqs, prefix):
+        rows = logits[start : start + len(seq) - p]
+        alone, _ = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), [(0, seq, [9, 10, 11])])
+        assert_close(rows, alone[p : len(seq)], rel=1e-5)
+        assert_close(rows, reference_logits(weights, cfg, seq)[p:])
+        start += len(seq) - p
+
+
+def test_eager_jit_and_layerwise_paths_agree_and_donate(model):
+    toks = tokens_of(5, seed=8)
+    meta = build_metadata([0], [5], [[0, 1]], page_size=PAGE_SIZE)
+    tokens = pack_tokens([toks])
+    eager, _ = model.forward(tokens, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), meta)
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    jitted, _ = forward_apply(*nnx.split(model), tokens, kv, meta)
+    assert kv[0][0].is_deleted(), "forward_apply must donate the KV pages"
+    parts = split_model(model)
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    hidden = embed_apply(parts.embed_def, parts.embed_state, tokens)
+    before = layer_apply._cache_size()
+    for i, (k, v) in enumerate(kv):
+        hidden, k_new, v_new = layer_apply(parts.layer_def, parts.layer_states[i], hidden, k, v, meta)
+        assert k.is_deleted() and v.is_deleted()
+    assert layer_apply._cache_size() - before <= 1, "layers must share one compiled function"
+    layerwise = head_apply(parts.head_def, parts.head_state, hidden)
+    assert_close(jitted, eager, rel=1e-6)
+    assert_close(layerwise, eager, rel=1e-6)
+
+
+def test_bfloat16_model_tracks_float32(checkpoint):
+    path, cfg, weights = checkpoint
+    model = load_pretrained(path, dtype=jnp.bfloat16)
+    chex.assert_type(model.embed_tokens.embedding[...], jnp.bfloat16)
+    toks = tokens_of(6, seed=9)
+    logits, kv = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE, jnp.bfloat16), [(0, toks, [0, 1])])
+    logits = logits[:6]
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_type(kv[0][0], jnp.bfloat16)
+    ref = reference_logits(weights, cfg, toks)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=0.05 * np.abs(ref).max())
+
+
+def test_metadata_layout_and_padding():
+    meta = build_metadata([2, 0], [3, 1], [[4, 5], [7]], page_size=4, num_tokens=6, num_reqs=3, max_pages=3)
+    np.testing.assert_array_equal(meta.positions, [2, 3, 4, 0, 0, 0])
+    np.testing.assert_array_equal(meta.token_req, [0, 0, 0, 1, -1, -1])
+    np.testing.assert_array_equal(meta.page_table, [[4, 5, 0], [7, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(meta.seq_lens, [5, 1, 0])
+    np.testing.assert_array_equal(meta.query_start, [0, 3, 4])
+    np.testing.assert_array_equal(meta.query_lens, [3, 1, 0])
+    chex.assert_type([meta.positions, meta.token_req, meta.page_table, meta.seq_lens], jnp.int32)
+    leaves, treedef = jax.tree_util.tree_flatten(meta)
+    assert len(leaves) == 6 and not meta.decode_only
+    assert jax.tree_util.tree_unflatten(treedef, leaves).decode_only is False
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prefix_lens=[0], new_lens=[9], page_ids=[[0, 1]]),  # pages too few
+        dict(prefix_lens=[0], new_lens=[5], page_ids=[[0, 1]], num_tokens=4),  # bucket too small
+        dict(prefix_lens=[3], new_lens=[2], page_ids=[[0, 1]], decode_only=True),  # not one token
+    ],
+)
+def test_metadata_rejects_bad_layouts(kwargs):
+    with pytest.raises(ValueError):
+        build_metadata(page_size=4, **kwargs)
