@@ -133,7 +133,7 @@ def _safe(fn):
         return f"ERROR {type(e).__name__}: {str(e)[:300]}"
 
 
-def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=16384, pages=2048, **_) -> None:
+def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=65536, pages=2048, **_) -> None:
     k = jnp.zeros((pages, PAGE, kv_heads, dim), DT)
     v = jnp.zeros_like(k)
     kn, vn = _rand(1, (tokens, kv_heads, dim)), _rand(2, (tokens, kv_heads, dim))
@@ -145,11 +145,11 @@ def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=16384, pages=
     box = [k, v]
     nbytes = 2 * 2 * kn.nbytes  # K and V, read + write
     out = {}
-    for tpp in (1, 4, 16):
-        def step(tpp=tpp):
-            box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp)
+    for tpp, warps in ((8, 4), (32, 4), (64, 4), (128, 8), (256, 8)):
+        def step(tpp=tpp, warps=warps):
+            box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp, num_warps=warps)
             return box
-        out[f"tokens_per_program_{tpp}"] = _safe(lambda: nbytes / timeit(step) / GB)
+        out[f"tokens_per_program_{tpp}_w{warps}"] = _safe(lambda: nbytes / timeit(step) / GB)
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
 
 

@@ -18,16 +18,18 @@ class EngineStats:
     decode_steps: int = 0
     layered_steps: int = 0
     finished_requests: int = 0
-    forward_s: float = 0.0
+    prefill_forward_s: float = 0.0
+    decode_forward_s: float = 0.0
     layered_forward_s: float = 0.0
     load_wait_s: float = 0.0  # host time blocked in ticket.wait: load time exposed to the host
 
     def record_forward(self, batch: Batch, seconds: float, load_wait_s: float) -> None:
-        self.forward_s += seconds
         if batch.is_decode:
+            self.decode_forward_s += seconds
             self.decode_steps += 1
             self.decode_tokens += batch.num_tokens
             return
+        self.prefill_forward_s += seconds
         self.prefill_steps += 1
         self.computed_prompt_tokens += batch.num_tokens
         if batch.tickets:

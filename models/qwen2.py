@@ -11,7 +11,7 @@ from models.metadata import AttentionMetadata
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_attention
 
-try:  # the decode kernel lands with the kernels issue; until then decode runs through paged_attention
+try:  # older pallas_kernels lack a decode kernel; then decode runs through paged_attention
     from pallas_kernels.paged_attention import paged_decode_attention as _decode_kernel
 except ImportError:
     _decode_kernel = None
@@ -168,7 +168,10 @@ class Qwen2ForCausalLM(nnx.Module):
     def layer(
         self, i: int, hidden: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Decoder layer i; writes this step's K/V into the layer's pages and returns the new pages."""
+        """Decoder layer i; writes this step's K/V into the layer's pages and returns the new pages.
+
+        The page arguments are consumed (write_kv donates them), also when called eagerly.
+        """
         return self.layers[i](hidden, k_pages, v_pages, meta)
 
     def head(self, hidden: jax.Array) -> jax.Array:  # [T, hidden] -> [T, vocab] float32

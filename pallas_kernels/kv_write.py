@@ -15,43 +15,47 @@ from pallas_kernels.backend import use_interpreter
 
 
 # ---------------------------------------------------------------- kernel
-def _write_kernel(slots_ref, k_new_ref, v_new_ref, _k_in, _v_in, k_out, v_out, *, per_program, count, chunk):
-    """Token t's row goes to flat slot slots[t]; slot -1 (padding) is masked off, never stored."""
-    base = pl.program_id(0) * per_program
-    row = k_out.shape[-1]
+def _write_kernel(src_ref, dst_ref, k_new_ref, v_new_ref, _k_in, _v_in, k_out, v_out, *, block_t, count, chunk):
+    """Rows src[t] of the new K/V go to flat slots dst[t], block_t tokens at a time (one 2-D scatter)."""
+    t = jnp.minimum(pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32), count - 1)
+    src, dst = src_ref[t], dst_ref[t]
+    shape = (block_t, chunk)
+    mask = jnp.broadcast_to((dst >= 0)[:, None], shape)
+    src2, dst2 = (jnp.broadcast_to(x[:, None], shape) for x in (src, jnp.maximum(dst, 0)))
 
-    def token(j, carry):
-        t = jnp.minimum(base + j, count - 1)  # tail programs repeat the last token: same bytes, harmless
-        slot = slots_ref[t]
-        valid = jnp.full((chunk,), slot >= 0)
-        dst = jnp.maximum(slot, 0)
-
-        def piece(c, carry2):
-            sl = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-            plgpu.store(k_out.at[dst, sl], k_new_ref[t, sl].astype(k_out.dtype), mask=valid)
-            plgpu.store(v_out.at[dst, sl], v_new_ref[t, sl].astype(v_out.dtype), mask=valid)
-            return carry2
-
-        jax.lax.fori_loop(0, row // chunk, piece, 0)
+    def piece(c, carry):
+        cols = pl.multiple_of(c * chunk, chunk) + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32)[None, :], shape)
+        plgpu.store(k_out.at[dst2, cols], k_new_ref[src2, cols].astype(k_out.dtype), mask=mask)
+        plgpu.store(v_out.at[dst2, cols], v_new_ref[src2, cols].astype(v_out.dtype), mask=mask)
         return carry
 
-    jax.lax.fori_loop(0, per_program, token, 0)
+    jax.lax.fori_loop(0, k_out.shape[-1] // chunk, piece, 0)
 
 
 # ---------------------------------------------------------------- pallas_call builder
-def _write_call(k_flat, v_flat, k_rows, v_rows, slots, *, tokens_per_program: int):
-    """k_flat/v_flat: [num_pages*page_size, H*D] aliased to the outputs; k_rows/v_rows: [T, H*D]."""
-    count = slots.shape[0]
-    per_program = min(tokens_per_program, count)
-    kernel = functools.partial(_write_kernel, per_program=per_program, count=count,
-                               chunk=row_chunk(k_flat.shape[-1]))
+def _write_call(k_flat, v_flat, k_rows, v_rows, src, dst, *, block_t: int, num_warps: int):
+    """k_flat/v_flat: [num_pages*page_size, H*D] aliased to the outputs; k_rows/v_rows: [T, H*D]; src/dst: [T]."""
+    count = dst.shape[0]
+    block_t = min(block_t, pl.next_power_of_2(count))
+    chunk = row_chunk(k_flat.shape[-1], limit=max(16, 8192 // block_t))
+    kernel = functools.partial(_write_kernel, block_t=block_t, count=count, chunk=chunk)
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype), jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
-        grid=(pl.cdiv(count, per_program),),
-        input_output_aliases={3: 0, 4: 1},
+        grid=(pl.cdiv(count, block_t),),
+        input_output_aliases={4: 0, 5: 1},
         interpret=use_interpreter(),
-    )(slots, k_rows, v_rows, k_flat, v_flat)
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+    )(src, dst, k_rows, v_rows, k_flat, v_flat)
+
+
+def _write_plan(slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Padding tokens (slot -1) and clamped tail lanes repeat the first real token's row and slot, so
+    any repeated store writes identical bytes; with no real token at all every lane is masked off."""
+    first = jnp.argmax(slots >= 0)
+    t = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    live = slots >= 0
+    return jnp.where(live, t, first).astype(jnp.int32), jnp.where(live, slots, slots[first]).astype(jnp.int32)
 
 
 def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
@@ -63,14 +67,15 @@ def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Arra
 
 
 # ---------------------------------------------------------------- jitted public function
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("tokens_per_program",))
-def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, tokens_per_program: int):
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("block_t", "num_warps"))
+def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, block_t: int, num_warps: int):
     num_pages, page_size = k_pages.shape[:2]
     slots = token_slots(page_table, token_req, positions, page_size)  # [T]
     flat = lambda x: x.reshape(num_pages * page_size, -1)  # noqa: E731  [pages*S, H*D], a bitcast
     rows = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  [T, H*D]
-    k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), slots,
-                       tokens_per_program=tokens_per_program)
+    src, dst = _write_plan(slots)  # [T], [T]
+    k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), src, dst, block_t=block_t,
+                       num_warps=num_warps)
     return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
 
 
@@ -83,14 +88,15 @@ def write_kv(
     token_req: jax.Array,  # [T] int32 request index per token, -1 = padding (not written)
     positions: jax.Array,  # [T] int32 position of each token in its request
     *,
-    tokens_per_program: int = 4,
+    tokens_per_program: int = 32,
+    num_warps: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token at page_table[req, pos // page_size], offset pos % page_size."""
     _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions)
     if k_new.shape[0] == 0:
         return k_pages, v_pages
     return _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions,
-                     tokens_per_program=tokens_per_program)
+                     block_t=pl.next_power_of_2(tokens_per_program), num_warps=num_warps)
 
 
 def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) -> None:

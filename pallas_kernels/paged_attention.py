@@ -199,8 +199,8 @@ def paged_decode_attention(
     seq_lens: jax.Array,  # [B] int32 tokens in the cache including this one; 0 = padding row -> zeros
     *,
     sm_scale: float,
-    block_k: int = 64,
-    splits: int = 8,
+    block_k: int = 128,
+    splits: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:  # [B, num_heads, head_dim]

@@ -7,13 +7,13 @@ import os
 from typing import NamedTuple
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jhicache.cache import Node, TieredCache, WritePolicy
 from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, write_kv
 
-import numpy as np
 
 BASES = [[b * 100 + i for i in range(12)] for b in range(3)]
 
@@ -43,6 +43,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.inserted: set[tuple[int, ...]] = set()  # model: every page-aligned prefix ever inserted
         self.held: list[Held] = []
         self.locks: list[Node] = []
+        self.prefills = 0
 
     @initialize(page=st.sampled_from([1, 4]), policy=st.sampled_from(list(WritePolicy)),
                 host=st.sampled_from([None, 6, 12]))
@@ -86,9 +87,15 @@ class CacheMachine(RuleBasedStateMachine):
     def prefill(self, tokens: list[int]) -> None:
         """A whole request at once (load-back if possible), so the pools fill up quickly."""
         self._check_match(self._aligned(tokens))
+        self.prefills += 1
         self.hold(tokens, True)
         if self.held and self.held[-1].tokens == self._aligned(tokens):
             self._finish(self.held.pop())
+
+    # The same rule under more names: rules are drawn uniformly, and the pools must fill up
+    # (evictions, write-backs, load-backs) within a short run.
+    prefill_again = rule(tokens=prompts())(lambda self, tokens: self.prefill(tokens))
+    prefill_more = rule(tokens=prompts())(lambda self, tokens: self.prefill(tokens))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 10), commit=st.booleans())
@@ -163,11 +170,12 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.check_invariants()
             assert self.cache.tree.protected_pages == 0
             stats = self.cache.stats()
+            event(f"prefills: {min(self.prefills, 10)}")
             for key in ("load_back_ops", "write_back_ops", "dropped_nodes", "evicted_host_tokens"):
                 event(f"{key} > 0: {stats.get(key, 0) > 0}")
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("CACHE_FUZZ_EXAMPLES", "40")), stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("CACHE_FUZZ_EXAMPLES", "60")), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestCacheMachine = CacheMachine.TestCase

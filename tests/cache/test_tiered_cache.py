@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jhicache.cache import TieredCache, WritePolicy
-from tests.cache._helpers import assert_device_kv, make_cache, prefill, write_kv
+from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 POLICIES = list(WritePolicy)
 PAGE_SIZES = [1, 16, 64]
@@ -90,7 +90,6 @@ def test_write_back_is_ordered_before_reuse_of_freed_pages(page: int) -> None:
     assert sorted(cache.match(b).device_pages) == sorted(old_pages)
     host = host_pages_of(cache, a)
     cache.flush()
-    from tests.cache._helpers import expected_kv
     for layer in range(2):
         k, v = cache.host_pool.read_pages(layer, host)
         ek, ev = expected_kv(a, layer, page)

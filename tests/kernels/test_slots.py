@@ -31,7 +31,7 @@ def test_alloc_extend_matches_reference(reqs, page_size, pad, seed):
     prefix = np.array([p for p, _ in reqs], np.int32)
     seq = prefix + np.array([n for _, n in reqs], np.int32)
     last = _last_locs(rng, prefix, page_size, 1000)
-    free = rng.permutation(np.arange(1000, 1400)).astype(np.int32)
+    free = rng.permutation(np.arange(1000, 2000)).astype(np.int32)
     want, used = alloc_extend_reference(prefix, seq, last, free, page_size)
     slots, got_used = alloc_extend_slots(jnp.asarray(prefix), jnp.asarray(seq), jnp.asarray(last), jnp.asarray(free),
                                          page_size=page_size, num_tokens=len(want) + pad)

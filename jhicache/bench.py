@@ -1,0 +1,242 @@
+"""`python -m jhicache.bench`: model throughput, the multi-turn cache benchmark, and host-hit TTFT.
+
+With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
+minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench_kernels`) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jhicache import bench_report as report
+from jhicache.config import EngineConfig
+from jhicache.engine import Engine
+from jhicache.sampling import SamplingParams
+from jhicache.workload import MultiTurnChats, MultiTurnSpec
+
+MODES = ("off", "device", "hierarchical")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    on_gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(prog="python -m jhicache.bench", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", nargs="?", default="all", choices=("all", "model", "multiturn", "host-hit", "kernels"),
+                   help="which benchmark; `all` = model + multiturn + host-hit")
+    p.add_argument("--preset", default="tiny", help="model shape: tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b")
+    p.add_argument("--weights", default=None, help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
+    p.add_argument("--dtype", default="bfloat16" if on_gpu else "float32", choices=("bfloat16", "float32"))
+    p.add_argument("--page-size", type=int, default=64 if on_gpu else 16)
+    p.add_argument("--clients", type=int, default=32 if on_gpu else 4)
+    p.add_argument("--rounds", type=int, default=6 if on_gpu else 3)
+    p.add_argument("--request-length", type=int, default=1024 if on_gpu else 48)
+    p.add_argument("--output-length", type=int, default=16 if on_gpu else 4)
+    p.add_argument("--working-set-ratio", type=float, default=4.0,
+                   help="multiturn: final working set / device pool capacity")
+    p.add_argument("--device-kv-tokens", type=int, default=None, help="device pool tokens (default: from ratio)")
+    p.add_argument("--modes", default=",".join(MODES), help="multiturn cache modes, comma separated")
+    p.add_argument("--write-policy", default="write_back")
+    p.add_argument("--host-hit-prefix", type=int, default=8192 if on_gpu else 256,
+                   help="host-hit: cached prefix tokens")
+    p.add_argument("--host-hit-turn", type=int, default=64 if on_gpu else 16, help="host-hit: new turn tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="save a PNG of TTFT and hit rate per round (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def make_engine(args: argparse.Namespace, **overrides) -> Engine:
+    config = EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy, **overrides)
+    if args.weights:
+        return Engine.from_pretrained(args.weights, config)
+    return Engine.from_preset(args.preset, config, seed=args.seed)
+
+
+def random_prompts(rng: np.random.Generator, vocab: int, count: int, length: int) -> list[list[int]]:
+    return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(count)]
+
+
+# ---- model throughput ----------------------------------------------------------------------
+
+def bench_model(args: argparse.Namespace) -> dict:
+    """Prefill and decode tokens/s of the model alone (cache off), after a warm-up run."""
+    prompt_len, batch = (512, 8) if jax.default_backend() == "gpu" else (64, 4)
+    new_tokens = 32 if jax.default_backend() == "gpu" else 8
+    engine = make_engine(args, cache_mode="off", device_kv_tokens=4 * batch * (prompt_len + new_tokens + args.page_size))
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.model_config.vocab_size
+    engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
+    before = engine.stats()
+    engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
+    after = engine.stats()
+    delta = {k: after[k] - before[k] for k in ("computed_prompt_tokens", "prefill_forward_s",
+                                               "decode_tokens", "decode_forward_s")}
+    return {
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "prefill_tokens_per_s": delta["computed_prompt_tokens"] / delta["prefill_forward_s"],
+        "decode_tokens_per_s": delta["decode_tokens"] / delta["decode_forward_s"],
+    }
+
+
+# ---- multi-turn ----------------------------------------------------------------------------
+
+def multiturn_spec(args: argparse.Namespace, vocab: int) -> MultiTurnSpec:
+    return MultiTurnSpec(num_clients=args.clients, num_rounds=args.rounds, request_length=args.request_length,
+                         output_length=args.output_length, vocab_size=vocab, seed=args.seed)
+
+
+def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
+    """Device pool: the working set / ratio, but room for at least two full conversations."""
+    if args.device_kv_tokens:
+        return args.device_kv_tokens
+    by_ratio = int(spec.working_set_tokens / args.working_set_ratio)
+    floor = 2 * (spec.final_context_tokens + 2 * args.page_size)
+    return max(by_ratio, floor)
+
+
+def run_multiturn_mode(args: argparse.Namespace, mode: str, progress: tqdm) -> dict:
+    """Runs the workload twice on fresh engines (the first, other-seeded, compiles) and reports the second."""
+    for seed in (args.seed + 1000, args.seed):
+        engine = make_engine(args, cache_mode=mode, device_kv_tokens=args._device_tokens)
+        spec = dataclasses.replace(multiturn_spec(args, engine.model_config.vocab_size), seed=seed)
+        chats, params = MultiTurnChats(spec), SamplingParams(max_new_tokens=spec.output_length)
+        rounds, start = [], time.perf_counter()
+        for _ in range(spec.num_rounds):
+            outputs = engine.generate(chats.prompts(), params)
+            chats.extend([o.token_ids for o in outputs])
+            rounds.append(round_summary(outputs))
+            progress.update(1)
+        elapsed = time.perf_counter() - start
+    engine.check_invariants()
+    return {"rounds": rounds, "elapsed_s": elapsed, "stats": engine.stats(),
+            "throughput_tokens_per_s": sum(r["prompt_tokens"] + r["output_tokens"] for r in rounds) / elapsed,
+            "device_kv_tokens": args._device_tokens}
+
+
+def round_summary(outputs) -> dict:
+    prompt_tokens = sum(o.prompt_len for o in outputs)
+    return {
+        "mean_ttft_s": float(np.mean([o.ttft_s for o in outputs])),
+        "device_hit_rate": sum(o.device_hit_tokens for o in outputs) / prompt_tokens,
+        "host_hit_rate": sum(o.host_hit_tokens for o in outputs) / prompt_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": sum(len(o.token_ids) for o in outputs),
+    }
+
+
+def bench_multiturn(args: argparse.Namespace, vocab: int) -> dict:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    spec = multiturn_spec(args, vocab)
+    args._device_tokens = device_tokens_for(args, spec)
+    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr) as progress:
+        results = {mode: run_multiturn_mode(args, mode, progress) for mode in modes}
+    return {"spec": dataclasses.asdict(spec), "modes": results}
+
+
+# ---- isolated host hit ---------------------------------------------------------------------
+
+def ttft_of(engine: Engine, prompt: list[int]) -> tuple[float, object]:
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=1))[0]
+    return out.ttft_s, out
+
+
+def push_to_host(engine: Engine) -> None:
+    """Evicts every unlocked device page (writing back what the host lacks) and waits for the copies."""
+    engine.cache.evict_device(engine.cache.tree.evictable_pages)
+    engine.cache.flush()
+
+
+def timed_load_alone(engine: Engine, prompt: list[int]) -> float:
+    """Seconds for the load-back of `prompt`'s host run with no compute around it."""
+    match = engine.cache.match(prompt, leave_last=True)
+    start = time.perf_counter()
+    ticket = engine.cache.load_back(match)
+    if ticket is None:
+        return float("nan")
+    engine.cache.launch()
+    ticket.wait_all()
+    seconds = time.perf_counter() - start
+    engine.cache.flush()
+    engine.cache.poll()
+    return seconds
+
+
+def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Namespace) -> dict:
+    vocab = engine.model_config.vocab_size
+    prefix = random_prompts(rng, vocab, 1, args.host_hit_prefix)[0]
+    turns = random_prompts(rng, vocab, 4, args.host_hit_turn)
+    none_s, _ = ttft_of(engine, prefix + turns[0])  # nothing cached: computes the whole prompt
+    push_to_host(engine)
+    host_s, host_out = ttft_of(engine, prefix + turns[1])  # prefix only on host: load-back
+    device_s, _ = ttft_of(engine, prefix + turns[2])  # prefix now on device
+    push_to_host(engine)
+    load_s = timed_load_alone(engine, prefix + turns[3])
+    return {"no_cache_ttft_s": none_s, "host_hit_ttft_s": host_s, "device_hit_ttft_s": device_s,
+            "host_hit_tokens": host_out.host_hit_tokens, "load_alone_s": load_s}
+
+
+def bench_host_hit(args: argparse.Namespace) -> dict:
+    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
+    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens, load_back_threshold=1)
+    rng = np.random.default_rng(args.seed + 1)
+    host_hit_trial(engine, rng, args)  # compiles every shape involved
+    trial = host_hit_trial(engine, rng, args)
+    exposed = trial["host_hit_ttft_s"] - trial["device_hit_ttft_s"]
+    trial["load_hidden_fraction"] = float(np.clip(1.0 - exposed / trial["load_alone_s"], 0.0, 1.0))
+    trial["load_gbps"] = trial["host_hit_tokens"] * bytes_per_token(engine) / trial["load_alone_s"] / 1e9
+    trial["prefix_tokens"], trial["turn_tokens"] = args.host_hit_prefix, args.host_hit_turn
+    return trial
+
+
+def bytes_per_token(engine: Engine) -> int:
+    layout = engine.device_pool.layout
+    return layout.page_bytes // layout.page_size
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict:
+    result: dict = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
+                    "backend": jax.default_backend(), "jax": jax.__version__, "preset": args.weights or args.preset,
+                    "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy}
+    if args.what in ("all", "model"):
+        result["model"] = bench_model(args)
+        print(report.model_table(result["model"]))
+    if args.what in ("all", "multiturn"):
+        from models import preset_config
+
+        vocab = preset_config(args.preset).vocab_size if not args.weights else make_engine(args).model_config.vocab_size
+        result.update(bench_multiturn(args, vocab))
+        print(report.multiturn_table(result))
+    if args.what in ("all", "host-hit"):
+        result["host_hit"] = bench_host_hit(args)
+        print(report.host_hit_table(result["host_hit"]))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.what == "kernels":
+        from jhicache import bench_kernels
+
+        return bench_kernels.main([] if args.out is None else ["--out", args.out])
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot and "modes" in result and not report.save_plot(result, args.plot):
+        print("--plot: matplotlib is not installed; no PNG written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

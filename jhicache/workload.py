@@ -1,0 +1,52 @@
+"""Multi-turn chat workload shaped like SGLang's bench_multiturn.py: N clients x R rounds, seeded."""
+
+from __future__ import annotations
+
+import dataclasses
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSpec:
+    """Each round appends a `request_length`-token user turn to every conversation."""
+
+    num_clients: int = 4
+    num_rounds: int = 3
+    request_length: int = 48
+    output_length: int = 4
+    vocab_size: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("num_clients", "num_rounds", "request_length", "output_length", "vocab_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"MultiTurnSpec.{field} must be >= 1")
+
+    @property
+    def final_context_tokens(self) -> int:
+        """Tokens of one conversation after the last round, outputs included."""
+        return self.num_rounds * (self.request_length + self.output_length)
+
+    @property
+    def working_set_tokens(self) -> int:
+        """KV tokens the cache would need to keep every conversation after the last round."""
+        return self.num_clients * self.final_context_tokens
+
+
+class MultiTurnChats:
+    """Conversation histories; `prompts()` gives this round's prompts, `extend()` records outputs."""
+
+    def __init__(self, spec: MultiTurnSpec) -> None:
+        self.spec = spec
+        self._rng = np.random.default_rng(spec.seed)
+        self.histories: list[list[int]] = [[] for _ in range(spec.num_clients)]
+
+    def prompts(self) -> list[list[int]]:
+        """Appends a fresh user turn to each history and returns the histories as prompts."""
+        for history in self.histories:
+            history.extend(int(t) for t in self._rng.integers(0, self.spec.vocab_size, self.spec.request_length))
+        return [list(h) for h in self.histories]
+
+    def extend(self, outputs: list[list[int]]) -> None:
+        for history, output in zip(self.histories, outputs):
+            history.extend(output)

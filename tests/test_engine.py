@@ -1,0 +1,125 @@
+"""Engine: greedy output independent of cache mode, write policy, page size and batching; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from jhicache import Engine, EngineConfig, SamplingParams
+from jhicache.workload import MultiTurnChats, MultiTurnSpec
+from models import init_random, preset_config
+
+SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3, vocab_size=512, seed=7)
+POOL_TOKENS = 384  # working set is 657 tokens: eviction, write-back and load-back must all happen
+
+
+@functools.cache
+def _model():
+    # Untied head: with a tied random head, greedy decoding just echoes the last token.
+    return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False), seed=1)
+
+
+def make_engine(**overrides) -> Engine:
+    config = dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32", load_back_threshold=1,
+                  check_invariants_every_step=True, max_running_requests=8)
+    return Engine(_model(), EngineConfig(**{**config, **overrides}))
+
+
+def run_chats(engine: Engine, spec: MultiTurnSpec = SPEC) -> list[list[int]]:
+    chats = MultiTurnChats(spec)
+    for _ in range(spec.num_rounds):
+        outputs = engine.generate(chats.prompts(), SamplingParams(max_new_tokens=spec.output_length))
+        chats.extend([o.token_ids for o in outputs])
+    return chats.histories
+
+
+@functools.cache
+def reference_histories() -> list[list[int]]:
+    return run_chats(make_engine(cache_mode="off"))
+
+
+def assert_idle_and_consistent(engine: Engine) -> None:
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats["protected_tokens"] == 0 and stats["loads_in_flight"] == 0
+    capacity = engine.device_pool.layout.num_pages - 1
+    assert stats["device_free_pages"] + stats["evictable_tokens"] // engine.config.page_size == capacity
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
+def test_hierarchical_matches_no_cache(page_size: int, policy: str) -> None:
+    engine = make_engine(page_size=page_size, write_policy=policy)
+    assert run_chats(engine) == reference_histories()
+    stats = engine.stats()
+    assert stats["evicted_device_tokens"] > 0
+    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_device_cache_matches_no_cache(page_size: int) -> None:
+    engine = make_engine(page_size=page_size, cache_mode="device")
+    assert run_chats(engine) == reference_histories()
+    stats = engine.stats()
+    assert stats["device_hit_tokens"] > 0 and stats["evicted_device_tokens"] > 0
+    assert stats["host_hit_tokens"] == 0 and stats["write_back_ops"] == 0
+    assert_idle_and_consistent(engine)
+
+
+def test_batching_does_not_change_greedy_tokens() -> None:
+    one_at_a_time = make_engine(max_running_requests=1, chunked_prefill_tokens=32)
+    assert run_chats(one_at_a_time) == reference_histories()
+
+
+def test_decode_pressure_retracts_and_requeues() -> None:
+    engine = make_engine(device_kv_tokens=96, page_size=16, cache_mode="hierarchical")
+    prompts = [[(7 * i + j) % 500 for j in range(40)] for i in range(3)]
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=30))
+    alone = [make_engine(device_kv_tokens=96).generate([p], SamplingParams(max_new_tokens=30))[0] for p in prompts]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
+    assert engine.stats()["retracted_requests"] > 0
+    assert_idle_and_consistent(engine)
+
+
+BAD_PROMPTS = {
+    "empty": ([], SamplingParams()),
+    "negative id": ([1, -2, 3], SamplingParams()),
+    "id past vocab": ([1, 512], SamplingParams()),
+    "max_new_tokens": ([1, 2], None),
+    "longer than context": ([1] * 4096, SamplingParams(max_new_tokens=1)),
+    "longer than the pool": ([1] * 400, SamplingParams(max_new_tokens=1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROMPTS))
+def test_bad_input_raises_and_engine_keeps_serving(case: str) -> None:
+    engine = make_engine()
+    before = engine.generate([[5, 6, 7, 8] * 10], SamplingParams(max_new_tokens=3))[0].token_ids
+    prompt, params = BAD_PROMPTS[case]
+    with pytest.raises(ValueError):
+        engine.generate([[9, 9, 9], prompt], params if params else SamplingParams(max_new_tokens=0))
+    again = engine.generate([[5, 6, 7, 8] * 10], SamplingParams(max_new_tokens=3))[0]
+    assert again.token_ids == before and again.device_hit_tokens > 0
+    assert_idle_and_consistent(engine)
+
+
+def test_outputs_report_prompt_and_finish() -> None:
+    engine = make_engine()
+    out = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=4))[0]
+    assert out.prompt_len == 5 and len(out.token_ids) == 4 and out.finish_reason == "length"
+    assert out.ttft_s > 0
+    stop_id = out.token_ids[1]
+    stop = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=4, stop_token_ids=(stop_id,)))[0]
+    assert stop.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1] and stop.finish_reason == "stop"
+
+
+def test_config_rejects_invalid_values() -> None:
+    for field, value in [("page_size", 0), ("cache_mode", "disk"), ("write_policy", "sometimes"),
+                         ("dtype", "int8"), ("max_running_requests", 0)]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value})
+    with pytest.raises(ValueError, match="host_kv_tokens"):
+        EngineConfig(device_kv_tokens=1024, host_kv_tokens=512)
