@@ -12,8 +12,11 @@ from pallas_kernels.page_copy import (
     write_back_pages_layers,
 )
 from pallas_kernels.paged_attention import paged_attention, paged_decode_attention
+from pallas_kernels.slots import alloc_decode_slots, alloc_extend_slots
 
 __all__ = [
+    "alloc_decode_slots",
+    "alloc_extend_slots",
     "gather_pages",
     "gather_pages_layers",
     "load_pages",

@@ -42,3 +42,12 @@ def check_ids(name: str, ids: jax.Array, limit: int, *, length: int | None = Non
     bad = values[(values < 0) | (values >= limit)]
     check(bad.size == 0, f"{name}: page ids out of range [0, {limit}): {bad[:8].tolist()}")
     check(not unique or np.unique(values).size == values.size, f"{name}: repeated destination page ids")
+
+
+def check_copy_pairs(src_ids: jax.Array, dst_ids: jax.Array) -> None:
+    """Each destination page must receive one source page; an identical pair may repeat (padding)."""
+    if not (is_concrete(src_ids) and is_concrete(dst_ids)) or dst_ids.shape[0] == 0:
+        return
+    pairs = np.unique(np.stack([np.asarray(dst_ids), np.asarray(src_ids)]), axis=1)
+    check(np.unique(pairs[0]).size == pairs.shape[1],
+          "destination page ids: a page is the destination of two different source pages")

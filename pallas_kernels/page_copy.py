@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check, check_ids, check_pages_pair, is_concrete, row_chunk
+from pallas_kernels._common import check, check_copy_pairs, check_ids, check_pages_pair, is_concrete, row_chunk
 from pallas_kernels.backend import use_interpreter
 
 Arrays = tuple[jax.Array, ...]
@@ -115,7 +115,8 @@ def _transfer(srcs: Arrays, dsts: Arrays, src_ids, dst_ids, *, to_host: bool, nu
         check(srcs[i].shape[1:] == dsts[i].shape[1:], f"page shape {srcs[i].shape[1:]} != {dsts[i].shape[1:]}")
         check(srcs[i].dtype == dsts[i].dtype, f"dtype {srcs[i].dtype} != {dsts[i].dtype}")
     check_ids("source page ids", src_ids, srcs[0].shape[0])
-    check_ids("destination page ids", dst_ids, dsts[0].shape[0], length=src_ids.shape[0], unique=True)
+    check_ids("destination page ids", dst_ids, dsts[0].shape[0], length=src_ids.shape[0])
+    check_copy_pairs(src_ids, dst_ids)
     if src_ids.shape[0] == 0:
         return dsts
     if not all(is_concrete(x) for x in (*srcs, *dsts)):

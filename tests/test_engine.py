@@ -123,3 +123,23 @@ def test_config_rejects_invalid_values() -> None:
             EngineConfig(**{field: value})
     with pytest.raises(ValueError, match="host_kv_tokens"):
         EngineConfig(device_kv_tokens=1024, host_kv_tokens=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_gpu_hierarchical_matches_no_cache(policy: str) -> None:
+    engine = make_engine(write_policy=policy)
+    assert run_chats(engine) == reference_histories()
+    stats = engine.stats()
+    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.gpu
+def test_gpu_bfloat16_engine_serves_with_all_transfers() -> None:
+    engine = make_engine(dtype="bfloat16", page_size=64)
+    histories = run_chats(engine)
+    assert all(len(h) == SPEC.final_context_tokens for h in histories)
+    stats = engine.stats()
+    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0
+    assert_idle_and_consistent(engine)

@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jhicache.cache.device_pool import PagePool
@@ -153,7 +152,7 @@ class TransferController:
         return ops
 
     def _copy_layers(self, fn: PageCopy, src: PagePool, dst: PagePool,
-                     src_ids: jax.Array, dst_ids: jax.Array) -> list[jax.Array]:
+                     src_ids: np.ndarray, dst_ids: np.ndarray) -> list[jax.Array]:
         outputs = []
         for layer in range(src.num_layers):
             k, v = fn(src.k[layer], src.v[layer], dst.k[layer], dst.v[layer], src_ids, dst_ids)
@@ -181,9 +180,14 @@ class TransferController:
         return self.poll()
 
 
-def _merged_ids(ops: list[TransferOp]) -> tuple[jax.Array, jax.Array]:
-    """Concatenated (device ids, host ids) of `ops`, int32. Not padded: the copy kernels demand
-    unique destination ids, so padding would need a sink page per padded entry."""
+def _merged_ids(ops: list[TransferOp]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated (device ids, host ids) of `ops` as int32 numpy (validated without a device
+    sync), padded to a power of two by repeating the last pair, so the copy kernels compile once
+    per bucket; copying the same page pair twice writes the same bytes."""
     dev = [p for op in ops for p in op.device_pages]
     host = [p for op in ops for p in op.host_pages]
-    return jnp.asarray(np.asarray(dev, np.int32)), jnp.asarray(np.asarray(host, np.int32))
+    size = 16
+    while size < len(dev):
+        size *= 2
+    pad = size - len(dev)
+    return np.asarray(dev + dev[-1:] * pad, np.int32), np.asarray(host + host[-1:] * pad, np.int32)

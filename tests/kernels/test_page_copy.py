@@ -92,6 +92,17 @@ def test_staging_through_pinned_host_roundtrip():
     assert same(np.asarray(dk)[[0, 2, 4]], np.asarray(k)[ids]) and same(np.asarray(dv)[[0, 2, 4]], np.asarray(v)[ids])
 
 
+def test_repeated_identical_pairs_pad_a_transfer():
+    rng = np.random.default_rng(5)
+    h = pinned(rand(rng, (4, 16, 2, 8), np.float32))
+    d = jnp.asarray(rand(rng, (5, 16, 2, 8), np.float32))
+    expected = np.asarray(d).copy()
+    expected[[3, 1]] = np.asarray(h)[[2, 0]]
+    k, _ = pc.load_pages(h, h, jnp.array(d), jnp.array(d), np.array([2, 0, 0, 0], np.int32),
+                         np.array([3, 1, 1, 1], np.int32))
+    np.testing.assert_array_equal(np.asarray(k), expected)
+
+
 def _bad_calls():
     rng = np.random.default_rng(3)
     h = pinned(rand(rng, (4, 16, 2, 8), np.float32))

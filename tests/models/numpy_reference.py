@@ -11,10 +11,13 @@ from safetensors.numpy import save_file
 
 
 def small_hf_config(tied: bool = True, **overrides: Any) -> dict[str, Any]:
-    """A config.json dict of a tiny Qwen2, in the published checkpoints' format."""
+    """A config.json dict of a tiny Qwen2, in the published checkpoints' format.
+
+    head_dim 16: Triton's bf16 dots need K >= 16, and real Qwen2 head_dims are 64 or 128.
+    """
     cfg = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "vocab_size": 97, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": tied,
         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2, "torch_dtype": "float32",

@@ -61,7 +61,7 @@ def test_prefill_matches_numpy_reference(model, checkpoint):
     chex.assert_shape(logits, (12, cfg["vocab_size"]))
     logits = logits[:7]
     chex.assert_type(logits, jnp.float32)
-    chex.assert_shape(kv[0][0], (NUM_PAGES, PAGE_SIZE, 2, 8))
+    chex.assert_shape(kv[0][0], (NUM_PAGES, PAGE_SIZE, 2, 16))
     assert_close(logits, reference_logits(weights, cfg, toks))
 
 

@@ -44,7 +44,7 @@ def test_hf_linear_weights_are_transposed(tmp_path: Path):
     weights = random_hf_weights(cfg)
     model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
     kernel = model.layers[0].self_attn.q_proj.kernel[...]
-    chex.assert_shape(kernel, (32, 32))
+    chex.assert_shape(kernel, (64, 64))
     np.testing.assert_array_equal(np.asarray(kernel), weights["model.layers.0.self_attn.q_proj.weight"].T)
     np.testing.assert_array_equal(
         np.asarray(model.layers[1].mlp.down_proj.kernel[...]), weights["model.layers.1.mlp.down_proj.weight"].T
