@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import time
@@ -133,7 +134,9 @@ def _safe(fn):
         return f"ERROR {type(e).__name__}: {str(e)[:300]}"
 
 
-def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=65536, pages=2048, **_) -> None:
+def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=65536, pages=2048, **_) -> None:
+    """Three timings: eager calls (host checks of concrete metadata included, as in the first round), one call
+    inside jit (how the model calls it: no host checks), and every layer of a step in one jit (dispatch amortised)."""
     k = jnp.zeros((pages, PAGE, kv_heads, dim), DT)
     v = jnp.zeros_like(k)
     kn, vn = _rand(1, (tokens, kv_heads, dim)), _rand(2, (tokens, kv_heads, dim))
@@ -145,15 +148,40 @@ def kv_write(res: dict, name: str, kv_heads: int, dim: int, tokens=65536, pages=
     box = [k, v]
     nbytes = 2 * 2 * kn.nbytes  # K and V, read + write
     out = {}
-    for tpp, warps in ((8, 4), (32, 4), (64, 4), (128, 8), (256, 8)):
-        def step(tpp=tpp, warps=warps):
-            box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp, num_warps=warps)
+
+    def eager(tpp=64, warps=4):
+        box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp, num_warps=warps)
+        return box
+
+    out["eager_pallas_t64_w4"] = _safe(lambda: nbytes / timeit(eager) / GB)
+    for label, kw in (("pallas_t32_w4", dict(tokens_per_program=32, num_warps=4)),
+                      ("pallas_t64_w4", dict(tokens_per_program=64, num_warps=4)),
+                      ("pallas_t128_w8", dict(tokens_per_program=128, num_warps=8)),
+                      ("xla_scatter", dict(method="xla"))):
+        f = jax.jit(lambda k, v, *meta, kw=kw: pk.write_kv(k, v, *meta, **kw), donate_argnums=(0, 1))
+
+        def step(f=f):  # metadata as arguments (tracers inside), as in the model: no closed-over constants
+            box[:] = f(box[0], box[1], kn, vn, table, req, pos)
             return box
-        out[f"tokens_per_program_{tpp}_w{warps}"] = _safe(lambda: nbytes / timeit(step) / GB)
+        out[f"jit_{label}"] = _safe(lambda step=step: nbytes / timeit(step) / GB)
+    del box[:], k, v
+    lk = [jnp.zeros((pages, PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
+    new = [_rand(10 + i, (tokens, kv_heads, dim)) for i in range(2 * layers)]  # per layer: no L2 reuse
+    for label, kw in (("pallas_t64_w4", {}), ("xla_scatter", dict(method="xla"))):
+        def all_layers(pages_kv, rows, *meta, kw=kw):
+            done = [pk.write_kv(pages_kv[2 * i], pages_kv[2 * i + 1], rows[2 * i], rows[2 * i + 1], *meta, **kw)
+                    for i in range(layers)]
+            return [x for pair in done for x in pair]
+        f = jax.jit(all_layers, donate_argnums=(0,))
+
+        def step(f=f):
+            lk[:] = f(lk, new, table, req, pos)
+            return lk
+        out[f"jit_{layers}_layers_{label}"] = _safe(lambda step=step: layers * nbytes / timeit(step) / GB)
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
 
 
-def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, **_) -> None:
+def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, decode: bool = True, **_) -> None:
     rng = np.random.default_rng(0)
     b, t = 4, 2048
     pages_per = t // PAGE
@@ -164,11 +192,12 @@ def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, **_) ->
     lens = jnp.full((b,), t, jnp.int32)
     start = jnp.arange(b, dtype=jnp.int32) * t
     scale = dim**-0.5
-    r = {"batch": b, "tokens_per_request": t, "prefix": 0}
-    for bq, bk, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4)):
+    r = {"batch": b, "tokens_per_request": t, "prefix": 0,
+         "note": "block_q = packed (token, GQA-group head) rows per program; s = num_stages"}
+    for bq, bk, w, st in ((128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)):
         f = jax.jit(lambda q, k, v: pk.paged_attention(q, k, v, table, lens, start, lens, sm_scale=scale,
-                                                       block_q=bq, block_k=bk, num_warps=w))
-        r[f"extend_ms_bq{bq}_bk{bk}_w{w}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
+                                                       block_q=bq, block_k=bk, num_warps=w, num_stages=st))
+        r[f"extend_ms_bq{bq}_bk{bk}_w{w}_s{st}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
     kc = k[table].reshape(b, t, kv_heads, dim)
     vc = v[table].reshape(b, t, kv_heads, dim)
     qc = q.reshape(b, t, heads, dim)
@@ -176,7 +205,8 @@ def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, **_) ->
                                                                  implementation="cudnn"))
     r["cudnn_ms"] = _safe(lambda: timeit(lambda: cudnn(qc, kc, vc)) * 1e3)
     res.setdefault("extend_attention", {})[name] = r
-    decode_attention(res, name, kv_heads, dim, heads)
+    if decode:
+        decode_attention(res, name, kv_heads, dim, heads)
 
 
 def decode_attention(res: dict, name: str, kv_heads: int, dim: int, heads: int) -> None:
@@ -201,22 +231,37 @@ def decode_attention(res: dict, name: str, kv_heads: int, dim: int, heads: int) 
     res.setdefault("decode_attention", {})[name] = r
 
 
+PARTS = ("ceilings", "transfers", "kv_write", "extend", "decode")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--merge", default=None, help="earlier result JSON whose parts not re-run are kept")
     args = parser.parse_args(argv)
-    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(jax.devices()[0].device_kind),
-           "jax": jax.__version__, "page_size": PAGE, "dtype": "bfloat16"}
-    for part in (lambda: ceilings(res), lambda: transfers(res)):
-        err = _safe(part)
+    only = set(args.only.split(","))
+    res = json.load(open(args.merge)) if args.merge else {}
+    if args.merge:  # the kernels' numbers before this round stay on record beside the new ones
+        res.setdefault("previous_round", {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write", "extend_attention")
+                                          if k in res})
+    res.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "page_size": PAGE,
+                "dtype": "bfloat16"})
+    if args.merge:
+        res["parts_rerun"] = {"parts": sorted(only), "date": res["date"],
+                              "note": "other fields come from the earlier run in --merge"}
+    for key, part in (("ceilings", lambda: ceilings(res)), ("transfers", lambda: transfers(res))):
+        err = _safe(part) if key in only else None
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
-        print(json.dumps(res, indent=1, default=str), flush=True)
     for name, shape in SHAPES.items():
-        for part in (kv_write, attention):
-            err = _safe(lambda part=part: part(res, name, **shape))
-            if isinstance(err, str):
-                res.setdefault("errors", []).append(f"{name} {part.__name__}: {err}")
+        parts = [("kv_write", kv_write), ("extend", functools.partial(attention, decode="decode" in only))]
+        for key, part in parts:
+            if key in only:
+                err = _safe(lambda part=part: part(res, name, **shape))
+                if isinstance(err, str):
+                    res.setdefault("errors", []).append(f"{name} {key}: {err}")
     best = lambda d: min((v for k, v in d.items() if k.startswith(("extend_ms", "ours_ms")) and isinstance(v, float)),  # noqa: E731
                          default=None)
     res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values() for v in s["gbps"].values()
@@ -225,6 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
         for key in ("extend_attention", "decode_attention"):
             if name in res.get(key, {}):
                 res[key][name]["ours_best_ms"] = best(res[key][name])
+        ext = res.get("extend_attention", {}).get(name, {})
+        if isinstance(ext.get("cudnn_ms"), float) and ext.get("ours_best_ms"):
+            ext["ours_over_cudnn"] = ext["ours_best_ms"] / ext["cudnn_ms"]
     text = json.dumps(res, indent=1, default=str)
     print(text)
     if args.out:

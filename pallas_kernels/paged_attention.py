@@ -25,20 +25,24 @@ def _key_slots(pt_ref, b, start, *, block_k: int, page_size: int, max_pages: int
 
 
 def _online_softmax_step(q, k, v, visible, carry, *, sm_scale: float):
-    """One key block of flash attention; acc, m, l in float32."""
+    """One key block of flash attention; acc, m, l in float32. visible None: every key of the block is visible."""
     acc, m, l = carry
     exact = None if q.dtype != jnp.float32 else False  # f32 storage: no TF32 rounding
     s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact).astype(jnp.float32) * sm_scale
-    s = jnp.where(visible, s, _NEG)
+    if visible is not None:
+        s = jnp.where(visible, s, _NEG)
     m_new = jnp.maximum(m, s.max(axis=1))
-    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    p = jnp.exp(s - m_new[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
     alpha = jnp.exp(m - m_new)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact).astype(jnp.float32)
     return acc, m_new, l * alpha + p.sum(axis=1)
 
 
-def _attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale, block_k, page_size):
-    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k."""
+def _attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale, block_k, page_size, init=None):
+    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k, continuing from `init`.
+    visible_fn None: the caller promises [lo, hi) is whole blocks all visible to every row (no mask work)."""
     max_pages, num_slots = pt_ref.shape[1], k_ref.shape[0]
 
     def body(i, carry):
@@ -46,51 +50,61 @@ def _attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale
                                 max_pages=max_pages, num_slots=num_slots)
         k = k_ref[slots, kv_head, :].astype(q.dtype)
         v = v_ref[slots, kv_head, :].astype(q.dtype)
-        return _online_softmax_step(q, k, v, visible_fn(tok) & (tok < hi)[None, :], carry, sm_scale=sm_scale)
+        visible = None if visible_fn is None else visible_fn(tok) & (tok < hi)[None, :]
+        return _online_softmax_step(q, k, v, visible, carry, sm_scale=sm_scale)
 
     rows, dim = q.shape
-    init = (jnp.zeros((rows, dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    if init is None:
+        init = (jnp.zeros((rows, dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
     return jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), block_k), body, init)
 
 
 # ---------------------------------------------------------------- extend kernel
 def _extend_kernel(pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, _o_in, o_ref, *,
-                   group, sm_scale, block_q, block_k, page_size):
-    """Program (b, query block, head): block_q new tokens of request b against its keys, causally."""
-    b, qb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                   group, heads, sm_scale, block_q, block_k, page_size, num_tiles):
+    """Program (b, row tile, kv head): block_q packed query rows of request b, row r = (token r // group, head
+    kv_head * group + r % group), so a GQA group shares each K/V block load and dot (no padding of the group)."""
+    b, hk = pl.program_id(0), pl.program_id(2)
+    tile = num_tiles - 1 - pl.program_id(1)  # heaviest (latest, most keys) tiles launch first: shorter tail
     qlen = qlen_ref[b]
 
-    @pl.when(qb * block_q < qlen)
+    @pl.when(tile * block_q < qlen * group)
     def _():
         seq = lens_ref[b]
-        first = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)  # index among b's new tokens
-        rows = qstart_ref[b] + first  # q is padded by block_q rows, so no clamp is needed
+        packed = tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+        # Rows past the request's last token redo that token's rows: their stores then write the same values to
+        # the same places, so no mask is needed (the interpreter's masked scatter would write stale bytes there).
+        first = jnp.minimum(packed // group, qlen - 1)  # index among b's new tokens
+        rows = (qstart_ref[b] + first) * heads + hk * group + packed % group  # flat row of q/o [T * H, D]
         pos = seq - qlen + first
-        hi = seq - qlen + jnp.minimum(qb * block_q + block_q, qlen)  # last visible key + 1
-        q = q_ref[rows, h, :].astype(k_ref.dtype)
-        acc, _, l = _attend(pt_ref, k_ref, v_ref, q, b, h // group, 0, hi,
-                            lambda tok: tok[None, :] <= pos[:, None],
-                            sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+        lo_pos = seq - qlen + tile * block_q // group  # the tile's earliest query: keys <= it are visible to all
+        hi = seq - qlen + jnp.minimum((tile * block_q + block_q - 1) // group + 1, qlen)  # last visible key + 1
+        cols = jnp.broadcast_to(jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :], (block_q, q_ref.shape[1]))
+        row_idx = jnp.broadcast_to(rows[:, None], cols.shape)
+        q = q_ref[row_idx, cols].astype(k_ref.dtype)
+        full = (lo_pos + 1) // block_k * block_k  # whole key blocks before the diagonal: no mask work
+        kw = dict(sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+        carry = _attend(pt_ref, k_ref, v_ref, q, b, hk, 0, full, None, **kw)
+        acc, _, l = _attend(pt_ref, k_ref, v_ref, q, b, hk, full, hi, lambda tok: tok[None, :] <= pos[:, None],
+                            init=carry, **kw)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        mask = jnp.broadcast_to((first < qlen)[:, None], out.shape)
-        # All-array indices: the interpreter's masked store refuses array indices mixed with slices.
-        cols = jnp.broadcast_to(jnp.arange(out.shape[1], dtype=jnp.int32)[None, :], out.shape)
-        row_idx = jnp.broadcast_to(rows[:, None], out.shape)
-        plgpu.store(o_ref.at[row_idx, h, cols], out.astype(o_ref.dtype), mask=mask)
+        o_ref[row_idx, cols] = out.astype(o_ref.dtype)
 
 
-def _extend_call(q_padded, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, *, group, sm_scale,
+def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, *, group, sm_scale,
                  block_q, block_k, page_size, num_warps, num_stages):
-    """q_padded: [T + block_q, H, D]; k/v_flat: [pages*S, Hkv, D]. Output rows start as zeros (aliased)."""
-    rows, heads, _ = q_padded.shape
-    grid = (page_table.shape[0], pl.cdiv(rows - block_q, block_q), heads)
-    kernel = functools.partial(_extend_kernel, group=group, sm_scale=sm_scale, block_q=block_q,
-                               block_k=block_k, page_size=page_size)
+    """q_rows: [T * H, D]; k/v_flat: [pages*S, Hkv, D]. Output rows start as zeros (aliased), so padding stays 0."""
+    kv_heads = k_flat.shape[1]
+    num_tiles = pl.cdiv(q_rows.shape[0] // kv_heads, block_q)  # T * group rows per kv head, at most
+    grid = (page_table.shape[0], num_tiles, kv_heads)
+    kernel = functools.partial(_extend_kernel, group=group, heads=group * kv_heads, sm_scale=sm_scale, block_q=block_q,
+                               block_k=block_k, page_size=page_size, num_tiles=num_tiles)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(q_padded.shape, q_padded.dtype), grid=grid,
+        kernel, out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype), grid=grid,
         input_output_aliases={7: 0}, interpret=use_interpreter(),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(page_table, seq_lens, query_start, query_lens, q_padded, k_flat, v_flat, jnp.zeros_like(q_padded))
+    )(page_table, seq_lens, query_start, query_lens, q_rows, k_flat, v_flat, jnp.zeros_like(q_rows))
 
 
 # ---------------------------------------------------------------- decode kernel
@@ -139,12 +153,12 @@ _STATIC = ("sm_scale", "block_q", "block_k", "num_warps", "num_stages")
 def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *, sm_scale, block_q, block_k,
             num_warps, num_stages):
     num_pages, page_size, kv_heads, dim = k_pages.shape
-    q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))  # [T + block_q, H, D]
+    tokens, heads, _ = q.shape
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
-    out = _extend_call(q_padded, flat(k_pages), flat(v_pages), page_table, seq_lens, query_start, query_lens,
-                       group=q.shape[1] // kv_heads, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
-                       page_size=page_size, num_warps=num_warps, num_stages=num_stages)
-    return out[: q.shape[0]]
+    out = _extend_call(q.reshape(tokens * heads, dim), flat(k_pages), flat(v_pages), page_table, seq_lens,
+                       query_start, query_lens, group=heads // kv_heads, sm_scale=sm_scale, block_q=block_q,
+                       block_k=block_k, page_size=page_size, num_warps=num_warps, num_stages=num_stages)
+    return out.reshape(tokens, heads, dim)  # [T, H, D]
 
 
 def paged_attention(
@@ -157,7 +171,7 @@ def paged_attention(
     query_lens: jax.Array,  # [B] int32: new tokens per request (0 = padding request)
     *,
     sm_scale: float,
-    block_q: int = 64,
+    block_q: int | None = None,  # packed (token, group head) rows per program; None: 128, 64 for f32 (smem)
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -170,6 +184,7 @@ def paged_attention(
                                                                               query_lens)))
     if q.shape[0] == 0 or page_table.shape[0] == 0:
         return jnp.zeros_like(q)
+    block_q = block_q or (64 if q.dtype.itemsize > 2 else 128)
     return _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, sm_scale=float(sm_scale),
                    block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 

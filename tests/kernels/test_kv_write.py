@@ -42,6 +42,27 @@ def test_write_kv_program_split(tokens_per_program):
     _run(5, [(13, 21), (0, 5), (16, 16)], 16, np.float32, 2, tokens_per_program=tokens_per_program)
 
 
+@pytest.mark.parametrize("method", ["pallas", "xla"])
+@pytest.mark.parametrize("heads,dim", [(2, 64), (4, 128), (1, 16)])
+def test_write_kv_row_shapes_and_methods(heads, dim, method):
+    """Qwen2-like rows (2x64, 4x128) and a narrow one, by the kernel and by the XLA scatter path."""
+    _run(8, [(13, 21), (0, 5), (70, 40)], 16, jnp.bfloat16, 3, heads=heads, dim=dim, method=method,
+         tokens_per_program=16)
+
+
+def test_write_kv_padding_only_blocks():
+    """Blocks holding only padding tokens (before, between and after live ones) write nothing."""
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [3], [5], 16, pad_tokens=20)
+    order = np.r_[5:13, 0:5, 13:25]  # 8 padding tokens first: a whole padding block, then live ones
+    k = v = jnp.asarray(poisoned((batch.num_pages, 16, 2, 8), np.float32))
+    new = rand(rng, (25, 2, 8), np.float32)[order]
+    args = [jnp.asarray(x) for x in (new, new, batch.page_table, batch.token_req[order], batch.positions[order])]
+    want = write_kv_reference(k, v, *args)
+    got = write_kv(k, v + 0, *args, tokens_per_program=4)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+
+
 def test_write_kv_every_slot_written_exactly():
     """Prefix ending mid-page, no prefix, and a full page: the written slots are exactly the new ones."""
     rng = np.random.default_rng(0)
@@ -77,6 +98,15 @@ def _bad_calls():
 def test_write_kv_invalid_arguments_raise(index):
     with pytest.raises(ValueError):
         _bad_calls()[index]()
+
+
+def test_write_kv_unknown_method_raises():
+    rng = np.random.default_rng(1)
+    pages = jnp.asarray(rand(rng, (4, 16, 2, 8), np.float32))
+    new = jnp.asarray(rand(rng, (1, 2, 8), np.float32))
+    one = np.zeros((1,), np.int32)
+    with pytest.raises(ValueError):
+        write_kv(pages, pages, new, new, np.zeros((1, 1), np.int32), one, one, method="triton")
 
 
 @pytest.mark.gpu

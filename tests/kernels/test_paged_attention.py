@@ -68,6 +68,15 @@ def test_extend_mid_page_prefix_no_prefix_and_gqa():
     run_extend(0, [(5, 14), (0, 3), (16, 16), (40, 1)], 16, np.float32, heads=6, kv_heads=2, block_q=8, block_k=16)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (28, 4, 16), (4, 2, 128), (3, 3, 16)])
+@pytest.mark.parametrize("block_q", [16, 32])
+def test_extend_group_packing(heads, kv_heads, dim, block_q):
+    """GQA-packed tiles: groups of 7/7/2/1 heads, tiles that end mid-group and mid-token, a tile's rows spanning
+    the causal diagonal and the request's end, prefixes ending mid-page."""
+    run_extend(7, [(5, 19), (0, 3), (33, 9)], 16, np.float32, heads=heads, kv_heads=kv_heads, dim=dim,
+               block_q=block_q, block_k=16)
+
+
 @settings(max_examples=8, deadline=None)
 @given(seq_lens=st.lists(st.integers(0, 70), min_size=0, max_size=4), page_size=st.sampled_from([1, 16, 64]),
        dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([1, 3]),
