@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-kv-tokens", type=int, default=None, help="device pool tokens (default: from ratio)")
     p.add_argument("--modes", default=",".join(MODES), help="multiturn cache modes, comma separated")
     p.add_argument("--write-policy", default="write_back")
+    p.add_argument("--transfer-path", default="pages", choices=("pages", "segments"),
+                   help="host tier layout: zero-copy kernels (pages) or copy-engine DMA (segments)")
     p.add_argument("--host-hit-prefix", type=int, default=8192 if on_gpu else 256,
                    help="host-hit: cached prefix tokens")
     p.add_argument("--host-hit-turn", type=int, default=64 if on_gpu else 16, help="host-hit: new turn tokens")
@@ -55,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
-    config = EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy, **overrides)
+    config = EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy,
+                          transfer_path=args.transfer_path, **overrides)
     if args.weights:
         return Engine.from_pretrained(args.weights, config)
     return Engine.from_preset(args.preset, config, seed=args.seed)
@@ -207,7 +210,8 @@ def bytes_per_token(engine: Engine) -> int:
 def run(args: argparse.Namespace) -> dict:
     result: dict = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
                     "backend": jax.default_backend(), "jax": jax.__version__, "preset": args.weights or args.preset,
-                    "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy}
+                    "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy,
+                    "transfer_path": args.transfer_path}
     if args.what in ("all", "model"):
         result["model"] = bench_model(args)
         print(report.model_table(result["model"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jhicache.cache import WritePolicy
+from jhicache.cache import TransferPath, WritePolicy
 
 
 class CacheMode(enum.Enum):
@@ -57,6 +57,9 @@ class EngineConfig:
       load_back_threshold: host runs shorter than this many tokens are recomputed, not loaded.
       device_memory_fraction: share of free device memory the default device pool takes.
       check_invariants_every_step: debug flag: page accounting is verified after each step.
+      transfer_path: host tier layout and copy path: "pages" (zero-copy Pallas kernels over a
+        paged host pool; compute stream) or "segments" (host segments moved by copy-engine DMA
+        one layer ahead of the forward, see jhicache/cache/segment_transfer.py).
     """
 
     page_size: int = 64
@@ -72,11 +75,13 @@ class EngineConfig:
     host_to_device_ratio: int = 4
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
+    transfer_path: TransferPath | str = TransferPath.PAGES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))
         object.__setattr__(self, "write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
         object.__setattr__(self, "dtype", _as_enum(KVDtype, self.dtype, "dtype"))
+        object.__setattr__(self, "transfer_path", _as_enum(TransferPath, self.transfer_path, "transfer_path"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens", "host_to_device_ratio"):
             _require_positive(field, getattr(self, field))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.batch import Batch, model_inputs
-from jhicache.cache import DevicePool, HostPool, PoolLayout, TieredCache
+from jhicache.cache import DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
@@ -36,7 +36,8 @@ class Engine:
         host_pool = None
         if config.cache_mode is CacheMode.HIERARCHICAL:
             host_tokens = config.host_tokens_for(layout.num_pages * config.page_size)
-            host_pool = HostPool(PoolLayout(**{**layout.__dict__, "num_pages": host_tokens // config.page_size}))
+            host_layout = PoolLayout(**{**layout.__dict__, "num_pages": host_tokens // config.page_size})
+            host_pool = make_host_pool(host_layout, config.transfer_path)
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold)
         from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
@@ -138,6 +139,7 @@ class Engine:
         if batch is None:
             return False
         sampled = self._forward(batch)
+        self.cache.drive_loads()  # loads of requests that were not admitted: none stays half-loaded
         finished = self.scheduler.commit(batch, sampled, time.perf_counter())
         self.counters.record_finished(finished)
         if self.config.check_invariants_every_step:

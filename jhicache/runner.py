@@ -1,10 +1,14 @@
 """ModelRunner: runs one batch through the model over the device KV pages, fused or layer by layer.
 
 Without a load-back in flight the whole model runs as one jitted program (one dispatch per step).
-With one, the forward runs layer by layer and waits for layer l's pages at exactly one place,
-`ticket.wait(layer)` in `_layered`,, before dispatching layer l. The KV arrays are donated to each
-program and the pool is given the returned arrays at once, so the pool always holds the newest
-version (the transfer controller relies on that for ordering, see `jhicache.cache.transfer`).
+With one, the forward runs layer by layer and syncs with layer l's pages at exactly one place,
+`ticket.wait(layer)` in `_layered`, before dispatching layer l. On the pages path that blocks the
+host until the (already dispatched) copy is done; on the segments path it dispatches layer l+1's
+host->device DMA and layer l's on-device scatter without blocking, so the DMA overlaps layer l's
+compute and the scatter's output is layer l's input (`jhicache.cache.segment_transfer`). The KV
+arrays are donated to each program and the pool is given the returned arrays at once, so the pool
+always holds the newest version (the transfer controllers rely on that for ordering, see
+`jhicache.cache.transfer`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _head_rows(head_def: nnx.GraphDef, head_state: nnx.State, hidden: jax.Array,
 
 class ForwardResult(NamedTuple):
     logits: jax.Array  # [B, vocab] float32
-    load_wait_s: float  # host time spent blocked in ticket.wait
+    load_wait_s: float  # host time spent in ticket.wait (blocked, or dispatching on the segments path)
 
 
 class ModelRunner:
@@ -86,7 +90,7 @@ class ModelRunner:
         for layer in range(self.num_layers):
             start = time.perf_counter()
             for ticket in tickets:
-                ticket.wait(layer)  # the one place a forward waits for loaded pages
+                ticket.wait(layer)  # the one place a forward syncs with loaded pages
             waited += time.perf_counter() - start
             hidden, k, v = layer_apply(p.layer_def, p.layer_states[layer], hidden,
                                        self.pool.k[layer], self.pool.v[layer], meta)

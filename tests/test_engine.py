@@ -60,6 +60,18 @@ def test_hierarchical_matches_no_cache(page_size: int, policy: str) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_segments_transfer_path_matches_no_cache(page_size: int, policy: str) -> None:
+    """Host segments moved by DMA + on-device scatter: same greedy tokens as no cache at all."""
+    engine = make_engine(page_size=page_size, write_policy=policy, transfer_path="segments")
+    assert run_chats(engine) == reference_histories()
+    stats = engine.stats()
+    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
+    assert stats["host_segments"] > 0
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_device_cache_matches_no_cache(page_size: int) -> None:
     engine = make_engine(page_size=page_size, cache_mode="device")
     assert run_chats(engine) == reference_histories()
@@ -123,6 +135,8 @@ def test_config_rejects_invalid_values() -> None:
             EngineConfig(**{field: value})
     with pytest.raises(ValueError, match="host_kv_tokens"):
         EngineConfig(device_kv_tokens=1024, host_kv_tokens=512)
+    with pytest.raises(ValueError, match="transfer_path"):
+        EngineConfig(transfer_path="carrier_pigeon")
 
 
 @pytest.mark.gpu
@@ -136,8 +150,19 @@ def test_gpu_hierarchical_matches_no_cache(policy: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_bfloat16_engine_serves_with_all_transfers() -> None:
-    engine = make_engine(dtype="bfloat16", page_size=64)
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_gpu_segments_transfer_path_matches_no_cache(policy: str) -> None:
+    engine = make_engine(write_policy=policy, transfer_path="segments")
+    assert run_chats(engine) == reference_histories()
+    stats = engine.stats()
+    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["pages", "segments"])
+def test_gpu_bfloat16_engine_serves_with_all_transfers(path: str) -> None:
+    engine = make_engine(dtype="bfloat16", page_size=64, transfer_path=path)
     histories = run_chats(engine)
     assert all(len(h) == SPEC.final_context_tokens for h in histories)
     stats = engine.stats()

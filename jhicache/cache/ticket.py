@@ -1,10 +1,14 @@
 """LoadTicket: the one object through which a forward learns that a load-back's layer is on device.
 
-A ticket is created when a load-back is queued and bound to per-layer output arrays when the
-transfer controller launches it. `wait(layer)` blocks the calling (host) thread until that
-layer's copy has finished; `is_ready(layer)` / `done()` poll without blocking. No pool getter
-waits implicitly: the runner calls `wait(layer)` (or relies on JAX's data dependency, see
-`transfer.py`) at one explicit site in its layer loop.
+A ticket is created when a load-back is queued and bound, when the transfer controller launches
+it, to the launch's per-layer copies (`LayerCopies`; several tickets may share one launch).
+`wait(layer)` makes that layer's pages safe for the next computation the caller dispatches:
+on the pages path (zero-copy kernels, all layers dispatched at launch) it blocks the host until
+the copy has finished; on the segments path it dispatches the copies of that layer (and the
+host->device DMA of the next one) without blocking, and JAX's data dependencies order them
+before the caller's next kernel. `is_ready(layer)` / `done()` poll without blocking and
+`wait_all()` blocks until every layer is on device. No pool getter waits implicitly: the runner
+calls `wait(layer)` at one explicit site in its layer loop.
 
 Readiness of a donated output: the pool keeps the newest array of each layer, and every newer
 version was computed from the older one, so when a launch's own output has since been donated,
@@ -14,6 +18,7 @@ the pool's current array standing ready implies the load finished.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 
@@ -40,6 +45,30 @@ def block_on(arr: jax.Array, layer: int, successor: Successor) -> None:
     current.block_until_ready()
 
 
+class LayerCopies(Protocol):
+    """The per-layer copies of one load-back launch, as a ticket sees them."""
+
+    def wait(self, layer: int) -> None: ...  # layer safe for the next dispatched computation
+    def is_ready(self, layer: int) -> bool: ...  # non-blocking: layer's copy has finished
+    def block(self, layer: int) -> None: ...  # blocks the host until layer's copy has finished
+
+
+class DispatchedCopies:
+    """Copies dispatched for every layer at launch (pages path): `outputs[layer]` is the result."""
+
+    def __init__(self, outputs: list[jax.Array], successor: Successor) -> None:
+        self.outputs, self.successor = outputs, successor
+
+    def wait(self, layer: int) -> None:
+        self.block(layer)
+
+    def is_ready(self, layer: int) -> bool:
+        return array_ready(self.outputs[layer], layer, self.successor)
+
+    def block(self, layer: int) -> None:
+        block_on(self.outputs[layer], layer, self.successor)
+
+
 class LoadTicket:
     """Per-layer readiness of one queued load-back (several tickets may share one launch)."""
 
@@ -49,8 +78,7 @@ class LoadTicket:
         self.num_layers = num_layers
         self.host_pages = tuple(host_pages)
         self.device_pages = tuple(device_pages)
-        self._outputs: list[jax.Array] | None = None
-        self._successor: Successor | None = None
+        self._copies: LayerCopies | None = None
 
     def __repr__(self) -> str:
         state = "launched" if self.launched else "queued"
@@ -58,35 +86,34 @@ class LoadTicket:
 
     @property
     def launched(self) -> bool:
-        return self._outputs is not None
+        return self._copies is not None
 
-    def bind(self, outputs: list[jax.Array], successor: Successor) -> None:
-        """Called by the controller at launch: `outputs[layer]` is that layer's copy result."""
-        if len(outputs) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} layer outputs, got {len(outputs)}")
-        self._outputs, self._successor = outputs, successor
+    def bind(self, copies: LayerCopies) -> None:
+        """Called by the controller at launch."""
+        self._copies = copies
 
-    def _checked(self, layer: int) -> tuple[jax.Array, Successor]:
-        if self._outputs is None or self._successor is None:
+    def _checked(self, layer: int) -> LayerCopies:
+        if self._copies is None:
             raise RuntimeError(f"{self} was not launched: call TieredCache.launch() (or "
                                "TransferController.launch()) before the forward that reads it")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        return self._outputs[layer], self._successor
+        return self._copies
 
     def is_ready(self, layer: int) -> bool:
-        arr, successor = self._checked(layer)
-        return array_ready(arr, layer, successor)
+        return self._checked(layer).is_ready(layer)
 
     def wait(self, layer: int) -> None:
-        """Blocks until `layer`'s pages are on device."""
-        arr, successor = self._checked(layer)
-        block_on(arr, layer, successor)
+        """Makes `layer`'s pages safe to read by the next computation dispatched (see module doc)."""
+        self._checked(layer).wait(layer)
 
     def done(self) -> bool:
         """Non-blocking: every layer copied (False while still queued)."""
         return self.launched and all(self.is_ready(layer) for layer in range(self.num_layers))
 
     def wait_all(self) -> None:
+        """Blocks until every layer's pages are on device."""
         for layer in range(self.num_layers):
             self.wait(layer)
+        for layer in range(self.num_layers):
+            self._checked(layer).block(layer)

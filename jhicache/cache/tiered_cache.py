@@ -14,6 +14,12 @@ are host-evicted, and only when a host allocation would otherwise fail.
 Rule that keeps copies correct: before any page leaves the tree, queued write-backs are launched
 (`TransferController.launch_writes`), so every copy reading a page is dispatched before the page
 can be reused, and JAX orders it before any later kernel that writes that page (transfer.py).
+
+The host tier is either a paged `HostPool` (zero-copy kernels) or a `HostSegmentPool` (DMA of
+whole segments, see segment_transfer.py); `make_host_pool(layout, TransferPath)` builds either
+and the cache picks the matching controller. On the segments path a launched load-back is only
+dispatched layer by layer as its ticket is waited on, so `drive_loads()` (also done by `poll`
+and `flush`) must run before any forward that does not hold the ticket.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
-from jhicache.cache.host_pool import HostPool
+from jhicache.cache.host_pool import HostPool, TransferPath
+from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.invariants import check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.ticket import LoadTicket
-from jhicache.cache.transfer import CopyFns, TransferController, TransferKind, TransferOp
+from jhicache.cache.segment_transfer import make_controller
+from jhicache.cache.transfer import CopyFns, TransferKind, TransferOp
 
 
 class WritePolicy(enum.Enum):
@@ -48,7 +56,8 @@ _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_byte
 class TieredCache:
     """Prefix cache over device pages with an optional pinned-host tier (None: device only)."""
 
-    def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
+    def __init__(self, page_size: int, device_pool: DevicePool,
+                 host_pool: HostPool | HostSegmentPool | None = None,
                  policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
                  write_through_threshold: int = 2, copy_fns: CopyFns | None = None) -> None:
         if page_size != device_pool.layout.page_size:
@@ -62,7 +71,7 @@ class TieredCache:
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
         self.host_alloc = PageAllocator(host_pool.layout.num_pages) if host_pool else None
-        self.controller = TransferController(device_pool, host_pool, copy_fns) if host_pool else None
+        self.controller = make_controller(device_pool, host_pool, copy_fns) if host_pool else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         self._host_pinned: set[Node] = set()  # host-only nodes a load-back is about to read
         self._stats = dict.fromkeys(_STATS, 0)
@@ -206,6 +215,7 @@ class TieredCache:
             return
         assert self.host_alloc is not None and self.controller is not None
         self.controller.launch_writes()  # no merged launch may write one host page twice
+        self.host_pool.release(pages)  # segments path: unmaps the pages, drops emptied segments
         self.host_alloc.free(pages)
 
     # -- load-back -----------------------------------------------------------------------
@@ -275,6 +285,16 @@ class TieredCache:
         if self.controller is not None:
             self.controller.launch()
 
+    @property
+    def transfer_path(self) -> TransferPath | None:
+        return self.host_pool.transfer_path if self.host_pool is not None else None
+
+    def drive_loads(self) -> None:
+        """Dispatches (never blocks) every launched load-back's remaining layers; call after a
+        forward so that no later forward can read a half-loaded page (segments path)."""
+        if self.controller is not None:
+            self.controller.drive_loads()
+
     def poll(self) -> int:
         """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
         if self.controller is None:
@@ -310,7 +330,8 @@ class TieredCache:
                      evictable_tokens=self.tree.evictable_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,
                      host_free_pages=self.host_alloc.num_free if self.host_alloc else 0,
-                     loads_in_flight=len(self._loading))
+                     loads_in_flight=len(self._loading),
+                     host_segments=getattr(self.host_pool, "num_segments", 0))
         return stats
 
     def check_invariants(self, extra_owned_device_pages: Iterable[int] = (),
@@ -318,3 +339,6 @@ class TieredCache:
         """Raises InvariantError; pass the device pages held by running requests."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
                          extra_owned_device_pages, extra_owned_host_pages)
+        if self.host_pool is not None and self.host_alloc is not None and self.controller is not None:
+            allocated = set(range(self.host_alloc.num_pages)) - set(self.host_alloc.free_pages())
+            self.host_pool.check_invariants(allocated, self.controller.queued_write_host_pages())

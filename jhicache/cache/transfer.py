@@ -1,8 +1,10 @@
 """TransferController: queues write-backs (device->host) and load-backs (host->device), merges each
-kind into one launch per layer, and reports completion per operation.
+kind into one launch, and reports completion per operation. This module owns the queueing shared
+by both transfer paths and the pages path (zero-copy kernels over a paged host pool); the
+segments path (DMA of whole host arrays) is `segment_transfer.SegmentTransferController`.
 
-Who does what, in which order
------------------------------
+Who does what, in which order (pages path)
+------------------------------------------
 | phase            | thread           | device work                                   |
 |------------------|------------------|-----------------------------------------------|
 | queue_*          | scheduler thread | none (page id lists only)                     |
@@ -13,7 +15,8 @@ Who does what, in which order
 | forward          | scheduler thread | kernels that read / donate the device arrays  |
 | poll             | scheduler thread | none: non-blocking `is_ready` on the outputs  |
 `launch()` always dispatches writes before loads. On GPU the copies are Pallas kernels that
-access pinned host memory directly; they run on the compute stream, like the forward.
+access pinned host memory directly; they run on the compute stream, like the forward, so a load
+is not hidden behind compute (the segments path exists for that).
 
 Why this is safe with donated device buffers
 --------------------------------------------
@@ -42,8 +45,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jhicache.cache.device_pool import PagePool
-from jhicache.cache.ticket import LoadTicket, array_ready, block_on
+from jhicache.cache.device_pool import PagePool, PoolLayout
+from jhicache.cache.ticket import DispatchedCopies, LayerCopies, LoadTicket
 
 PageCopy = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -78,23 +81,27 @@ class TransferOp(NamedTuple):
 
 class _Launch(NamedTuple):
     ops: list[TransferOp]
-    outputs: list[jax.Array]  # one per layer (K; V comes from the same kernel call)
-    pool: PagePool  # whose newer arrays succeed `outputs`
+    copies: LayerCopies  # per-layer readiness of the launch's outputs
 
 
-class TransferController:
-    """Merges and launches page copies between a DevicePool and a HostPool."""
+class ControllerBase:
+    """Queues, merges and retires copies; subclasses dispatch one merged launch of each kind."""
 
-    def __init__(self, device_pool: PagePool, host_pool: PagePool, copy_fns: CopyFns | None = None) -> None:
-        if not device_pool.layout.same_page_shape(host_pool.layout):
-            raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
-        self.device_pool, self.host_pool = device_pool, host_pool
-        self.copy_fns = copy_fns if copy_fns is not None else default_copy_fns()
+    def __init__(self, device_pool: PagePool, host_layout: PoolLayout) -> None:
+        if not device_pool.layout.same_page_shape(host_layout):
+            raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_layout}")
+        self.device_pool = device_pool
         self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
         self._in_flight: list[_Launch] = []
         self._next_id = 0
         self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
                          "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0}
+
+    def _write(self, ops: list[TransferOp]) -> LayerCopies:
+        raise NotImplementedError
+
+    def _load(self, ops: list[TransferOp]) -> LayerCopies:
+        raise NotImplementedError
 
     def _op(self, kind: TransferKind, device_pages: Sequence[int], host_pages: Sequence[int],
             ticket: LoadTicket | None = None) -> TransferOp:
@@ -118,6 +125,10 @@ class TransferController:
     def num_queued(self) -> int:
         return sum(len(q) for q in self._queued.values())
 
+    def queued_write_host_pages(self) -> list[int]:
+        """Host pages of write-backs not launched yet (their data does not exist on host yet)."""
+        return [p for op in self._queued[TransferKind.WRITE_BACK] for p in op.host_pages]
+
     def launch(self) -> None:
         """Dispatches everything queued: write-backs first, then load-backs."""
         self.launch_writes()
@@ -126,21 +137,16 @@ class TransferController:
     def launch_writes(self) -> None:
         ops = self._take(TransferKind.WRITE_BACK)
         if ops:
-            dev, host = _merged_ids(ops)
-            src, dst, fn = self.device_pool, self.host_pool, self.copy_fns.write_back
-            outputs = self._copy_layers(fn, src, dst, dev, host)
-            self._in_flight.append(_Launch(ops, outputs, dst))
+            self._in_flight.append(_Launch(ops, self._write(ops)))
 
     def launch_loads(self) -> None:
         ops = self._take(TransferKind.LOAD_BACK)
         if ops:
-            dev, host = _merged_ids(ops)
-            src, dst, fn = self.host_pool, self.device_pool, self.copy_fns.load
-            outputs = self._copy_layers(fn, src, dst, host, dev)
+            copies = self._load(ops)
             for op in ops:
                 assert op.ticket is not None
-                op.ticket.bind(outputs, lambda layer: dst.k[layer])
-            self._in_flight.append(_Launch(ops, outputs, dst))
+                op.ticket.bind(copies)
+            self._in_flight.append(_Launch(ops, copies))
 
     def _take(self, kind: TransferKind) -> list[TransferOp]:
         ops, self._queued[kind] = self._queued[kind], []
@@ -151,33 +157,70 @@ class TransferController:
             self.counters[f"{kind.value}_launches"] += 1
         return ops
 
+    def drive_loads(self) -> None:
+        """Dispatches every launched load's remaining copies (no-op where launch dispatches all)."""
+
+    def poll(self) -> list[TransferOp]:
+        """Non-blocking: ops whose launch has completed, in launch order."""
+        self.drive_loads()
+        done: list[TransferOp] = []
+        layers = range(self.device_pool.num_layers)
+        while self._in_flight and all(self._in_flight[0].copies.is_ready(i) for i in layers):
+            done += self._in_flight.pop(0).ops
+        return done
+
+    def flush(self) -> list[TransferOp]:
+        """Launches everything queued and blocks until all launched copies complete."""
+        self.launch()
+        self.drive_loads()
+        for launch in self._in_flight:
+            for layer in range(self.device_pool.num_layers):
+                launch.copies.block(layer)
+        return self.poll()
+
+
+class TransferController(ControllerBase):
+    """Pages path: merges and launches page copies between a DevicePool and a paged HostPool."""
+
+    def __init__(self, device_pool: PagePool, host_pool: PagePool, copy_fns: CopyFns | None = None) -> None:
+        super().__init__(device_pool, host_pool.layout)
+        self.host_pool = host_pool
+        self.copy_fns = copy_fns if copy_fns is not None else default_copy_fns()
+
+    def _write(self, ops: list[TransferOp]) -> LayerCopies:
+        dev, host = _merged_ids(ops)
+        dst = self.host_pool
+        outputs = self._copy_layers(self.copy_fns.write_back, self.device_pool, dst, dev, host)
+        return DispatchedCopies(outputs, lambda layer: dst.k[layer])
+
+    def _load(self, ops: list[TransferOp]) -> LayerCopies:
+        dev, host = _merged_ids(ops)
+        dst = self.device_pool
+        outputs = self._copy_layers(self.copy_fns.load, self.host_pool, dst, host, dev)
+        return DispatchedCopies(outputs, lambda layer: dst.k[layer])
+
     def _copy_layers(self, fn: PageCopy, src: PagePool, dst: PagePool,
                      src_ids: np.ndarray, dst_ids: np.ndarray) -> list[jax.Array]:
         outputs = []
         for layer in range(src.num_layers):
             k, v = fn(src.k[layer], src.v[layer], dst.k[layer], dst.v[layer], src_ids, dst_ids)
             dst.set_layer(layer, k, v)
-            outputs.append(k)
+            outputs.append(k)  # K and V come from one kernel call: K's readiness stands for both
         return outputs
 
-    def poll(self) -> list[TransferOp]:
-        """Non-blocking: ops whose launch has completed, in launch order."""
-        done: list[TransferOp] = []
-        while self._in_flight and self._launch_ready(self._in_flight[0]):
-            done += self._in_flight.pop(0).ops
-        return done
 
-    def _launch_ready(self, launch: _Launch) -> bool:
-        successor = lambda layer: launch.pool.k[layer]  # noqa: E731
-        return all(array_ready(a, i, successor) for i, a in enumerate(launch.outputs))
+def pow2_bucket(n: int, smallest: int = 16) -> int:
+    """The power of two >= max(n, smallest): padded id lists compile one kernel per bucket."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
 
-    def flush(self) -> list[TransferOp]:
-        """Launches everything queued and blocks until all launched copies complete."""
-        self.launch()
-        for launch in self._in_flight:
-            for layer, arr in enumerate(launch.outputs):
-                block_on(arr, layer, lambda i, p=launch.pool: p.k[i])
-        return self.poll()
+
+def pad_to(ids: Sequence[int], size: int) -> np.ndarray:
+    """`ids` as int32, padded to `size` by repeating the last id."""
+    ids = list(ids)
+    return np.asarray(ids + ids[-1:] * (size - len(ids)), np.int32)
 
 
 def _merged_ids(ops: list[TransferOp]) -> tuple[np.ndarray, np.ndarray]:
@@ -186,8 +229,5 @@ def _merged_ids(ops: list[TransferOp]) -> tuple[np.ndarray, np.ndarray]:
     per bucket; copying the same page pair twice writes the same bytes."""
     dev = [p for op in ops for p in op.device_pages]
     host = [p for op in ops for p in op.host_pages]
-    size = 16
-    while size < len(dev):
-        size *= 2
-    pad = size - len(dev)
-    return np.asarray(dev + dev[-1:] * pad, np.int32), np.asarray(host + host[-1:] * pad, np.int32)
+    size = pow2_bucket(len(dev))
+    return pad_to(dev, size), pad_to(host, size)

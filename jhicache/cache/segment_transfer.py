@@ -1,0 +1,168 @@
+"""SegmentTransferController: the segments path. A write-back launch gathers its device pages on
+device and DMAs them to one new host segment; a load-back DMAs whole segment arrays to the
+device one layer ahead of the forward and scatters their rows into the device pool.
+
+Who does what, on which stream (all dispatch from the scheduler thread)
+-----------------------------------------------------------------------
+| phase                   | device work                                                     |
+|-------------------------|-----------------------------------------------------------------|
+| launch_writes           | one jitted gather of all layers' pages into [2, n, S, H, D]     |
+|                         | staging arrays (compute stream), then one device->host          |
+|                         | `device_put` per layer (copy engine, overlaps the forward)      |
+| launch_loads            | the plan (segment arrays, rows, device pages) and layer 0's     |
+|                         | host->device `device_put`s (copy engine)                        |
+| ticket.wait(l) (runner) | `device_put` of layer l+1's segment arrays to device (copy      |
+|                         | engine), then the jitted scatter of layer l's rows into the     |
+|                         | donated pool arrays (compute                                    |
+|                         | stream); the host thread never blocks                           |
+| drive_loads / poll      | the same for every layer not yet dispatched (a ticket whose     |
+|                         | batch never ran must still complete: nothing stays half-loaded) |
+The copy engine only overlaps compute for a *whole* pinned_host array: slicing one compiles to
+a compute-stream fusion (reference/h200_probe_notes.md). Hence one host array per segment and
+layer, read whole, and the page placement done on device.
+
+Why this is safe with donated buffers
+-------------------------------------
+The gather reads the pool arrays and is dispatched before the pages can be freed (the cache
+launches queued writes before any page leaves the tree), so JAX orders it before any later
+kernel that donates those arrays ("ordered before any reuse", see transfer.py). Segments are
+written once and never modified, so no host-side ordering is needed at all. The scatter donates
+the pool arrays and `set_layer`s its outputs, and the forward's layer l takes those outputs as
+input, so the data dependency orders scatter before compute. Until its layer is scattered a
+loading page is only read by a batch holding the load's ticket (the runner calls `wait(l)`
+first); every other forward runs after `drive_loads`/`poll` dispatched all layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jhicache.cache.device_pool import PagePool
+from jhicache.cache.host_pool import HostPool
+from jhicache.cache.host_segments import HostSegmentPool
+from jhicache.cache.ticket import DispatchedCopies, LayerCopies, array_ready, block_on
+from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
+
+
+@jax.jit
+def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """Per layer, pages `ids` of K and V -> one contiguous [2, n, S, H, D] staging array."""
+    return tuple(jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter_kv(k: jax.Array, v: jax.Array, staged: jax.Array, rows: jax.Array,
+                ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows `rows` of a staged segment layer -> device pages `ids` (a repeated pair is harmless)."""
+    return k.at[ids].set(staged[0, rows]), v.at[ids].set(staged[1, rows])
+
+
+def segment_rows(n: int) -> int:
+    """Rows of a segment holding n pages: a power of two up to 4, then a multiple of a quarter
+    of n's power of two, so gathers compile 4 shapes per octave and padding wastes <= 25%."""
+    if n <= 4:
+        return pow2_bucket(n, 1)
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+class _Part(NamedTuple):
+    """The rows one load takes from one segment, padded to a power of two."""
+
+    layers: list[jax.Array]  # the segment's per-layer pinned_host arrays (kept alive by the load)
+    rows: jax.Array  # int32 [m]
+    device_ids: jax.Array  # int32 [m]
+
+
+class SegmentLoad:
+    """One merged load-back launch; dispatches its layers in order as the tickets ask (LayerCopies)."""
+
+    def __init__(self, parts: list[_Part], pool: PagePool) -> None:
+        self.parts, self.pool = parts, pool
+        self._staged: dict[int, list[jax.Array]] = {}  # layer -> device copies of each part
+        self._next_put = 0
+        self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
+        self._prefetch(0)  # at launch (before the forward's embedding): layer 0 is least exposed
+
+    @property
+    def dispatched(self) -> bool:
+        return len(self.outputs) == self.pool.num_layers
+
+    def _prefetch(self, upto: int) -> None:
+        while self._next_put <= min(upto, self.pool.num_layers - 1):
+            layer, self._next_put = self._next_put, self._next_put + 1
+            self._staged[layer] = [jax.device_put(p.layers[layer], self.pool.sharding) for p in self.parts]
+
+    def _scatter(self, layer: int) -> None:
+        self._prefetch(layer + 1)  # layer l+1's DMA is queued before layer l's compute
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        for part, staged in zip(self.parts, self._staged.pop(layer)):
+            k, v = _scatter_kv(k, v, staged, part.rows, part.device_ids)
+        self.pool.set_layer(layer, k, v)
+        self.outputs.append(k)
+
+    def wait(self, layer: int) -> None:
+        """Dispatches every layer up to `layer` not yet dispatched; never blocks."""
+        while len(self.outputs) <= layer:
+            self._scatter(len(self.outputs))
+
+    def is_ready(self, layer: int) -> bool:
+        return layer < len(self.outputs) and array_ready(self.outputs[layer], layer, self._current)
+
+    def block(self, layer: int) -> None:
+        self.wait(layer)
+        block_on(self.outputs[layer], layer, self._current)
+
+    def _current(self, layer: int) -> jax.Array:
+        return self.pool.k[layer]
+
+
+class SegmentTransferController(ControllerBase):
+    """Segments path: merges and launches copies between a DevicePool and a HostSegmentPool."""
+
+    def __init__(self, device_pool: PagePool, host_pool: HostSegmentPool) -> None:
+        super().__init__(device_pool, host_pool.layout)
+        self.host_pool = host_pool
+
+    def _write(self, ops: list[TransferOp]) -> LayerCopies:
+        dev = [p for op in ops for p in op.device_pages]
+        ids = jnp.asarray(pad_to(dev, segment_rows(len(dev))))
+        pool = self.device_pool
+        staged = _gather_kv(tuple(pool.k), tuple(pool.v), ids)
+        layers = [jax.device_put(s, self.host_pool.sharding) for s in staged]  # whole arrays: DMA
+        self.host_pool.add_segment(layers, [p for op in ops for p in op.host_pages])
+        return DispatchedCopies(layers, lambda layer: layers[layer])  # never donated
+
+    def _load(self, ops: list[TransferOp]) -> LayerCopies:
+        host = [p for op in ops for p in op.host_pages]
+        dev = [p for op in ops for p in op.device_pages]
+        groups: dict[int, tuple[list[jax.Array], list[int], list[int]]] = {}
+        for (segment, row), page in zip(self.host_pool.locate(host), dev):
+            _, rows, ids = groups.setdefault(segment.seg_id, (segment.layers, [], []))
+            rows.append(row)
+            ids.append(page)
+        parts = [_part(layers, rows, ids) for layers, rows, ids in groups.values()]
+        return SegmentLoad(parts, self.device_pool)
+
+    def drive_loads(self) -> None:
+        """Dispatches the remaining layers of every launched load (non-blocking)."""
+        for launch in self._in_flight:
+            if isinstance(launch.copies, SegmentLoad) and not launch.copies.dispatched:
+                launch.copies.wait(self.device_pool.num_layers - 1)
+
+
+def _part(layers: list[jax.Array], rows: list[int], ids: list[int]) -> _Part:
+    size = pow2_bucket(len(ids), 4)
+    return _Part(layers, jnp.asarray(pad_to(rows, size)), jnp.asarray(pad_to(ids, size)))
+
+
+def make_controller(device_pool: PagePool, host_pool: HostPool | HostSegmentPool,
+                    copy_fns: CopyFns | None = None) -> ControllerBase:
+    """The transfer controller matching the host pool's layout (`copy_fns`: pages path only)."""
+    if isinstance(host_pool, HostSegmentPool):
+        return SegmentTransferController(device_pool, host_pool)
+    return TransferController(device_pool, host_pool, copy_fns)

@@ -1,0 +1,127 @@
+"""The segmented host tier: node splits, per-half loads, segment refcounts, tickets that never run."""
+
+from __future__ import annotations
+
+import pytest
+
+from jhicache.cache import InvariantError, TieredCache, TransferPath
+from jhicache.cache.segment_transfer import SegmentLoad, segment_rows
+from tests.cache._helpers import PATHS, assert_device_kv, make_cache, prefill, write_kv
+
+
+def seq(tag: int, pages: int, page_size: int) -> list[int]:
+    return [tag * 10_000 + i for i in range(pages * page_size)]
+
+
+def to_host(cache: TieredCache) -> None:
+    cache.evict_device(cache.tree.evictable_pages)
+    cache.flush()
+    cache.check_invariants()
+
+
+def load(cache: TieredCache, tokens: list[int]) -> list[int]:
+    """Loads the host run of `tokens` back; returns every device page of the match."""
+    m = cache.match(tokens)
+    ticket = cache.load_back(m)
+    assert ticket is not None
+    cache.check_invariants()
+    cache.launch()
+    ticket.wait_all()
+    assert cache.poll() >= 1
+    cache.check_invariants()
+    return m.device_pages + list(ticket.device_pages)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("page", [1, 16])
+def test_host_only_split_then_load_of_each_half(page: int, path: TransferPath) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=8, load_back_threshold=0, path=path)
+    a = seq(1, 4, page)
+    prefill(cache, a)
+    to_host(cache)  # one host-only node, one segment
+    half = a[:2 * page]
+    assert cache.match(half).host_len == len(half)  # the partial match splits the node
+    assert len(list(cache.tree.nodes())) == 2
+    cache.check_invariants()
+    assert_device_kv(cache, half, load(cache, half))
+    pages = load(cache, a)  # the second half, from the middle rows of the same segment
+    assert_device_kv(cache, a, pages)
+    to_host(cache)
+    assert_device_kv(cache, a, load(cache, a))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_segment_refcounts_follow_host_pages(page: int) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=6, load_back_threshold=0, path=TransferPath.SEGMENTS)
+    a, b = seq(1, 2, page), seq(2, 2, page)
+    prefill(cache, a)
+    prefill(cache, b)
+    to_host(cache)  # a and b written back in one launch: one segment of 4 live pages
+    assert cache.stats()["host_segments"] == 1
+    cache.match(a[:page])  # split a: the segment is shared by three nodes
+    assert cache.evict_host(1) >= 1  # host-evicts an LRU leaf: the segment stays
+    assert cache.stats()["host_segments"] == 1
+    cache.check_invariants()
+    assert cache.evict_host(6) == 3 and cache.stats()["host_segments"] == 0  # all gone: dropped
+    cache.check_invariants()
+    c = seq(3, 2, page)
+    prefill(cache, c)
+    to_host(cache)
+    assert_device_kv(cache, c, load(cache, c))
+
+
+def test_invariants_catch_broken_segment_accounting() -> None:
+    cache = make_cache(2, device_pages=4, host_pages=4, path=TransferPath.SEGMENTS)
+    prefill(cache, seq(1, 2, 2))
+    to_host(cache)
+    segment = next(iter(cache.host_pool._segments.values()))
+    segment.live += 1
+    with pytest.raises(InvariantError, match="refcount"):
+        cache.check_invariants()
+    segment.live -= 1
+    cache.host_pool.release([cache.match(seq(1, 2, 2)).last_node.host_pages[0]])
+    with pytest.raises(InvariantError, match="no data"):
+        cache.check_invariants()
+
+
+def test_ticket_of_a_batch_that_never_ran_is_completed_by_poll() -> None:
+    """Admission failed after the load was queued: poll dispatches every layer, the lock goes."""
+    cache = make_cache(4, device_pages=4, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS)
+    a, b = seq(1, 2, 4), seq(2, 2, 4)
+    prefill(cache, a)
+    to_host(cache)
+    ticket = cache.load_back(cache.match(a))
+    assert ticket is not None
+    cache.launch()
+    assert not ticket.done() and cache.stats()["protected_tokens"] == len(a)
+    cache.poll()  # drives the orphan: all layers dispatched
+    ticket.wait_all()
+    cache.poll()
+    assert cache.stats()["protected_tokens"] == 0 and cache.stats()["loads_in_flight"] == 0
+    assert_device_kv(cache, a, cache.match(a).device_pages)
+    prefill(cache, b)  # the pool keeps working
+    cache.check_invariants()
+
+
+def test_drive_loads_dispatches_without_waiting_and_survives_donation() -> None:
+    cache = make_cache(4, device_pages=4, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS)
+    a = seq(1, 3, 4)
+    prefill(cache, a)
+    to_host(cache)
+    ticket = cache.load_back(cache.match(a))
+    assert ticket is not None
+    cache.launch()
+    ticket.wait(0)  # layer 0 scattered, layer 1's DMA queued
+    load_ = cache.controller._in_flight[-1].copies
+    assert isinstance(load_, SegmentLoad) and len(load_.outputs) == 1 and load_._next_put == 2
+    cache.drive_loads()
+    assert load_.dispatched
+    write_kv(cache, a[:4], [0])  # a 'forward' donating every layer (writes the sink page 0)
+    ticket.wait_all()
+    assert ticket.done()
+    assert_device_kv(cache, a, list(ticket.device_pages))
+
+
+def test_segment_rows_buckets() -> None:
+    assert [segment_rows(n) for n in (1, 3, 4, 5, 9, 17, 33, 128, 129)] == [1, 4, 4, 5, 10, 20, 40, 128, 160]
+    assert all(n <= segment_rows(n) <= 1.25 * n + 1 for n in range(1, 2000))
