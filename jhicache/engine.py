@@ -14,7 +14,7 @@ from jhicache.cache import DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
-from jhicache.sampling import SamplingParams, sample, sampling_arrays
+from jhicache.sampling import SamplingParams, greedy, sample, sampling_arrays
 from jhicache.stats import EngineStats
 from models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 
@@ -151,9 +151,12 @@ class Engine:
         start = time.perf_counter()
         logits, load_wait_s = self.runner.run(tokens, meta, last_index, batch.tickets)
         rows = batch.chunks
-        arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
-                                 logits.shape[0])
-        ids = np.asarray(sample(logits, *map(jnp.asarray, arrays)))
+        if all(c.request.params.temperature == 0 for c in rows):
+            ids = np.asarray(greedy(logits))
+        else:
+            arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
+                                     logits.shape[0])
+            ids = np.asarray(sample(logits, *map(jnp.asarray, arrays)))
         self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s)
         return {c.request.rid: int(ids[i]) for i, c in enumerate(rows) if c.samples}
 

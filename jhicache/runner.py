@@ -24,10 +24,11 @@ from jhicache.cache import DevicePool, LoadTicket
 from models import AttentionMetadata, ModelParts, Qwen2ForCausalLM, embed_apply, layer_apply, split_model
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _fused_step(
     parts_defs: tuple[nnx.GraphDef, nnx.GraphDef, nnx.GraphDef],
-    states: tuple[nnx.State, tuple[nnx.State, ...], nnx.State],
+    states_def: jax.tree_util.PyTreeDef,
+    state_leaves: list[jax.Array],  # flattened once at start-up: per-step flattening costs ~0.5 ms
     k_pages: tuple[jax.Array, ...],  # per layer [num_pages, page_size, kv_heads, head_dim], donated
     v_pages: tuple[jax.Array, ...],  # same, donated
     tokens: jax.Array,  # [T] int32
@@ -35,7 +36,7 @@ def _fused_step(
     last_index: jax.Array,  # [B] int32 rows whose logits are wanted
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:  # logits [B, vocab] f32
     embed_def, layer_def, head_def = parts_defs
-    embed_state, layer_states, head_state = states
+    embed_state, layer_states, head_state = jax.tree.unflatten(states_def, state_leaves)
     hidden = nnx.merge(embed_def, embed_state)(tokens)
     new_k, new_v = [], []
     for state, k, v in zip(layer_states, k_pages, v_pages):
@@ -64,6 +65,8 @@ class ModelRunner:
         self.parts: ModelParts = split_model(model)
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
+        p = self.parts
+        self._leaves, self._states_def = jax.tree.flatten((p.embed_state, p.layer_states, p.head_state))
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
             tickets: tuple[LoadTicket, ...]) -> ForwardResult:
@@ -75,7 +78,7 @@ class ModelRunner:
     def _fused(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
         p = self.parts
         logits, new_k, new_v = _fused_step(
-            (p.embed_def, p.layer_def, p.head_def), (p.embed_state, p.layer_states, p.head_state),
+            (p.embed_def, p.layer_def, p.head_def), self._states_def, self._leaves,
             tuple(self.pool.k), tuple(self.pool.v), tokens, meta, last_index,
         )
         for layer in range(self.num_layers):

@@ -49,6 +49,12 @@ def sampling_arrays(params: list[SamplingParams], steps: list[int], rows: int) -
 
 
 @jax.jit
+def greedy(logits: jax.Array) -> jax.Array:  # [B, vocab] -> [B] int32
+    """Argmax rows: the whole batch is greedy, so the sort and mask work of `sample` is skipped."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
 def sample(
     logits: jax.Array,  # [B, vocab] float32
     temperature: jax.Array,  # [B]
