@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-kv-tokens", type=int, default=None, help="device pool tokens (default: from ratio)")
     p.add_argument("--modes", default=",".join(MODES), help="multiturn cache modes, comma separated")
     p.add_argument("--write-policy", default="write_back")
-    p.add_argument("--transfer-path", default="pages", choices=("pages", "segments"),
+    p.add_argument("--transfer-path", default="segments", choices=("pages", "segments"),
                    help="host tier layout: zero-copy kernels (pages) or copy-engine DMA (segments)")
     p.add_argument("--host-hit-prefix", type=int, default=8192 if on_gpu else 256,
                    help="host-hit: cached prefix tokens")

@@ -59,7 +59,8 @@ class EngineConfig:
       check_invariants_every_step: debug flag: page accounting is verified after each step.
       transfer_path: host tier layout and copy path: "pages" (zero-copy Pallas kernels over a
         paged host pool; compute stream) or "segments" (host segments moved by copy-engine DMA
-        one layer ahead of the forward, see jhicache/cache/segment_transfer.py).
+        one layer ahead of the forward, see jhicache/cache/segment_transfer.py; the default:
+        it loaded an 8k-token prefix faster on the H200, see BENCHMARKS.md).
     """
 
     page_size: int = 64
@@ -75,7 +76,7 @@ class EngineConfig:
     host_to_device_ratio: int = 4
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
-    transfer_path: TransferPath | str = TransferPath.PAGES
+    transfer_path: TransferPath | str = TransferPath.SEGMENTS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))

@@ -50,8 +50,8 @@ def assert_idle_and_consistent(engine: Engine) -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
-def test_hierarchical_matches_no_cache(page_size: int, policy: str) -> None:
-    engine = make_engine(page_size=page_size, write_policy=policy)
+def test_pages_transfer_path_matches_no_cache(page_size: int, policy: str) -> None:
+    engine = make_engine(page_size=page_size, write_policy=policy, transfer_path="pages")
     assert run_chats(engine) == reference_histories()
     stats = engine.stats()
     assert stats["evicted_device_tokens"] > 0
@@ -141,8 +141,8 @@ def test_config_rejects_invalid_values() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
-def test_gpu_hierarchical_matches_no_cache(policy: str) -> None:
-    engine = make_engine(write_policy=policy)
+def test_gpu_pages_transfer_path_matches_no_cache(policy: str) -> None:
+    engine = make_engine(write_policy=policy, transfer_path="pages")
     assert run_chats(engine) == reference_histories()
     stats = engine.stats()
     assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
