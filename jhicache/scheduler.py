@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 
 from jhicache.batch import Batch, Chunk
-from jhicache.cache import LoadTicket, TieredCache
+from jhicache.cache import LoadTicket, MatchResult, TieredCache
 from jhicache.config import CacheMode, EngineConfig
 from jhicache.request import FinishReason, Request, RequestStatus
 
@@ -86,22 +86,31 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
-        if self.reuse:
-            self._attach_prefix(req, tickets)
+        if self.reuse and not self._attach_prefix(req, budget, tickets):
+            return None
         chunk = self._next_chunk(req, budget)
         if chunk is None:
             self._release(req)
             return None
+        self.counters["device_hit_tokens"] += req.device_hit_tokens
+        self.counters["host_hit_tokens"] += req.host_hit_tokens
         req.status = RequestStatus.PREFILLING
         self.running.append(req)
         return chunk
 
-    def _attach_prefix(self, req: Request, tickets: list[LoadTicket]) -> None:
-        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it."""
+    def _attach_prefix(self, req: Request, budget: int, tickets: list[LoadTicket]) -> bool:
+        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it.
+
+        False (nothing done) when its host run cannot be loaded now but running requests will free
+        pages: waiting for them beats recomputing a prefix the host tier holds."""
         match = self.cache.match(req.tokens, leave_last=True)
         handle, pages, host_len = match.last_device_node, list(match.device_pages), 0
         if self.config.cache_mode is CacheMode.HIERARCHICAL and match.host_len:
-            ticket = self.cache.load_back(match, quota_pages=self._load_quota(req, match.device_len))
+            quota = self._load_quota(req, match, budget)
+            loadable = match.host_len >= self.config.load_back_threshold
+            if loadable and match.host_len // self.page_size > quota and self.running:
+                return False
+            ticket = self.cache.load_back(match, quota_pages=quota)
             if ticket is not None:
                 tickets.append(ticket)
                 handle, pages = match.last_node, pages + list(ticket.device_pages)
@@ -111,14 +120,16 @@ class Scheduler:
         req.device_pages = pages
         req.shared_len = req.cached_len = len(pages) * self.page_size
         req.device_hit_tokens, req.host_hit_tokens = match.device_len, host_len
-        self.counters["device_hit_tokens"] += match.device_len
-        self.counters["host_hit_tokens"] += host_len
+        return True
 
-    def _load_quota(self, req: Request, device_len: int) -> int:
-        """Pages a load-back may take: what can be freed, less what `req` itself must compute."""
+    def _load_quota(self, req: Request, match: MatchResult, budget: int) -> int:
+        """Pages a load-back may take: what can be freed, less the pages of the first chunk left
+        to compute after it. Loaded pages replace pages the request would otherwise compute into,
+        so only that chunk (and a decode page) must stay available."""
         available = self.cache.device_alloc.num_free + self.cache.tree.evictable_pages
-        own = _pages_for(len(req.tokens) + req.params.max_new_tokens, self.page_size)
-        return available - (own - device_len // self.page_size)
+        cached = match.device_len + match.host_len
+        first_chunk = min(len(req.tokens) - cached, budget)
+        return available - (_pages_for(cached + first_chunk, self.page_size) - cached // self.page_size) - 1
 
     # ---- decode --------------------------------------------------------------------------
 

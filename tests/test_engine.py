@@ -168,3 +168,20 @@ def test_gpu_bfloat16_engine_serves_with_all_transfers(path: str) -> None:
     stats = engine.stats()
     assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0
     assert_idle_and_consistent(engine)
+
+
+def test_hierarchical_serves_every_reusable_page_under_pressure() -> None:
+    """With a host tier big enough for the working set, each round hits every full page of the
+    previous turn's KV (prompt + output but the last token), however small the device pool."""
+    spec = MultiTurnSpec(num_clients=4, num_rounds=3, request_length=48, output_length=4, vocab_size=512, seed=3)
+    engine = make_engine(device_kv_tokens=376, host_kv_tokens=4096)
+    chats, page = MultiTurnChats(spec), engine.config.page_size
+    for round_index in range(spec.num_rounds):
+        previous = [len(h) for h in chats.histories]
+        prompts = chats.prompts()
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=spec.output_length))
+        chats.extend([o.token_ids for o in outputs])
+        reusable = [max(n - 1, 0) // page * page for n in previous]
+        assert [o.device_hit_tokens + o.host_hit_tokens for o in outputs] == reusable, round_index
+    stats = engine.stats()
+    assert stats["host_hit_tokens"] > 0 and stats["load_back_over_quota"] == 0
