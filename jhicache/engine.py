@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.batch import Batch, model_inputs
-from jhicache.cache import DevicePool, PoolLayout, TieredCache, make_host_pool
+from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
@@ -35,7 +35,7 @@ class Engine:
         self.device_pool = DevicePool(layout)
         host_pool = None
         if config.cache_mode is CacheMode.HIERARCHICAL:
-            host_tokens = config.host_tokens_for(layout.num_pages * config.page_size)
+            host_tokens = config.host_tokens_for((layout.num_pages - RESERVED_PAGES) * config.page_size)
             host_layout = PoolLayout(**{**layout.__dict__, "num_pages": host_tokens // config.page_size})
             host_pool = make_host_pool(host_layout, config.transfer_path)
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
@@ -127,6 +127,10 @@ class Engine:
         idle_steps = 0
         while self.scheduler.has_work():
             progressed = self.step()
+            if not progressed:
+                # Loaded pages stay locked until their copy retires: wait for the transfers
+                # rather than count a step that only had to wait for the copy engine.
+                self.cache.flush()
             idle_steps = 0 if progressed else idle_steps + 1
             if idle_steps > 2 * len(self.scheduler.running) + 8:
                 raise RuntimeError("scheduler made no progress: device pool too small for the running requests")

@@ -86,41 +86,47 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
-        if self.reuse and not self._attach_prefix(req, budget, tickets):
+        hits = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
+        if hits is None:
             return None
         chunk = self._next_chunk(req, budget)
         if chunk is None:
             self._release(req)
             return None
-        self.counters["device_hit_tokens"] += req.device_hit_tokens
-        self.counters["host_hit_tokens"] += req.host_hit_tokens
+        self.counters["device_hit_tokens"] += hits[0]
+        self.counters["host_hit_tokens"] += hits[1]
+        if req.first_token_s is None:  # a re-admission after retraction keeps its first report
+            req.device_hit_tokens, req.host_hit_tokens = hits
         req.status = RequestStatus.PREFILLING
         self.running.append(req)
         return chunk
 
-    def _attach_prefix(self, req: Request, budget: int, tickets: list[LoadTicket]) -> bool:
-        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it.
+    def _attach_prefix(self, req: Request, budget: int, tickets: list[LoadTicket]) -> tuple[int, int] | None:
+        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it;
+        returns the (device, host) hit tokens.
 
-        False (nothing done) when its host run cannot be loaded now but running requests will free
+        None (nothing done) when its host run cannot be loaded now but running requests will free
         pages: waiting for them beats recomputing a prefix the host tier holds."""
         match = self.cache.match(req.tokens, leave_last=True)
         handle, pages, host_len = match.last_device_node, list(match.device_pages), 0
+        self.cache.lock(handle)  # first, so the quota below cannot count this prefix as evictable
         if self.config.cache_mode is CacheMode.HIERARCHICAL and match.host_len:
             quota = self._load_quota(req, match, budget)
             loadable = match.host_len >= self.config.load_back_threshold
             if loadable and match.host_len // self.page_size > quota and self.running:
-                return False
+                self.cache.unlock(handle)
+                return None
             ticket = self.cache.load_back(match, quota_pages=quota)
             if ticket is not None:
                 tickets.append(ticket)
+                self.cache.lock(match.last_node)
+                self.cache.unlock(handle)
                 handle, pages = match.last_node, pages + list(ticket.device_pages)
                 host_len = len(ticket.device_pages) * self.page_size
-        self.cache.lock(handle)
         req.cache_handle = handle
         req.device_pages = pages
         req.shared_len = req.cached_len = len(pages) * self.page_size
-        req.device_hit_tokens, req.host_hit_tokens = match.device_len, host_len
-        return True
+        return match.device_len, host_len
 
     def _load_quota(self, req: Request, match: MatchResult, budget: int) -> int:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left

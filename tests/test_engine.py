@@ -173,3 +173,52 @@ def test_hierarchical_serves_every_reusable_page_under_pressure() -> None:
         assert [o.device_hit_tokens + o.host_hit_tokens for o in outputs] == reusable, round_index
     stats = engine.stats()
     assert stats["host_hit_tokens"] > 0 and stats["load_back_over_quota"] == 0
+
+
+def test_slow_write_back_copies_do_not_stall_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's pages stay locked until its copy retires behind earlier write-backs; an engine step
+    with nothing to run must wait for the copies, not give up (the copies stand in for slow DMAs)."""
+    import jhicache.cache.segment_transfer as segment_transfer
+
+    class SlowCopies:
+        def __init__(self, inner) -> None:
+            self.inner, self.polls_left = inner, 40
+
+        def wait(self, layer: int) -> None:
+            self.inner.wait(layer)
+
+        def block(self, layer: int) -> None:
+            self.polls_left = 0
+            self.inner.block(layer)
+
+        def is_ready(self, layer: int) -> bool:
+            self.polls_left -= 1
+            return self.polls_left < 0 and self.inner.is_ready(layer)
+
+    write = segment_transfer.SegmentTransferController._write
+    monkeypatch.setattr(segment_transfer.SegmentTransferController, "_write", lambda self, ops: SlowCopies(write(self, ops)))
+    engine = make_engine(page_size=4, device_kv_tokens=32, host_kv_tokens=128, transfer_path="segments")
+    first, other, third = list(range(1, 25)), list(range(100, 124)), list(range(300, 324))
+    engine.generate([first], SamplingParams(max_new_tokens=1))
+    engine.generate([other], SamplingParams(max_new_tokens=1))  # evicts `first` to host
+    outs = engine.generate([first + [7, 7, 7, 7], third], [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)])
+    assert outs[0].host_hit_tokens == 24
+    assert_idle_and_consistent(engine)
+
+
+def test_load_back_never_strands_its_own_first_chunk() -> None:
+    """The quota is computed with the request's device prefix locked, so a load that passes it
+    leaves room for the first chunk: the admission that loaded is the one that runs."""
+    engine = make_engine(page_size=4, device_kv_tokens=64, host_kv_tokens=256, max_running_requests=4)
+    x, y, z = list(range(1, 17)), list(range(20, 36)), list(range(40, 56))
+    for prompt in (x + y + [9], x + z + [9], list(range(100, 124))):  # the last pushes y to host
+        engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    outs = engine.generate([list(range(200, 212)), x + y + list(range(60, 82))], SamplingParams(max_new_tokens=1))
+    assert (outs[1].device_hit_tokens, outs[1].host_hit_tokens) == (16, 16)
+    assert engine.stats()["load_back_ops"] == 1
+    assert_idle_and_consistent(engine)
+
+
+def test_host_pool_size_checks_agree_between_config_and_engine() -> None:
+    engine = make_engine(page_size=16, device_kv_tokens=64, host_kv_tokens=80)
+    assert engine.cache.host_pool.layout.num_pages == 5
