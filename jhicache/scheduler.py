@@ -48,7 +48,8 @@ class Scheduler:
         # Every queued transfer starts now, before the forward: a load-back is never left queued.
         self.cache.launch()
         if batch is None and self.running:
-            # Only prefilling requests that cannot get pages are left: free the newest one's.
+            # Nothing could run (prefills without pages, or decoders that retracted themselves):
+            # free the newest running request's pages so the others can move.
             self.retract(self.running[-1])
         return batch
 
@@ -149,7 +150,8 @@ class Scheduler:
         return Batch(chunks=chunks, is_decode=True) if chunks else None
 
     def _reserve_decode_slot(self, req: Request, others: list[Request]) -> bool:
-        """Gives `req` a page for its next token, retracting the newest other requests if needed."""
+        """Gives `req` a page for its next token, retracting the newest decoding requests not yet
+        given one this step (`others`), then `req` itself, if the pool has none left."""
         while len(req.device_pages) * self.page_size <= req.cached_len:
             pages = self.cache.alloc_device(1)
             if pages is not None:

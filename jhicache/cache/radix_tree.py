@@ -32,14 +32,6 @@ class Node:
         self.hit_count = 0
         self.node_id = node_id
 
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_pages is not None
-
     def __repr__(self) -> str:
         return (f"Node(id={self.node_id}, tokens={len(self.key)}, device={self.device_pages}, "
                 f"host={self.host_pages}, locks={self.lock_count})")
@@ -61,6 +53,8 @@ class InsertResult(NamedTuple):
     prefix_len: tokens that were already on device (the caller's duplicate pages for
       `[its old prefix, prefix_len)` must be freed by the caller); adopted and new tokens are
       excluded, because their pages now belong to the tree.
+    adopted_len: tokens of host-only nodes that took the caller's device pages (host copy kept).
+    last_node: the node ending the inserted key.
     touched: on-device nodes visited or created (hit counts already incremented).
     """
 
