@@ -230,9 +230,14 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.what == "kernels":
+        if jax.default_backend() != "gpu":
+            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: it needs a GPU",
+                  file=sys.stderr)
+            return 2
         from jhicache import bench_kernels
 
-        return bench_kernels.main([] if args.out is None else ["--out", args.out])
+        bench_kernels.main([] if args.out is None else ["--out", args.out])
+        return 0
     result = run(args)
     if args.out:
         with open(args.out, "w") as f:
