@@ -222,3 +222,16 @@ def test_load_back_never_strands_its_own_first_chunk() -> None:
 def test_host_pool_size_checks_agree_between_config_and_engine() -> None:
     engine = make_engine(page_size=16, device_kv_tokens=64, host_kv_tokens=80)
     assert engine.cache.host_pool.layout.num_pages == 5
+
+
+def test_from_pretrained_and_from_preset_serve(tmp_path) -> None:
+    """An engine over a written Hugging Face checkpoint generates what the in-memory model does."""
+    from models import save_checkpoint
+
+    save_checkpoint(_model(), _model().config, tmp_path / "ckpt", shards=2)
+    config = EngineConfig(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32")
+    prompt, params = [[11, 22, 33, 44, 55, 66]], SamplingParams(max_new_tokens=5)
+    loaded = Engine.from_pretrained(str(tmp_path / "ckpt"), config).generate(prompt, params)
+    assert loaded[0].token_ids == make_engine().generate(prompt, params)[0].token_ids
+    preset = Engine.from_preset("tiny", config, seed=3).generate(prompt, params)[0]
+    assert len(preset.token_ids) == 5 and preset.finish_reason == "length"
