@@ -235,6 +235,8 @@ def _validate_common(q, k_pages, v_pages, page_table, seq_lens, query_lens) -> N
     check_pages_pair("attention pages", k_pages, v_pages)
     check(q.ndim == 3 and q.shape[2] == k_pages.shape[3], f"q {q.shape} head_dim != pages' {k_pages.shape[3]}")
     check(q.shape[1] % k_pages.shape[2] == 0, f"{q.shape[1]} query heads not a multiple of {k_pages.shape[2]}")
+    # Triton's dots need inner dims >= 16: on the H200, bf16 with head_dim 8 gave wrong results.
+    check(use_interpreter() or q.shape[2] >= 16, f"head_dim {q.shape[2]} < 16 is not supported by the Triton kernels")
     check(page_table.ndim == 2 and page_table.dtype == np.int32, "page_table must be int32 [B, max_pages]")
     for name, x in (("seq_lens", seq_lens), ("query_lens", query_lens)):
         check(x.shape == page_table.shape[:1] and x.dtype == np.int32, f"{name} must be int32 [B], got {x.shape}")

@@ -131,3 +131,13 @@ def test_gpu_extend_and_decode(page_size, dtype):
     run_extend(4, [(130, 70), (0, 33)], page_size, dtype, heads=28, kv_heads=4, dim=128)
     run_decode(5, [1, 0, 300, 64, 65, 1000], page_size, dtype, heads=14, kv_heads=2, dim=64)
     run_decode(6, [77, 2000, 0], page_size, dtype, heads=28, kv_heads=4, dim=128, splits=4)
+
+
+@pytest.mark.gpu
+def test_gpu_rejects_head_dim_below_16() -> None:
+    q = jnp.ones((4, 2, 8), jnp.bfloat16)
+    pages = jnp.ones((3, 16, 1, 8), jnp.bfloat16)
+    lens = jnp.array([4], jnp.int32)
+    with pytest.raises(ValueError, match="head_dim"):
+        pa.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens, jnp.array([0], jnp.int32), lens,
+                           sm_scale=0.3)
