@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.cache import LoadTicket
+from jhicache.cache.transfer import pow2_bucket
 from jhicache.request import Request
 from models import AttentionMetadata, build_metadata, pack_tokens
 
@@ -39,23 +40,15 @@ class Batch:
         return sum(c.length for c in self.chunks)
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Next power of two >= max(n, minimum): bounded set of jit shapes."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
-
-
 def model_inputs(batch: Batch, page_size: int) -> tuple[jax.Array, AttentionMetadata, jax.Array]:
     """Token ids [T], attention metadata and the row of each request's last token [B], bucketed."""
     chunks = batch.chunks
-    num_reqs = bucket(len(chunks), 4 if batch.is_decode else 1)
-    num_tokens = num_reqs if batch.is_decode else bucket(batch.num_tokens, 16)
+    num_reqs = pow2_bucket(len(chunks), 4 if batch.is_decode else 1)
+    num_tokens = num_reqs if batch.is_decode else pow2_bucket(batch.num_tokens, 16)
     meta = build_metadata(
         [c.start for c in chunks], [c.length for c in chunks], [c.request.device_pages for c in chunks],
         page_size=page_size, num_tokens=num_tokens, num_reqs=num_reqs,
-        max_pages=bucket(max(len(c.request.device_pages) for c in chunks), 4), decode_only=batch.is_decode,
+        max_pages=pow2_bucket(max(len(c.request.device_pages) for c in chunks), 4), decode_only=batch.is_decode,
     )
     tokens = pack_tokens([c.request.tokens[c.start : c.start + c.length] for c in chunks], num_tokens)
     last_index = np.zeros(num_reqs, np.int32)
