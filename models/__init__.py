@@ -1,26 +1,22 @@
 """Flax NNX Qwen2 model over a paged KV cache, its config presets and its HF checkpoint loader."""
 
 from models.config import Qwen2Config, preset_config
-from models.functional import ModelParts, embed_apply, forward_apply, head_apply, layer_apply, split_model
+from models.functional import ModelPrograms, forward_apply
 from models.metadata import AttentionMetadata, build_metadata, pack_tokens
 from models.qwen2 import Qwen2ForCausalLM, init_kv_pages
 from models.qwen2_weights import init_random, load_pretrained, save_checkpoint
 
 __all__ = [
     "AttentionMetadata",
-    "ModelParts",
+    "ModelPrograms",
     "Qwen2Config",
     "Qwen2ForCausalLM",
     "build_metadata",
-    "embed_apply",
     "forward_apply",
-    "head_apply",
     "init_kv_pages",
     "init_random",
-    "layer_apply",
     "load_pretrained",
     "pack_tokens",
     "preset_config",
     "save_checkpoint",
-    "split_model",
 ]

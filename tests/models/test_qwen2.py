@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 from models import (
-    build_metadata, embed_apply, forward_apply, head_apply, init_kv_pages, layer_apply, load_pretrained,
-    pack_tokens, split_model,
+    ModelPrograms, build_metadata, forward_apply, init_kv_pages, load_pretrained, pack_tokens,
 )
 from tests.models.numpy_reference import random_hf_weights, reference_logits, small_hf_config, write_hf_checkpoint
 
@@ -104,15 +103,20 @@ def test_eager_jit_and_layerwise_paths_agree_and_donate(model):
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
     jitted, _ = forward_apply(*nnx.split(model), tokens, kv, meta)
     assert kv[0][0].is_deleted(), "forward_apply must donate the KV pages"
-    parts = split_model(model)
+    programs = ModelPrograms(model)
+    rows = jnp.arange(tokens.shape[0])
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
-    hidden = embed_apply(parts.embed_def, parts.embed_state, tokens)
-    before = layer_apply._cache_size()
+    fused, _, _ = programs.fused(tuple(k for k, _ in kv), tuple(v for _, v in kv), tokens, meta, rows)
+    assert kv[0][0].is_deleted(), "the fused program must donate the KV pages"
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    hidden = programs.embed(tokens)
+    before = programs.compiled_layer_variants()
     for i, (k, v) in enumerate(kv):
-        hidden, k_new, v_new = layer_apply(parts.layer_def, parts.layer_states[i], hidden, k, v, meta)
+        hidden, k_new, v_new = programs.layer(i, hidden, k, v, meta)
         assert k.is_deleted() and v.is_deleted()
-    assert layer_apply._cache_size() - before <= 1, "layers must share one compiled function"
-    layerwise = head_apply(parts.head_def, parts.head_state, hidden)
+    assert programs.compiled_layer_variants() - before <= 1, "layers must share one compiled function"
+    layerwise = programs.head(hidden, rows)
+    assert_close(fused, eager, rel=1e-6)
     assert_close(jitted, eager, rel=1e-6)
     assert_close(layerwise, eager, rel=1e-6)
 
