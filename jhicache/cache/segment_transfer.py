@@ -1,6 +1,6 @@
 """SegmentTransferController: the segments path. A write-back launch gathers its device pages on
 device and DMAs them to one new host segment; a load-back DMAs whole segment arrays to the
-device one layer ahead of the forward and scatters their rows into the device pool.
+device one layer group ahead of the forward and scatters their rows into the device pool.
 
 Who does what, on which stream (all dispatch from the scheduler thread)
 -----------------------------------------------------------------------
@@ -9,12 +9,13 @@ Who does what, on which stream (all dispatch from the scheduler thread)
 | launch_writes           | one jitted gather of all layers' pages into [2, n, S, H, D]     |
 |                         | staging arrays (compute stream), then one device->host          |
 |                         | `device_put` per layer (copy engine, overlaps the forward)      |
-| launch_loads            | the plan (segment arrays, rows, device pages) and layer 0's     |
-|                         | host->device `device_put`s (copy engine)                        |
-| ticket.wait(l) (runner) | `device_put` of layer l+1's segment arrays to device (copy      |
-|                         | engine), then the jitted scatter of layer l's rows into the     |
-|                         | donated pool arrays (compute                                    |
-|                         | stream); the host thread never blocks                           |
+| launch_loads            | the plan (segment arrays, rows, device pages) and the first     |
+|                         | layer group's host->device `device_put` (copy engine)           |
+| ticket.wait(l) (runner) | at the first layer of a group (`layer_groups`: 1, 2, then 4     |
+|                         | layers): one `device_put` of the next group's segment arrays    |
+|                         | (copy engine), then one jitted scatter of this group's rows     |
+|                         | into the donated pool arrays (compute stream); the host thread  |
+|                         | never blocks                                                    |
 | drive_loads / poll      | the same for every layer not yet dispatched (a ticket whose     |
 |                         | batch never ran must still complete: nothing stays half-loaded) |
 The copy engine only overlaps compute for a *whole* pinned_host array: slicing one compiles to
@@ -55,10 +56,28 @@ def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Ar
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter_kv(k: jax.Array, v: jax.Array, staged: jax.Array, rows: jax.Array,
-                ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rows `rows` of a staged segment layer -> device pages `ids` (a repeated pair is harmless)."""
-    return k.at[ids].set(staged[0, rows]), v.at[ids].set(staged[1, rows])
+def _scatter_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], staged: tuple[tuple[jax.Array, ...], ...],
+                rows: tuple[jax.Array, ...], ids: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], ...]:
+    """For each layer of a group and each part, rows `rows` of the part's staged segment layer ->
+    device pages `ids` (one dispatch for the group; a repeated pair is harmless)."""
+    new_k, new_v = [], []
+    for k, v, parts in zip(ks, vs, staged):
+        for part, part_rows, part_ids in zip(parts, rows, ids):
+            k, v = k.at[part_ids].set(part[0, part_rows]), v.at[part_ids].set(part[1, part_rows])
+        new_k.append(k)
+        new_v.append(v)
+    return tuple(new_k), tuple(new_v)
+
+
+def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
+    """Layers whose loads are dispatched together: 1, 2, then `largest` at a time. Early groups are
+    small so little of the load is exposed before compute starts; later ones large so that one
+    DMA call and one scatter serve several layers (each dispatch costs ~0.1 ms of host time)."""
+    groups, start, size = [], 0, 1
+    while start < num_layers:
+        groups.append(range(start, min(start + size, num_layers)))
+        start, size = start + size, min(2 * size, largest)
+    return groups
 
 
 def segment_rows(n: int) -> int:
@@ -79,36 +98,44 @@ class _Part(NamedTuple):
 
 
 class SegmentLoad:
-    """One merged load-back launch; dispatches its layers in order as the tickets ask (LayerCopies)."""
+    """One merged load-back launch; dispatches its layer groups in order as the tickets ask (LayerCopies)."""
 
     def __init__(self, parts: list[_Part], pool: PagePool) -> None:
         self.parts, self.pool = parts, pool
-        self._staged: dict[int, list[jax.Array]] = {}  # layer -> device copies of each part
-        self._next_put = 0
+        self._rows = tuple(p.rows for p in parts)
+        self._ids = tuple(p.device_ids for p in parts)
+        self._groups = layer_groups(pool.num_layers)
+        self._staged: dict[int, list[list[jax.Array]]] = {}  # group -> per layer, device copies of each part
         self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
-        self._prefetch(0)  # at launch (before the forward's embedding): layer 0 is least exposed
+        self._next_group = 0
+        self._prefetch(0)  # at launch (before the forward's embedding): group 0 is one layer, least exposed
 
     @property
     def dispatched(self) -> bool:
         return len(self.outputs) == self.pool.num_layers
 
-    def _prefetch(self, upto: int) -> None:
-        while self._next_put <= min(upto, self.pool.num_layers - 1):
-            layer, self._next_put = self._next_put, self._next_put + 1
-            self._staged[layer] = [jax.device_put(p.layers[layer], self.pool.sharding) for p in self.parts]
+    def _prefetch(self, group: int) -> None:
+        if group < len(self._groups) and group not in self._staged:
+            # One call for the group: a batched device_put costs less host time than one per array.
+            flat = jax.device_put([p.layers[layer] for layer in self._groups[group] for p in self.parts],
+                                  self.pool.sharding)
+            n = len(self.parts)
+            self._staged[group] = [flat[i : i + n] for i in range(0, len(flat), n)]
 
-    def _scatter(self, layer: int) -> None:
-        self._prefetch(layer + 1)  # layer l+1's DMA is queued before layer l's compute
-        k, v = self.pool.k[layer], self.pool.v[layer]
-        for part, staged in zip(self.parts, self._staged.pop(layer)):
-            k, v = _scatter_kv(k, v, staged, part.rows, part.device_ids)
-        self.pool.set_layer(layer, k, v)
-        self.outputs.append(k)
+    def _scatter(self, group: int) -> None:
+        self._next_group = group + 1
+        self._prefetch(group + 1)  # the next group's DMA is queued before this group's compute
+        layers = self._groups[group]
+        ks, vs = _scatter_kv(tuple(self.pool.k[layer] for layer in layers), tuple(self.pool.v[layer] for layer in layers),
+                             tuple(map(tuple, self._staged.pop(group))), self._rows, self._ids)
+        for layer, k, v in zip(layers, ks, vs):
+            self.pool.set_layer(layer, k, v)
+        self.outputs.extend(ks)
 
     def wait(self, layer: int) -> None:
-        """Dispatches every layer up to `layer` not yet dispatched; never blocks."""
+        """Dispatches every layer group up to `layer`'s not yet dispatched; never blocks."""
         while len(self.outputs) <= layer:
-            self._scatter(len(self.outputs))
+            self._scatter(self._next_group)
 
     def is_ready(self, layer: int) -> bool:
         return layer < len(self.outputs) and array_ready(self.outputs[layer], layer, self._current)
@@ -133,7 +160,7 @@ class SegmentTransferController(ControllerBase):
         ids = jnp.asarray(pad_to(dev, segment_rows(len(dev))))
         pool = self.device_pool
         staged = _gather_kv(tuple(pool.k), tuple(pool.v), ids)
-        layers = [jax.device_put(s, self.host_pool.sharding) for s in staged]  # whole arrays: DMA
+        layers = jax.device_put(list(staged), self.host_pool.sharding)  # whole arrays: DMA, one call
         self.host_pool.add_segment(layers, [p for op in ops for p in op.host_pages])
         return DispatchedCopies(layers, lambda layer: layers[layer])  # never donated
 

@@ -33,11 +33,11 @@ JNP_COPY = CopyFns(_jnp_load, _jnp_write_back)
 
 def make_cache(page_size: int, device_pages: int, host_pages: int | None,
                policy: WritePolicy = WritePolicy.WRITE_BACK, copy_fns: CopyFns | None = JNP_COPY,
-               path: TransferPath = TransferPath.PAGES, **kwargs: object) -> TieredCache:
+               path: TransferPath = TransferPath.PAGES, layers: int = LAYERS, **kwargs: object) -> TieredCache:
     """A cache over real pools; device_pages/host_pages are usable pages (device page 0 extra);
     `path` picks the host layout (`copy_fns` only matter on the pages path)."""
-    layout = PoolLayout(LAYERS, device_pages + 1, page_size, HEADS, HEAD_DIM, jnp.float32)
-    host_layout = PoolLayout(LAYERS, host_pages or 1, page_size, HEADS, HEAD_DIM, jnp.float32)
+    layout = PoolLayout(layers, device_pages + 1, page_size, HEADS, HEAD_DIM, jnp.float32)
+    host_layout = PoolLayout(layers, host_pages or 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host = make_host_pool(host_layout, path) if host_pages else None
     return TieredCache(page_size, DevicePool(layout), host, policy, copy_fns=copy_fns, **kwargs)
 

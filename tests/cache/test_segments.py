@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from jhicache.cache import InvariantError, TieredCache, TransferPath
-from jhicache.cache.segment_transfer import SegmentLoad, segment_rows
-from tests.cache._helpers import PATHS, assert_device_kv, make_cache, prefill, write_kv
+from jhicache.cache.segment_transfer import SegmentLoad, layer_groups, segment_rows
+from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 
 def seq(tag: int, pages: int, page_size: int) -> list[int]:
@@ -111,15 +113,52 @@ def test_drive_loads_dispatches_without_waiting_and_survives_donation() -> None:
     ticket = cache.load_back(cache.match(a))
     assert ticket is not None
     cache.launch()
-    ticket.wait(0)  # layer 0 scattered, layer 1's DMA queued
+    ticket.wait(0)  # layer group 0 (layer 0) scattered, group 1's DMA queued
     load_ = cache.controller._in_flight[-1].copies
-    assert isinstance(load_, SegmentLoad) and len(load_.outputs) == 1 and load_._next_put == 2
+    assert isinstance(load_, SegmentLoad) and len(load_.outputs) == 1 and list(load_._staged) == [1]
     cache.drive_loads()
     assert load_.dispatched
     write_kv(cache, a[:4], [0])  # a 'forward' donating every layer (writes the sink page 0)
     ticket.wait_all()
     assert ticket.done()
     assert_device_kv(cache, a, list(ticket.device_pages))
+
+
+def test_merged_load_of_two_segments_over_layer_groups_lands_layer_by_layer() -> None:
+    """7 layers load in groups 1, 2, 4 from two segments; a 'forward' donates each layer in between."""
+    cache = make_cache(4, device_pages=8, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS, layers=7)
+    a, c = seq(1, 3, 4), seq(2, 2, 4)
+    for tokens in (a, c):  # two write-back launches: two segments
+        prefill(cache, tokens)
+        to_host(cache)
+    tickets = [cache.load_back(cache.match(tokens)) for tokens in (a, c)]
+    assert all(t is not None for t in tickets)
+    cache.launch()
+    load_ = cache.controller._in_flight[-1].copies
+    assert isinstance(load_, SegmentLoad) and len(load_.parts) == 2
+    pool = cache.device_pool
+    bump_sink = jax.jit(lambda k, v: (k.at[0].add(1.0), v.at[0].add(1.0)), donate_argnums=(0, 1))
+    for layer in range(7):
+        for ticket in tickets:
+            ticket.wait(layer)  # must have dispatched this layer's scatter, whatever its group
+        for tokens, ticket in zip((a, c), tickets):
+            k, v = pool.read_pages(layer, list(ticket.device_pages))
+            np.testing.assert_array_equal(k, expected_kv(tokens, layer, 4)[0])
+        pool.set_layer(layer, *bump_sink(pool.k[layer], pool.v[layer]))  # a 'forward' donating the layer
+    for ticket in tickets:
+        ticket.wait_all()
+    assert cache.poll() >= 1
+    assert_device_kv(cache, a, list(tickets[0].device_pages))
+    assert_device_kv(cache, c, list(tickets[1].device_pages))
+    cache.check_invariants()
+
+
+def test_layer_groups_cover_every_layer_once_growing_to_four() -> None:
+    expected = {1: [1], 2: [1, 1], 3: [1, 2], 7: [1, 2, 4], 24: [1, 2, 4, 4, 4, 4, 4, 1], 28: [1, 2] + [4] * 6 + [1]}
+    for n, sizes in expected.items():
+        groups = layer_groups(n)
+        assert [len(g) for g in groups] == sizes
+        assert [layer for g in groups for layer in g] == list(range(n))
 
 
 def test_segment_rows_buckets() -> None:
