@@ -13,7 +13,7 @@ def multiturn_table(result: dict) -> str:
     spec = result["spec"]
     lines = [f"multiturn: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
              f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
-             f"device pool {next(iter(modes.values()))['device_kv_tokens']} tokens, "
+             f"device pool {min(m['device_kv_tokens'] for m in modes.values())} tokens, "
              f"working set {spec['num_clients'] * spec['num_rounds'] * (spec['request_length'] + spec['output_length'])}"]
     header = "round " + "".join(f"| {m:^30} " for m in modes)
     lines += [header, "      " + "".join(f"| {'ttft s':>9} {'dev hit':>9} {'host hit':>9} " for _ in modes)]
