@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 import importlib
 
 pa = importlib.import_module("pallas_kernels.paged_attention")  # the package re-exports a function of that name
+from pallas_kernels._attention import NEG
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import rand
 
@@ -59,9 +62,9 @@ lens = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=0, m
 
 @settings(max_examples=8, deadline=None)
 @given(pairs=lens, page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
-       seed=st.integers(0, 2**31 - 1))
-def test_extend_matches_reference(pairs, page_size, dtype, seed):
-    run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16)
+       splits=st.sampled_from([None, 1, 2, 5]), seed=st.integers(0, 2**31 - 1))
+def test_extend_matches_reference(pairs, page_size, dtype, splits, seed):
+    run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16, splits=splits)
 
 
 def test_extend_mid_page_prefix_no_prefix_and_gqa():
@@ -75,6 +78,51 @@ def test_extend_group_packing(heads, kv_heads, dim, block_q):
     the causal diagonal and the request's end, prefixes ending mid-page."""
     run_extend(7, [(5, 19), (0, 3), (33, 9)], 16, np.float32, heads=heads, kv_heads=kv_heads, dim=dim,
                block_q=block_q, block_k=16)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("heads,dtype", [(2, np.float32), (14, jnp.bfloat16)])
+def test_extend_split_k(splits, heads, dtype):
+    """Forced key-range splits against the reference, GQA groups 1 and 7: a 2-token turn over a 70-token prefix
+    (10 key blocks), a 40-token turn over 3 keys whose tiles' causal diagonals span several blocks, so split ends
+    fall inside them (group 1), a 1-token turn; 7 splits of 1..5-block ranges leave some empty; padding rows."""
+    run_extend(11 + splits, [(70, 2), (3, 40), (20, 1)], 16, dtype, heads=heads, kv_heads=2, dim=16, pad_tokens=3,
+               block_q=16, block_k=8, splits=splits)
+
+
+def test_choose_extend_splits():
+    """Automatic splits: many for a short turn over a long prefix, one where the grid fills the GPU."""
+    choose = functools.partial(pa.choose_extend_splits, block_q=128, block_k=64)
+    assert choose(64, 1, 8256, 14, 2, 64) == 32  # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 256
+    assert choose(64, 1, 8256, 28, 4, 128) == 32  # Qwen2-7B: 16 programs -> 512
+    assert choose(64, 8, 8256, 14, 2, 64) > 1  # padding requests in the batch bucket
+    assert choose(64, 1, 512, 14, 2, 64) == 2  # short prefix: >= 4 key blocks per split
+    assert choose(64, 1, 256, 14, 2, 64) == 1
+    assert choose(8192, 1, 16384, 14, 2, 64) == 1  # a prefill chunk: 896 programs already
+    assert choose(2048, 1, 8192, 28, 4, 128) == 1
+    # The float32 partials [splits, T * H, D] stay under 64 MiB: 8 MiB a split here, so at most 8.
+    assert choose(4096, 1, 1 << 20, 4, 4, 128, block_q=512) == 8
+
+
+@pytest.mark.parametrize("junk", [np.nan, 7.0])
+def test_merge_partials_zeroes_unwritten_padding_rows(junk):
+    """No program writes the partials of padding tokens (on the GPU they hold whatever was there; the interpreter
+    zero-fills), so poison them here: the merged output must still be zeros there, and exact elsewhere."""
+    rng = np.random.default_rng(3)
+    splits, tokens, heads, dim = 3, 5, 2, 4
+    acc = rand(rng, (splits, tokens, heads, dim), np.float32)
+    m, l = rand(rng, (splits, tokens, heads), np.float32), rand(rng, (splits, tokens, heads), np.float32)
+    m[1, :, 0], l[1, :, 0] = NEG, 0.0  # a split that saw no key for head 0
+    start, lens = np.array([0, 3, 0], np.int32), np.array([2, 1, 0], np.int32)  # tokens 2 and 4: padding
+    pad = np.array([False, False, True, False, True])
+    for x in (acc, m, l):
+        x[:, pad] = junk
+    got = pa._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens, splits=splits,
+                             heads=heads)
+    w = np.exp(m - m.max(axis=0))
+    want = (acc * w[..., None]).sum(axis=0) / (l * w).sum(axis=0)[..., None]
+    np.testing.assert_allclose(np.asarray(got)[~pad], want[~pad], rtol=1e-6)
+    assert not np.asarray(got)[pad].any()
 
 
 @settings(max_examples=8, deadline=None)
@@ -131,6 +179,15 @@ def test_gpu_extend_and_decode(page_size, dtype):
     run_extend(4, [(130, 70), (0, 33)], page_size, dtype, heads=28, kv_heads=4, dim=128)
     run_decode(5, [1, 0, 300, 64, 65, 1000], page_size, dtype, heads=14, kv_heads=2, dim=64)
     run_decode(6, [77, 2000, 0], page_size, dtype, heads=28, kv_heads=4, dim=128, splits=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_gpu_extend_split_k(dtype):
+    """Split-K on Triton: automatic splits (a short turn over a long prefix) and forced ones, both Qwen2 shapes."""
+    run_extend(8, [(4000, 64)], 64, dtype, heads=14, kv_heads=2, dim=64, pad_tokens=0)
+    run_extend(9, [(3000, 64), (37, 5), (1000, 1)], 64, dtype, heads=28, kv_heads=4, dim=128, pad_tokens=7)
+    run_extend(10, [(500, 100), (64, 64)], 16, dtype, heads=14, kv_heads=2, dim=64, splits=7)
 
 
 @pytest.mark.gpu
