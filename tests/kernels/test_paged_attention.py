@@ -93,11 +93,11 @@ def test_extend_split_k(splits, heads, dtype):
 def test_choose_extend_splits():
     """Automatic splits: many for a short turn over a long prefix, one where the grid fills the GPU."""
     choose = functools.partial(pa.choose_extend_splits, block_q=128, block_k=64)
-    assert choose(64, 1, 8256, 14, 2, 64) == 32  # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 256
-    assert choose(64, 1, 8256, 28, 4, 128) == 32  # Qwen2-7B: 16 programs -> 512
+    assert choose(64, 1, 8256, 14, 2, 64) == 16  # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 128
+    assert choose(64, 1, 8256, 28, 4, 128) == 16  # Qwen2-7B: 16 programs -> 256
     assert choose(64, 8, 8256, 14, 2, 64) > 1  # padding requests in the batch bucket
-    assert choose(64, 1, 512, 14, 2, 64) == 2  # short prefix: >= 4 key blocks per split
-    assert choose(64, 1, 256, 14, 2, 64) == 1
+    assert choose(64, 1, 1024, 14, 2, 64) == 2  # short prefix: >= 8 key blocks per split
+    assert choose(64, 1, 512, 14, 2, 64) == 1
     assert choose(8192, 1, 16384, 14, 2, 64) == 1  # a prefill chunk: 896 programs already
     assert choose(2048, 1, 8192, 28, 4, 128) == 1
     # The float32 partials [splits, T * H, D] stay under 64 MiB: 8 MiB a split here, so at most 8.
