@@ -1,11 +1,12 @@
 """ModelRunner: runs one batch through the model over the device KV pages, fused or layer by layer.
 
 Without a load-back in flight the whole model runs as one jitted program (one dispatch per step).
-With one, the forward runs layer by layer and syncs with layer l's pages at exactly one place,
-`ticket.wait(layer)` in `_layered`, before dispatching layer l. On the pages path that blocks the
-host until the (already dispatched) copy is done; on the segments path it dispatches layer l+1's
-host->device DMA and layer l's on-device scatter without blocking, so the DMA overlaps layer l's
-compute and the scatter's output is layer l's input (`jhicache.cache.segment_transfer`). The KV
+With one, the forward runs in layer groups (`layer_groups`: 1, 2, then 4 layers per program) and
+syncs with a group's pages at exactly one place, `ticket.wait(layer)` in `_layered`, before
+dispatching the group. On the pages path that blocks the host until the (already dispatched) copy
+is done; on the segments path it dispatches the next group's host->device DMA and this group's
+on-device scatter without blocking, so the DMA overlaps this group's compute and the scatter's
+outputs are its inputs (`jhicache.cache.segment_transfer`). The KV
 arrays are donated to each program and the pool is given the returned arrays at once, so the pool
 always holds the newest version (the transfer controllers rely on that for ordering, see
 `jhicache.cache.transfer`).
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 import jax
 
-from jhicache.cache import DevicePool, LoadTicket
+from jhicache.cache import DevicePool, LoadTicket, layer_groups
 from models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 
 
@@ -34,6 +35,7 @@ class ModelRunner:
         self.programs = ModelPrograms(model)
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
+        self.groups = layer_groups(self.num_layers)  # the granularity segment loads are dispatched at too
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
             tickets: tuple[LoadTicket, ...]) -> ForwardResult:
@@ -52,11 +54,14 @@ class ModelRunner:
                  tickets: tuple[LoadTicket, ...]) -> ForwardResult:
         hidden = self.programs.embed(tokens)
         waited = 0.0
-        for layer in range(self.num_layers):
+        for group in self.groups:
             start = time.perf_counter()
             for ticket in tickets:
-                ticket.wait(layer)  # the one place a forward syncs with loaded pages
+                for layer in group:
+                    ticket.wait(layer)  # the one place a forward syncs with loaded pages
             waited += time.perf_counter() - start
-            hidden, k, v = self.programs.layer(layer, hidden, self.pool.k[layer], self.pool.v[layer], meta)
-            self.pool.set_layer(layer, k, v)
+            hidden, ks, vs = self.programs.layers(group, hidden, tuple(self.pool.k[i] for i in group),
+                                                  tuple(self.pool.v[i] for i in group), meta)
+            for layer, k, v in zip(group, ks, vs):
+                self.pool.set_layer(layer, k, v)
         return ForwardResult(self.programs.head(hidden, last_index), waited)

@@ -4,8 +4,8 @@ Usage by a runner that drives layers one by one:
 
     programs = ModelPrograms(model)
     hidden = programs.embed(tokens)
-    for i in range(n_layers):
-        hidden, k[i], v[i] = programs.layer(i, hidden, k[i], v[i], meta)
+    for group in (range(0, 1), range(1, 3), ...):  # any partition of the layers, in order
+        hidden, k[group], v[group] = programs.layers(group, hidden, k[group], v[group], meta)
     logits = programs.head(hidden, rows)
 
 or the whole model in one program: `logits, k, v = programs.fused(k, v, tokens, meta, rows)`.
@@ -15,8 +15,8 @@ on the H200 a call that passed an `nnx.GraphDef` as a static argument spent abou
 time hashing it (more than a 0.5B layer's GPU time). So the graphdefs and state tree structures
 are closed over when the programs are built (once per model structure: engines of the same shape
 share the compiled programs), and each call passes only flat lists of arrays.
-Every layer has the same graphdef, so `layer` compiles once per (T, B, decode_only) shape, not once
-per layer. The k/v page arguments are donated: the caller must replace its references with the
+Every layer has the same graphdef, so `layers` compiles once per (group size, T, B, decode_only),
+not once per layer. The k/v page arguments are donated: the caller must replace its references with the
 returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a one-off whole-model entry
 point for tests and scripts.
 """
@@ -39,7 +39,7 @@ Leaves = list[jax.Array]
 
 class _Jitted(NamedTuple):
     embed: Callable
-    layer: Callable
+    layers: Callable
     head: Callable
     fused: Callable
 
@@ -53,9 +53,15 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     def embed(leaves: Leaves, tokens: jax.Array) -> jax.Array:  # [T] int32 -> [T, hidden]
         return nnx.merge(embed_def, jax.tree.unflatten(embed_tree, leaves))(tokens)
 
-    def layer(leaves: Leaves, hidden: jax.Array, k: jax.Array, v: jax.Array,
-              meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return nnx.merge(layer_def, jax.tree.unflatten(layer_tree, leaves))(hidden, k, v, meta)
+    def layers(leaves: list[Leaves], hidden: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
+               meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        new_k, new_v = [], []
+        for layer_leaves, k, v in zip(leaves, ks, vs):
+            layer = nnx.merge(layer_def, jax.tree.unflatten(layer_tree, layer_leaves))
+            hidden, k, v = layer(hidden, k, v, meta)
+            new_k.append(k)
+            new_v.append(v)
+        return hidden, tuple(new_k), tuple(new_v)
 
     def head(leaves: Leaves, hidden: jax.Array, rows: jax.Array) -> jax.Array:  # -> [B, vocab] f32
         return nnx.merge(head_def, jax.tree.unflatten(head_tree, leaves))(hidden[rows])
@@ -63,15 +69,10 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     def fused(embed_l: Leaves, layers_l: list[Leaves], head_l: Leaves, k_pages: tuple[jax.Array, ...],
               v_pages: tuple[jax.Array, ...], tokens: jax.Array, meta: AttentionMetadata,
               rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        hidden = embed(embed_l, tokens)
-        new_k, new_v = [], []
-        for leaves, k, v in zip(layers_l, k_pages, v_pages):
-            hidden, k, v = layer(leaves, hidden, k, v, meta)
-            new_k.append(k)
-            new_v.append(v)
-        return head(head_l, hidden, rows), tuple(new_k), tuple(new_v)
+        hidden, new_k, new_v = layers(layers_l, embed(embed_l, tokens), k_pages, v_pages, meta)
+        return head(head_l, hidden, rows), new_k, new_v
 
-    return _Jitted(jax.jit(embed), jax.jit(layer, donate_argnums=(2, 3)), jax.jit(head),
+    return _Jitted(jax.jit(embed), jax.jit(layers, donate_argnums=(2, 3)), jax.jit(head),
                    jax.jit(fused, donate_argnums=(3, 4)))
 
 
@@ -99,11 +100,12 @@ class ModelPrograms:
         """tokens [T] int32 -> hidden [T, hidden]."""
         return self._jit.embed(self.embed_leaves, tokens)
 
-    def layer(self, index: int, hidden: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-              meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Decoder layer `index`: hidden [T, hidden], k/v [pages, page_size, kv_heads, head_dim]
-        (donated) -> (hidden, new k, new v)."""
-        return self._jit.layer(self.layer_leaves[index], hidden, k_pages, v_pages, meta)
+    def layers(self, group: range, hidden: jax.Array, k_pages: tuple[jax.Array, ...],
+               v_pages: tuple[jax.Array, ...], meta: AttentionMetadata
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Decoder layers `group` in one program: hidden [T, hidden], per layer k/v [pages, page_size,
+        kv_heads, head_dim] (donated) -> (hidden, new k, new v). Compiles once per group size."""
+        return self._jit.layers([self.layer_leaves[i] for i in group], hidden, k_pages, v_pages, meta)
 
     def head(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
         """Final norm + lm_head on `rows` [B] of hidden [T, hidden] -> logits [B, vocab] float32."""
@@ -116,8 +118,8 @@ class ModelPrograms:
                                k_pages, v_pages, tokens, meta, rows)
 
     def compiled_layer_variants(self) -> int:
-        """How many shapes the layer program has been compiled for (tests: layers share one)."""
-        return self._jit.layer._cache_size()
+        """How many (group size, shape) variants the layers program has been compiled for."""
+        return self._jit.layers._cache_size()
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))

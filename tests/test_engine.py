@@ -17,8 +17,10 @@ POOL_TOKENS = 384  # working set is 657 tokens: eviction, write-back and load-ba
 
 @functools.cache
 def _model():
-    # Untied head: with a tied random head, greedy decoding just echoes the last token.
-    return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False), seed=1)
+    # Untied head: with a tied random head, greedy decoding just echoes the last token. Three layers:
+    # the layer-split forward and segment loads then run a one-layer and a two-layer group.
+    config = dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False, num_hidden_layers=3)
+    return init_random(config, seed=1)
 
 
 def make_engine(**overrides) -> Engine:

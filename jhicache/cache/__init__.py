@@ -7,7 +7,7 @@ from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
 from jhicache.cache.segment_transfer import SegmentTransferController
-from jhicache.cache.ticket import LoadTicket
+from jhicache.cache.ticket import LoadTicket, layer_groups
 from jhicache.cache.tiered_cache import TieredCache, WritePolicy
 from jhicache.cache.transfer import CopyFns, TransferController, TransferKind, TransferOp
 
@@ -15,5 +15,5 @@ __all__ = [
     "RESERVED_PAGES", "CopyFns", "DevicePool", "HostPool", "HostSegmentPool", "InsertResult",
     "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator", "PagePool", "PoolLayout",
     "RadixTree", "SegmentTransferController", "TieredCache", "TransferController", "TransferKind",
-    "TransferOp", "TransferPath", "WritePolicy", "check_invariants", "make_host_pool",
+    "TransferOp", "TransferPath", "WritePolicy", "check_invariants", "layer_groups", "make_host_pool",
 ]

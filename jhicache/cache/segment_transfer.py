@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
-from jhicache.cache.ticket import DispatchedCopies, LayerCopies, array_ready, block_on
+from jhicache.cache.ticket import DispatchedCopies, LayerCopies, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
 
 
@@ -67,17 +67,6 @@ def _scatter_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], staged: tu
         new_k.append(k)
         new_v.append(v)
     return tuple(new_k), tuple(new_v)
-
-
-def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
-    """Layers whose loads are dispatched together: 1, 2, then `largest` at a time. Early groups are
-    small so little of the load is exposed before compute starts; later ones large so that one
-    DMA call and one scatter serve several layers (each dispatch costs ~0.1 ms of host time)."""
-    groups, start, size = [], 0, 1
-    while start < num_layers:
-        groups.append(range(start, min(start + size, num_layers)))
-        start, size = start + size, min(2 * size, largest)
-    return groups
 
 
 def segment_rows(n: int) -> int:

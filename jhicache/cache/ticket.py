@@ -25,6 +25,18 @@ import jax
 Successor = Callable[[int], jax.Array]  # layer -> the pool's current array for that layer
 
 
+def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
+    """The layers a layer-split forward computes, and a segment load dispatches, together: 1, 2, then
+    `largest` at a time. Early groups are small so little of a load is exposed before compute starts;
+    later ones large so one dispatch serves several layers (each costs ~0.1 ms of host time on the
+    H200, more than a small model's layer computes)."""
+    groups, start, size = [], 0, 1
+    while start < num_layers:
+        groups.append(range(start, min(start + size, num_layers)))
+        start, size = start + size, min(2 * size, largest)
+    return groups
+
+
 def array_ready(arr: jax.Array, layer: int, successor: Successor) -> bool:
     """Non-blocking: has the computation producing `arr` (or a successor of it) finished?"""
     if not arr.is_deleted():

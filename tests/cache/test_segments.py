@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jhicache.cache import InvariantError, TieredCache, TransferPath
-from jhicache.cache.segment_transfer import SegmentLoad, layer_groups, segment_rows
+from jhicache.cache import layer_groups
+from jhicache.cache.segment_transfer import SegmentLoad, segment_rows
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 

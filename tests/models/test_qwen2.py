@@ -112,7 +112,7 @@ def test_eager_jit_and_layerwise_paths_agree_and_donate(model):
     hidden = programs.embed(tokens)
     before = programs.compiled_layer_variants()
     for i, (k, v) in enumerate(kv):
-        hidden, k_new, v_new = programs.layer(i, hidden, k, v, meta)
+        hidden, k_new, v_new = programs.layers(range(i, i + 1), hidden, (k,), (v,), meta)
         assert k.is_deleted() and v.is_deleted()
     assert programs.compiled_layer_variants() - before <= 1, "layers must share one compiled function"
     layerwise = programs.head(hidden, rows)
