@@ -36,7 +36,9 @@ def host_hit_table(result: dict) -> str:
             f"  TTFT no cache {result['no_cache_ttft_s'] * 1e3:.1f} ms | prefix on device "
             f"{result['device_hit_ttft_s'] * 1e3:.1f} ms | prefix on host {result['host_hit_ttft_s'] * 1e3:.1f} ms\n"
             f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({result['load_gbps']:.1f} GB/s), "
-            f"hidden under compute {result['load_hidden_fraction']:.0%}")
+            f"hidden under compute {result['load_hidden_fraction']:.0%}\n"
+            f"  PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({result['pcie_gbps']:.1f} GB/s); "
+            f"host hit / max(PCIe, device hit) = {result['target_ratio']:.2f} (target <= 1.25)")
 
 
 def save_plot(result: dict, path: str) -> bool:
