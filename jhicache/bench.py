@@ -53,7 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="save a PNG of TTFT and hit rate per round (needs matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m.strip() and m.strip() not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return args
 
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
@@ -111,7 +115,8 @@ def run_multiturn_mode(args: argparse.Namespace, mode: str, progress: tqdm) -> d
     spec = multiturn_spec(args, 1)
     cache_mode, device_tokens = mode, args._device_tokens
     if mode == "unbounded":  # the reference for hit rates: what reuse a big enough device pool gives
-        cache_mode, device_tokens = "device", spec.working_set_tokens + spec.num_clients * 2 * args.page_size
+        margin = spec.num_clients * 2 * args.page_size  # each conversation's partial last pages
+        cache_mode, device_tokens = "device", max(device_tokens, spec.working_set_tokens + margin)
     for seed in (args.seed + 1000, args.seed):
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
         spec = dataclasses.replace(multiturn_spec(args, engine.model_config.vocab_size), seed=seed)
