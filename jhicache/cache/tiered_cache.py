@@ -29,8 +29,9 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
-from jhicache.cache.host_pool import HostPool, TransferPath
+from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
+from jhicache.cache.host_tier import HostTier
 from jhicache.cache.invariants import check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
@@ -70,11 +71,10 @@ class TieredCache:
         self.tree = RadixTree(page_size)
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
-        self.host_alloc = PageAllocator(host_pool.layout.num_pages) if host_pool else None
-        self.controller = make_controller(device_pool, host_pool, copy_fns) if host_pool else None
-        self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
-        self._host_pinned: set[Node] = set()  # host-only nodes a load-back is about to read
         self._stats = dict.fromkeys(_STATS, 0)
+        self.controller = make_controller(device_pool, host_pool, copy_fns) if host_pool else None
+        self.host = HostTier(host_pool, self.tree, self.controller, self._stats) if self.controller else None
+        self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -100,15 +100,15 @@ class TieredCache:
         and must never be freed by the caller.
         """
         result = self.tree.insert(tokens, device_pages)
-        if self.policy is not WritePolicy.WRITE_BACK and self.host_alloc is not None:
+        if self.policy is not WritePolicy.WRITE_BACK and self.host is not None:
             for node in result.touched:
                 if node.host_pages is None and node.hit_count >= self.write_threshold:
                     self._write_through(node)
         return result.prefix_len
 
     def _write_through(self, node: Node) -> None:
-        assert node.device_pages is not None and self.controller is not None
-        host = self._alloc_host(len(node.device_pages))
+        assert node.device_pages is not None and self.controller is not None and self.host is not None
+        host = self.host.alloc_pages(len(node.device_pages))
         if host is None:
             self._stats["write_through_failures"] += 1  # stays device-only; retried on a later visit
             return
@@ -153,8 +153,9 @@ class TieredCache:
         """Device copy out: drop it if on host, else write back (write_back policy) or drop."""
         assert node.device_pages is not None
         self._stats["evicted_device_tokens"] += len(node.key)
-        if node.host_pages is None and self.policy is WritePolicy.WRITE_BACK and self.controller:
-            host = self._alloc_host(len(node.device_pages))
+        if node.host_pages is None and self.policy is WritePolicy.WRITE_BACK and self.host:
+            assert self.controller is not None
+            host = self.host.alloc_pages(len(node.device_pages))
             if host is not None:
                 node.host_pages = host
                 self.controller.queue_write_back(node.device_pages, host)
@@ -168,7 +169,8 @@ class TieredCache:
         self._stats["dropped_nodes"] += 1
         self._stats["dropped_tokens"] += len(node.key)
         self._stats["evicted_host_tokens"] += host_tokens
-        self._release_host(host)
+        if self.host is not None:
+            self.host.release(host)
         return device
 
     def _release_device(self, pages: list[int]) -> None:
@@ -177,46 +179,13 @@ class TieredCache:
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------
-    def _alloc_host(self, n_pages: int) -> list[int] | None:
-        assert self.host_alloc is not None
-        short = n_pages - self.host_alloc.num_free
-        if short > 0:
-            if short > self._host_evictable_pages():
-                return None
-            self.evict_host(short)
-        return self.host_alloc.alloc(n_pages)
-
-    def _host_evictable_pages(self) -> int:
-        pinned = sum(len(n.host_pages or ()) for n in self._host_pinned)
-        return self.tree.host_only_pages() - pinned
+    @property
+    def host_alloc(self) -> PageAllocator | None:
+        return self.host.alloc if self.host is not None else None
 
     def evict_host(self, n_pages: int) -> int:
         """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages freed."""
-        if self.host_alloc is None:
-            return 0
-        heap = [(n.last_access, n.node_id, n) for n in self.tree.host_eviction_candidates()]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < n_pages and heap:
-            node = heapq.heappop(heap)[2]
-            if node in self._host_pinned or not self.tree.is_host_leaf(node):
-                continue
-            parent = node.parent
-            _, host, tokens = self.tree.remove_subtree(node)
-            freed += host
-            self._stats["evicted_host_tokens"] += tokens
-            if parent is not None and self.tree.is_host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        self._release_host(freed)
-        return len(freed)
-
-    def _release_host(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        assert self.host_alloc is not None and self.controller is not None
-        self.controller.launch_writes()  # no merged launch may write one host page twice
-        self.host_pool.release(pages)  # segments path: unmaps the pages, drops emptied segments
-        self.host_alloc.free(pages)
+        return self.host.evict(n_pages) if self.host is not None else 0
 
     # -- load-back -----------------------------------------------------------------------
     def load_back(self, match: MatchResult, quota_pages: int | None = None) -> LoadTicket | None:
@@ -258,11 +227,12 @@ class TieredCache:
         anchor = run[0].parent
         assert anchor is not None
         self.tree.lock(anchor)  # the eviction below must keep the device prefix
-        self._host_pinned.update(run)  # ... and the host pages we are about to read
+        assert self.host is not None
+        self.host.pinned.update(run)  # ... and the host pages we are about to read
         try:
             return self.alloc_device(n_pages)
         finally:
-            self._host_pinned.difference_update(run)
+            self.host.pinned.difference_update(run)
             self.tree.unlock(anchor)
 
     def _start_load(self, run: list[Node], device: list[int]) -> LoadTicket:
@@ -284,10 +254,6 @@ class TieredCache:
         """Dispatches all queued transfers (write-backs, then load-backs); call before the forward."""
         if self.controller is not None:
             self.controller.launch()
-
-    @property
-    def transfer_path(self) -> TransferPath | None:
-        return self.host_pool.transfer_path if self.host_pool is not None else None
 
     def drive_loads(self) -> None:
         """Dispatches (never blocks) every launched load-back's remaining layers; call after a
