@@ -110,17 +110,16 @@ def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
     return max(by_ratio, floor)
 
 
-def run_multiturn_mode(args: argparse.Namespace, mode: str, progress: tqdm) -> dict:
+def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm) -> dict:
     """Runs the workload twice on fresh engines (the first, other-seeded, compiles) and reports the second."""
-    spec = multiturn_spec(args, 1)
     cache_mode, device_tokens = mode, args._device_tokens
     if mode == "unbounded":  # the reference for hit rates: what reuse a big enough device pool gives
         margin = spec.num_clients * 2 * args.page_size  # each conversation's partial last pages
         cache_mode, device_tokens = "device", max(device_tokens, spec.working_set_tokens + margin)
     for seed in (args.seed + 1000, args.seed):
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
-        spec = dataclasses.replace(multiturn_spec(args, engine.model_config.vocab_size), seed=seed)
-        chats, params = MultiTurnChats(spec), SamplingParams(max_new_tokens=spec.output_length)
+        run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
+        chats, params = MultiTurnChats(run_spec), SamplingParams(max_new_tokens=spec.output_length)
         rounds, start = [], time.perf_counter()
         for _ in range(spec.num_rounds):
             outputs = engine.generate(chats.prompts(), params)
@@ -150,7 +149,7 @@ def bench_multiturn(args: argparse.Namespace, vocab: int) -> dict:
     spec = multiturn_spec(args, vocab)
     args._device_tokens = device_tokens_for(args, spec)
     with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr) as progress:
-        results = {mode: run_multiturn_mode(args, mode, progress) for mode in modes}
+        results = {mode: run_multiturn_mode(args, spec, mode, progress) for mode in modes}
     return {"spec": dataclasses.asdict(spec), "modes": results}
 
 

@@ -8,7 +8,7 @@ Who does what, on which stream (all dispatch from the scheduler thread)
 |-------------------------|-----------------------------------------------------------------|
 | launch_writes           | one jitted gather of all layers' pages into [2, n, S, H, D]     |
 |                         | staging arrays (compute stream), then one device->host          |
-|                         | `device_put` per layer (copy engine, overlaps the forward)      |
+|                         | `device_put` of all layers' arrays (copy engine, overlaps)      |
 | launch_loads            | the plan (segment arrays, rows, device pages) and the first     |
 |                         | layer group's host->device `device_put` (copy engine)           |
 | ticket.wait(l) (runner) | at the first layer of a group (`layer_groups`: 1, 2, then 4     |
@@ -94,7 +94,7 @@ class SegmentLoad:
         self._rows = tuple(p.rows for p in parts)
         self._ids = tuple(p.device_ids for p in parts)
         self._groups = layer_groups(pool.num_layers)
-        self._staged: dict[int, list[list[jax.Array]]] = {}  # group -> per layer, device copies of each part
+        self._staged: dict[int, tuple[tuple[jax.Array, ...], ...]] = {}  # group -> per layer, device copies of each part
         self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
         self._next_group = 0
         self._prefetch(0)  # at launch (before the forward's embedding): group 0 is one layer, least exposed
@@ -109,14 +109,14 @@ class SegmentLoad:
             flat = jax.device_put([p.layers[layer] for layer in self._groups[group] for p in self.parts],
                                   self.pool.sharding)
             n = len(self.parts)
-            self._staged[group] = [flat[i : i + n] for i in range(0, len(flat), n)]
+            self._staged[group] = tuple(tuple(flat[i : i + n]) for i in range(0, len(flat), n))
 
     def _scatter(self, group: int) -> None:
         self._next_group = group + 1
         self._prefetch(group + 1)  # the next group's DMA is queued before this group's compute
         layers = self._groups[group]
         ks, vs = _scatter_kv(tuple(self.pool.k[layer] for layer in layers), tuple(self.pool.v[layer] for layer in layers),
-                             tuple(map(tuple, self._staged.pop(group))), self._rows, self._ids)
+                             self._staged.pop(group), self._rows, self._ids)
         for layer, k, v in zip(layers, ks, vs):
             self.pool.set_layer(layer, k, v)
         self.outputs.extend(ks)
