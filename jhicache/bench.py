@@ -12,6 +12,7 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -144,13 +145,20 @@ def round_summary(outputs) -> dict:
     }
 
 
-def bench_multiturn(args: argparse.Namespace, vocab: int) -> dict:
+def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
+    """Runs each mode in turn; `save` gets the result so far after every mode (a long GPU run cut
+    short by a time limit keeps the modes it finished)."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     spec = multiturn_spec(args, vocab)
     args._device_tokens = device_tokens_for(args, spec)
+    result: dict = {"spec": dataclasses.asdict(spec), "modes": {}}
     with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr) as progress:
-        results = {mode: run_multiturn_mode(args, spec, mode, progress) for mode in modes}
-    return {"spec": dataclasses.asdict(spec), "modes": results}
+        for mode in modes:
+            result["modes"][mode] = run_multiturn_mode(args, spec, mode, progress)
+            save(result)
+            ttfts = " ".join(f"{r['mean_ttft_s']:.3f}" for r in result["modes"][mode]["rounds"])
+            progress.write(f"{mode}: mean TTFT per round (s) {ttfts}")
+    return result
 
 
 # ---- isolated host hit ---------------------------------------------------------------------
@@ -235,6 +243,7 @@ def bytes_per_token(engine: Engine) -> int:
 # ---- entry point ---------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict:
+    """Runs what `args.what` names; writes the JSON to `args.out` after each part and at the end."""
     result: dict = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
                     "backend": jax.default_backend(), "jax": jax.__version__, "preset": args.weights or args.preset,
                     "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy,
@@ -242,16 +251,24 @@ def run(args: argparse.Namespace) -> dict:
     if args.what in ("all", "model"):
         result["model"] = bench_model(args)
         print(report.model_table(result["model"]))
+        save_json(result, args.out)
     if args.what in ("all", "multiturn"):
         from models import preset_config
 
         vocab = preset_config(args.preset).vocab_size if not args.weights else make_engine(args).model_config.vocab_size
-        result.update(bench_multiturn(args, vocab))
+        result.update(bench_multiturn(args, vocab, lambda partial: save_json({**result, **partial}, args.out)))
         print(report.multiturn_table(result))
+        save_json(result, args.out)
     if args.what in ("all", "host-hit"):
         result["host_hit"] = bench_host_hit(args)
         print(report.host_hit_table(result["host_hit"]))
     return result
+
+
+def save_json(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_kernels.main([] if args.out is None else ["--out", args.out])
         return 0
     result = run(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.out)
     if args.plot and "modes" in result and not report.save_plot(result, args.plot):
         print("--plot: matplotlib is not installed; no PNG written", file=sys.stderr)
     return 0

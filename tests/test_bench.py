@@ -42,3 +42,16 @@ def test_unknown_mode_is_a_clear_error(capsys) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["multiturn", "--modes", "off,warp"])
     assert "unknown mode" in capsys.readouterr().err
+
+
+def test_multiturn_saves_finished_modes_when_a_later_one_fails(tmp_path, monkeypatch) -> None:
+    def only_off(args, spec, mode, progress):  # stands in for a run cut short after its first mode
+        if mode != "off":
+            raise KeyboardInterrupt
+        return {"rounds": [], "mode": mode}
+
+    monkeypatch.setattr(bench, "run_multiturn_mode", only_off)
+    out = tmp_path / "partial.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["multiturn", *TINY, "--modes", "off,device", "--out", str(out)])
+    assert json.loads(out.read_text())["modes"] == {"off": {"rounds": [], "mode": "off"}}
