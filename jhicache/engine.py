@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.batch import Batch, model_inputs
+from jhicache.batch import Batch, Chunk, model_inputs
 from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.request import Request, RequestOutput
@@ -153,16 +153,22 @@ class Engine:
     def _forward(self, batch: Batch) -> dict[int, int]:
         tokens, meta, last_index = model_inputs(batch, self.config.page_size)
         start = time.perf_counter()
-        logits, load_wait_s = self.runner.run(tokens, meta, last_index, batch.tickets)
+        logits, load_wait_s, timeline = self.runner.run(tokens, meta, last_index, batch.tickets)
         rows = batch.chunks
-        if all(c.request.params.temperature == 0 for c in rows):
-            ids = np.asarray(greedy(logits))
-        else:
-            arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
-                                     logits.shape[0])
-            ids = np.asarray(sample(logits, *map(jnp.asarray, arrays)))
-        self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s)
+        sampled = self._sample(logits, rows)
+        timing = timeline.measure() if timeline else None  # blocks, but the host has nothing left to dispatch
+        ids = np.asarray(sampled)
+        self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s, timing)
         return {c.request.rid: int(ids[i]) for i, c in enumerate(rows) if c.samples}
+
+    @staticmethod
+    def _sample(logits: jax.Array, rows: list[Chunk]) -> jax.Array:
+        """Dispatches the sampling of one token per row: [B] int32."""
+        if all(c.request.params.temperature == 0 for c in rows):
+            return greedy(logits)
+        arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
+                                 logits.shape[0])
+        return sample(logits, *map(jnp.asarray, arrays))
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:

@@ -4,9 +4,10 @@ Without a load-back in flight the whole model runs as one jitted program (one di
 With one, the forward runs in layer groups (`layer_groups`: 1, 2, then 4 layers per program) and
 syncs with a group's pages at exactly one place, `ticket.wait(layer)` in `_layered`, before
 dispatching the group. On the pages path that blocks the host until the (already dispatched) copy
-is done; on the segments path it dispatches the next group's host->device DMA and this group's
-on-device scatter without blocking, so the DMA overlaps this group's compute and the scatter's
-outputs are its inputs (`jhicache.cache.segment_transfer`). The KV
+is done; on the segments path the DMAs were queued at launch (as far as the staging budget allows)
+and it dispatches this group's on-device scatter without blocking, so the copies overlap the
+compute of earlier groups and the scatter's outputs are this group's inputs
+(`jhicache.cache.segment_transfer`). The KV
 arrays are donated to each program and the pool is given the returned arrays at once, so the pool
 always holds the newest version (the transfer controllers rely on that for ordering, see
 `jhicache.cache.transfer`).
@@ -20,12 +21,14 @@ from typing import NamedTuple
 import jax
 
 from jhicache.cache import DevicePool, LoadTicket, layer_groups
+from jhicache.load_timing import LoadTimeline
 from models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 
 
 class ForwardResult(NamedTuple):
     logits: jax.Array  # [B, vocab] float32
     load_wait_s: float  # host time spent in ticket.wait (blocked, or dispatching on the segments path)
+    timeline: LoadTimeline | None  # layer-split steps: `measure()` once the step is dispatched
 
 
 class ModelRunner:
@@ -41,7 +44,7 @@ class ModelRunner:
             tickets: tuple[LoadTicket, ...]) -> ForwardResult:
         """Logits of the rows `last_index`; KV pages updated in the pool."""
         if not tickets:
-            return ForwardResult(self._fused(tokens, meta, last_index), 0.0)
+            return ForwardResult(self._fused(tokens, meta, last_index), 0.0, None)
         return self._layered(tokens, meta, last_index, tickets)
 
     def _fused(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
@@ -53,6 +56,7 @@ class ModelRunner:
     def _layered(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
                  tickets: tuple[LoadTicket, ...]) -> ForwardResult:
         hidden = self.programs.embed(tokens)
+        timeline = LoadTimeline(min((t.launched_at for t in tickets), default=time.perf_counter()), hidden)
         waited = 0.0
         for group in self.groups:
             start = time.perf_counter()
@@ -64,4 +68,11 @@ class ModelRunner:
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)
-        return ForwardResult(self.programs.head(hidden, last_index), waited)
+            timeline.add_group(_landed(tickets, group), hidden)
+        return ForwardResult(self.programs.head(hidden, last_index), waited, timeline)
+
+
+def _landed(tickets: tuple[LoadTicket, ...], group: range) -> list[jax.Array]:
+    """The distinct copies the tickets' loads landed `group`'s pages with (tickets may share a load)."""
+    arrays = {id(a): a for a in (t.landed(layer) for t in tickets for layer in group) if a is not None}
+    return list(arrays.values())

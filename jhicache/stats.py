@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jhicache.batch import Batch
+from jhicache.load_timing import LoadTiming
 from jhicache.request import Request
 
 
@@ -21,9 +22,11 @@ class EngineStats:
     prefill_forward_s: float = 0.0
     decode_forward_s: float = 0.0
     layered_forward_s: float = 0.0
-    load_wait_s: float = 0.0  # host time blocked in ticket.wait: load time exposed to the host
+    load_wait_s: float = 0.0  # host time in ticket.wait: blocked (pages path) or dispatching (segments)
+    load_back_s: float = 0.0  # per layer-split step: first load launched -> last copy landed (segments)
+    load_exposed_s: float = 0.0  # of that, compute waiting for copies (a lower bound, see LoadTimeline)
 
-    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float) -> None:
+    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float, timing: LoadTiming | None) -> None:
         if batch.is_decode:
             self.decode_forward_s += seconds
             self.decode_steps += 1
@@ -36,6 +39,9 @@ class EngineStats:
             self.layered_steps += 1
             self.layered_forward_s += seconds
             self.load_wait_s += load_wait_s
+        if timing is not None:
+            self.load_back_s += timing.load_s
+            self.load_exposed_s += timing.exposed_s
 
     def record_finished(self, finished: list[Request]) -> None:
         self.finished_requests += len(finished)

@@ -1,6 +1,7 @@
 """SegmentTransferController: the segments path. A write-back launch gathers its device pages on
 device and DMAs them to one new host segment; a load-back DMAs whole segment arrays to the
-device one layer group ahead of the forward and scatters their rows into the device pool.
+device from launch on, layer group by layer group, and scatters each group's rows into the device
+pool just before the forward computes that group.
 
 Who does what, on which stream (all dispatch from the scheduler thread)
 -----------------------------------------------------------------------
@@ -9,13 +10,14 @@ Who does what, on which stream (all dispatch from the scheduler thread)
 | launch_writes           | one jitted gather of all layers' pages into [2, n, S, H, D]     |
 |                         | staging arrays (compute stream), then one device->host          |
 |                         | `device_put` of all layers' arrays (copy engine, overlaps)      |
-| launch_loads            | the plan (segment arrays, rows, device pages) and the first     |
-|                         | layer group's host->device `device_put` (copy engine)           |
-| ticket.wait(l) (runner) | at the first layer of a group (`layer_groups`: 1, 2, then 4     |
-|                         | layers): one `device_put` of the next group's segment arrays    |
-|                         | (copy engine), then one jitted scatter of this group's rows     |
-|                         | into the donated pool arrays (compute stream); the host thread  |
-|                         | never blocks                                                    |
+| launch_loads            | the plan (segment arrays, rows, device pages), then one         |
+|                         | host->device `device_put` per layer group (`layer_groups`: 1,   |
+|                         | 2, then 4 layers) while the staged copies fit `staging_bytes`   |
+|                         | (copy engine; queued in layer order, so it is busy from launch) |
+| ticket.wait(l) (runner) | at the first layer of a group: the DMAs the freed staging room  |
+|                         | allows (always two groups ahead), then one jitted scatter of    |
+|                         | this group's rows into the donated pool arrays (compute         |
+|                         | stream); the host thread never blocks                           |
 | drive_loads / poll      | the same for every layer not yet dispatched (a ticket whose     |
 |                         | batch never ran must still complete: nothing stays half-loaded) |
 The copy engine only overlaps compute for a *whole* pinned_host array: slicing one compiles to
@@ -47,6 +49,11 @@ from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.ticket import DispatchedCopies, LayerCopies, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
+
+
+# Device memory a load's host->device DMAs may fill ahead of its scatters (an 8k-token Qwen2-7B
+# prefix is 470 MB): loads up to this size are in flight from launch on.
+STAGING_BYTES = 1 << 30
 
 
 @jax.jit
@@ -89,34 +96,50 @@ class _Part(NamedTuple):
 class SegmentLoad:
     """One merged load-back launch; dispatches its layer groups in order as the tickets ask (LayerCopies)."""
 
-    def __init__(self, parts: list[_Part], pool: PagePool) -> None:
+    def __init__(self, parts: list[_Part], pool: PagePool, staging_bytes: int) -> None:
         self.parts, self.pool = parts, pool
         self._rows = tuple(p.rows for p in parts)
         self._ids = tuple(p.device_ids for p in parts)
         self._groups = layer_groups(pool.num_layers)
+        self._group_bytes = [sum(p.layers[layer].nbytes for layer in g for p in parts) for g in self._groups]
+        self._staging_bytes = staging_bytes
         self._staged: dict[int, tuple[tuple[jax.Array, ...], ...]] = {}  # group -> per layer, device copies of each part
         self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
+        self._landed: dict[int, jax.Array] = {}  # group -> the last array of its DMA (kept for timing)
         self._next_group = 0
-        self._prefetch(0)  # at launch (before the forward's embedding): group 0 is one layer, least exposed
+        self._next_prefetch = 0
+        self._prefetch()  # at launch, before the batch's inputs and embedding are even dispatched
 
     @property
     def dispatched(self) -> bool:
         return len(self.outputs) == self.pool.num_layers
 
-    def _prefetch(self, group: int) -> None:
-        if group < len(self._groups) and group not in self._staged:
+    def _prefetch(self) -> None:
+        """Queues the DMAs of the next groups while their staged copies fit in `staging_bytes`, and
+        always at least the group after the next one to scatter: the copy engine is kept busy from
+        launch on, instead of one group ahead of a compute that may be shorter than the load."""
+        staged = sum(self._group_bytes[g] for g in self._staged)
+        while self._next_prefetch < len(self._groups):
+            group = self._next_prefetch
+            ahead = group <= self._next_group + 1
+            if not ahead and staged + self._group_bytes[group] > self._staging_bytes:
+                break
             # One call for the group: a batched device_put costs less host time than one per array.
             flat = jax.device_put([p.layers[layer] for layer in self._groups[group] for p in self.parts],
                                   self.pool.sharding)
             n = len(self.parts)
             self._staged[group] = tuple(tuple(flat[i : i + n]) for i in range(0, len(flat), n))
+            self._landed[group] = flat[-1]
+            staged += self._group_bytes[group]
+            self._next_prefetch += 1
 
     def _scatter(self, group: int) -> None:
+        staged = self._staged.pop(group)
         self._next_group = group + 1
-        self._prefetch(group + 1)  # the next group's DMA is queued before this group's compute
+        self._prefetch()  # refills the window this group frees, before its scatter is queued
         layers = self._groups[group]
         ks, vs = _scatter_kv(tuple(self.pool.k[layer] for layer in layers), tuple(self.pool.v[layer] for layer in layers),
-                             self._staged.pop(group), self._rows, self._ids)
+                             staged, self._rows, self._ids)
         for layer, k, v in zip(layers, ks, vs):
             self.pool.set_layer(layer, k, v)
         self.outputs.extend(ks)
@@ -133,6 +156,11 @@ class SegmentLoad:
         self.wait(layer)
         block_on(self.outputs[layer], layer, self._current)
 
+    def landed(self, layer: int) -> jax.Array:
+        """The last array queued by the DMA call that brought `layer`'s group (the call's copies are
+        issued in order, so its completion stands for the group's)."""
+        return self._landed[next(g for g, layers in enumerate(self._groups) if layer in layers)]
+
     def _current(self, layer: int) -> jax.Array:
         return self.pool.k[layer]
 
@@ -140,9 +168,10 @@ class SegmentLoad:
 class SegmentTransferController(ControllerBase):
     """Segments path: merges and launches copies between a DevicePool and a HostSegmentPool."""
 
-    def __init__(self, device_pool: PagePool, host_pool: HostSegmentPool) -> None:
+    def __init__(self, device_pool: PagePool, host_pool: HostSegmentPool, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(device_pool, host_pool.layout)
         self.host_pool = host_pool
+        self.staging_bytes = staging_bytes
 
     def _write(self, ops: list[TransferOp]) -> LayerCopies:
         dev = [p for op in ops for p in op.device_pages]
@@ -162,7 +191,7 @@ class SegmentTransferController(ControllerBase):
             rows.append(row)
             ids.append(page)
         parts = [_part(layers, rows, ids) for layers, rows, ids in groups.values()]
-        return SegmentLoad(parts, self.device_pool)
+        return SegmentLoad(parts, self.device_pool, self.staging_bytes)
 
     def drive_loads(self) -> None:
         """Dispatches the remaining layers of every launched load (non-blocking)."""

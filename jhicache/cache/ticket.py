@@ -17,6 +17,7 @@ the pool's current array standing ready implies the load finished.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -63,6 +64,7 @@ class LayerCopies(Protocol):
     def wait(self, layer: int) -> None: ...  # layer safe for the next dispatched computation
     def is_ready(self, layer: int) -> bool: ...  # non-blocking: layer's copy has finished
     def block(self, layer: int) -> None: ...  # blocks the host until layer's copy has finished
+    def landed(self, layer: int) -> jax.Array | None: ...  # after wait: the DMA holding layer's pages (timing only)
 
 
 class DispatchedCopies:
@@ -80,6 +82,9 @@ class DispatchedCopies:
     def block(self, layer: int) -> None:
         block_on(self.outputs[layer], layer, self.successor)
 
+    def landed(self, layer: int) -> None:
+        return None  # the copies are kernels on the compute stream: a forward's wait blocks on them
+
 
 class LoadTicket:
     """Per-layer readiness of one queued load-back (several tickets may share one launch)."""
@@ -91,6 +96,7 @@ class LoadTicket:
         self.host_pages = tuple(host_pages)
         self.device_pages = tuple(device_pages)
         self._copies: LayerCopies | None = None
+        self.launched_at = 0.0  # perf_counter() at launch
 
     def __repr__(self) -> str:
         state = "launched" if self.launched else "queued"
@@ -103,6 +109,7 @@ class LoadTicket:
     def bind(self, copies: LayerCopies) -> None:
         """Called by the controller at launch."""
         self._copies = copies
+        self.launched_at = time.perf_counter()
 
     def _checked(self, layer: int) -> LayerCopies:
         if self._copies is None:
@@ -118,6 +125,12 @@ class LoadTicket:
     def wait(self, layer: int) -> None:
         """Makes `layer`'s pages safe to read by the next computation dispatched (see module doc)."""
         self._checked(layer).wait(layer)
+
+    def landed(self, layer: int) -> jax.Array | None:
+        """After `wait(layer)`: the host->device copy whose completion puts `layer`'s pages within
+        reach of the compute stream (segments path), for timing how long compute waited; None on
+        the pages path, whose copies run on the compute stream and block in `wait` instead."""
+        return self._checked(layer).landed(layer)
 
     def done(self) -> bool:
         """Non-blocking: every layer copied (False while still queued)."""

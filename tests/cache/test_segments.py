@@ -8,7 +8,7 @@ import pytest
 
 from jhicache.cache import InvariantError, TieredCache, TransferPath
 from jhicache.cache import layer_groups
-from jhicache.cache.segment_transfer import SegmentLoad, segment_rows
+from jhicache.cache.segment_transfer import STAGING_BYTES, SegmentLoad, segment_rows
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 
@@ -125,9 +125,11 @@ def test_drive_loads_dispatches_without_waiting_and_survives_donation() -> None:
     assert_device_kv(cache, a, list(ticket.device_pages))
 
 
-def test_merged_load_of_two_segments_over_layer_groups_lands_layer_by_layer() -> None:
+@pytest.mark.parametrize("staging_bytes", [1, STAGING_BYTES])  # two groups ahead only / all DMAs at launch
+def test_merged_load_of_two_segments_over_layer_groups_lands_layer_by_layer(staging_bytes: int) -> None:
     """7 layers load in groups 1, 2, 4 from two segments; a 'forward' donates each layer in between."""
     cache = make_cache(4, device_pages=8, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS, layers=7)
+    cache.controller.staging_bytes = staging_bytes
     a, c = seq(1, 3, 4), seq(2, 2, 4)
     for tokens in (a, c):  # two write-back launches: two segments
         prefill(cache, tokens)
@@ -152,6 +154,25 @@ def test_merged_load_of_two_segments_over_layer_groups_lands_layer_by_layer() ->
     assert_device_kv(cache, a, list(tickets[0].device_pages))
     assert_device_kv(cache, c, list(tickets[1].device_pages))
     cache.check_invariants()
+
+
+def test_staging_window_bounds_the_dmas_queued_ahead_of_the_scatters() -> None:
+    """Groups (1, 2, 4 layers) are DMA'd while their staged bytes fit, never fewer than two ahead."""
+    a = seq(1, 3, 4)
+    for staging_bytes, at_launch, after_group_0 in ((1, [0, 1], [1, 2]), (1 << 30, [0, 1, 2], [1, 2])):
+        cache = make_cache(4, device_pages=4, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS, layers=7)
+        cache.controller.staging_bytes = staging_bytes
+        prefill(cache, a)
+        to_host(cache)
+        ticket = cache.load_back(cache.match(a))
+        cache.launch()
+        load_ = cache.controller._in_flight[-1].copies
+        assert sorted(load_._staged) == at_launch
+        ticket.wait(0)
+        assert sorted(load_._staged) == after_group_0
+        ticket.wait_all()
+        assert not load_._staged
+        assert_device_kv(cache, a, list(ticket.device_pages))
 
 
 def test_layer_groups_cover_every_layer_once_growing_to_four() -> None:
