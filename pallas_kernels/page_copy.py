@@ -172,10 +172,9 @@ def _gather(arrays: Arrays, page_ids, *, num_programs: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("num_programs",), donate_argnums=(0,))
-def _scatter(arrays: Arrays, staging: jax.Array, page_ids, *, num_programs: int) -> Arrays:
-    n = page_ids.shape[0]
-    flat = staging.reshape(len(arrays), n, -1)
-    outs = _copy_call([flat], [_rows(a) for a in arrays], jnp.arange(n, dtype=jnp.int32), page_ids,
+def _scatter(arrays: Arrays, staging: jax.Array, rows, page_ids, *, num_programs: int) -> Arrays:
+    flat = staging.reshape(len(arrays), staging.shape[1], -1)
+    outs = _copy_call([flat], [_rows(a) for a in arrays], rows, page_ids,
                       num_arrays=len(arrays), num_programs=num_programs)
     return tuple(o.reshape(a.shape) for o, a in zip(outs, arrays))
 
@@ -207,7 +206,24 @@ def scatter_pages_layers(arrays: Sequence[jax.Array], staging: jax.Array, page_i
     check_ids("page ids", page_ids, arrays[0].shape[0], unique=True)
     if n == 0:
         return tuple(arrays)
-    return _scatter(tuple(arrays), staging, page_ids, num_programs=num_programs)
+    return _scatter(tuple(arrays), staging, jnp.arange(n, dtype=jnp.int32), page_ids, num_programs=num_programs)
+
+
+def scatter_rows_layers(arrays: Sequence[jax.Array], staging: jax.Array, rows, page_ids, *,
+                        num_programs: int = 64) -> Arrays:
+    """Rows `rows` of staging [len(arrays), m, S, H, D] -> pages `page_ids` of each array (donated;
+    int32 [n] each). An identical (row, page) pair may repeat (padding); inside a caller's jit the
+    ids are not value-checked. The segments path's load-back placement."""
+    _check_staging_arrays(arrays)
+    check(staging.ndim == 5 and staging.shape[0] == len(arrays) and staging.shape[2:] == arrays[0].shape[1:],
+          f"staging shape {staging.shape} does not hold [{len(arrays)}, m, *{arrays[0].shape[1:]}] rows")
+    check(staging.dtype == arrays[0].dtype, f"staging dtype {staging.dtype} != {arrays[0].dtype}")
+    check_ids("rows", rows, staging.shape[1])
+    check_ids("page ids", page_ids, arrays[0].shape[0], length=rows.shape[0])
+    check_copy_pairs(rows, page_ids)
+    if rows.shape[0] == 0:
+        return tuple(arrays)
+    return _scatter(tuple(arrays), staging, rows, page_ids, num_programs=num_programs)
 
 
 def gather_pages(device_k: jax.Array, page_ids, *, num_programs: int = 64) -> jax.Array:

@@ -291,7 +291,8 @@ class TieredCache:
             c, page_bytes = self.controller.counters, self.device_pool.layout.page_bytes
             stats.update(write_back_ops=c["write_back_ops"], load_back_ops=c["load_back_ops"],
                          write_back_bytes=c["write_back_pages"] * page_bytes,
-                         load_back_bytes=c["load_back_pages"] * page_bytes)
+                         load_back_bytes=c["load_back_pages"] * page_bytes,
+                         load_back_moved_bytes=c["load_back_moved_bytes"])
         stats.update(device_free_pages=self.device_alloc.num_free,
                      evictable_tokens=self.tree.evictable_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,

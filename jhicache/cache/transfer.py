@@ -95,7 +95,8 @@ class ControllerBase:
         self._in_flight: list[_Launch] = []
         self._next_id = 0
         self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
-                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0}
+                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0,
+                         "load_back_moved_bytes": 0}  # what loads moved over PCIe (segments: whole arrays)
 
     def _write(self, ops: list[TransferOp]) -> LayerCopies:
         raise NotImplementedError
@@ -196,6 +197,7 @@ class TransferController(ControllerBase):
     def _load(self, ops: list[TransferOp]) -> LayerCopies:
         dev, host = _merged_ids(ops)
         dst = self.device_pool
+        self.counters["load_back_moved_bytes"] += len(dev) * dst.layout.page_bytes  # padding repeats pages
         outputs = self._copy_layers(self.copy_fns.load, self.host_pool, dst, host, dev)
         return DispatchedCopies(outputs, lambda layer: dst.k[layer])
 

@@ -8,7 +8,7 @@ import pytest
 
 from jhicache.cache import InvariantError, TieredCache, TransferPath
 from jhicache.cache import layer_groups
-from jhicache.cache.segment_transfer import STAGING_BYTES, SegmentLoad, segment_rows
+from jhicache.cache.segment_transfer import STAGING_BYTES, SegmentLoad, segment_chunks, segment_rows
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 
@@ -59,11 +59,11 @@ def test_segment_refcounts_follow_host_pages(page: int) -> None:
     a, b = seq(1, 2, page), seq(2, 2, page)
     prefill(cache, a)
     prefill(cache, b)
-    to_host(cache)  # a and b written back in one launch: one segment of 4 live pages
-    assert cache.stats()["host_segments"] == 1
-    cache.match(a[:page])  # split a: the segment is shared by three nodes
-    assert cache.evict_host(1) >= 1  # host-evicts an LRU leaf: the segment stays
-    assert cache.stats()["host_segments"] == 1
+    to_host(cache)  # a and b written back in one launch: one segment each, 2 live pages each
+    assert cache.stats()["host_segments"] == 2
+    cache.match(a[:page])  # split a: its segment is shared by two nodes
+    assert cache.evict_host(1) == 1  # host-evicts one page of an LRU leaf: the segments stay
+    assert cache.stats()["host_segments"] == 2
     cache.check_invariants()
     assert cache.evict_host(6) == 3 and cache.stats()["host_segments"] == 0  # all gone: dropped
     cache.check_invariants()
@@ -181,6 +181,31 @@ def test_layer_groups_cover_every_layer_once_growing_to_four() -> None:
         groups = layer_groups(n)
         assert [len(g) for g in groups] == sizes
         assert [layer for g in groups for layer in g] == list(range(n))
+
+
+def test_a_load_moves_only_its_own_nodes_segments() -> None:
+    """Two nodes evicted in one write-back launch land in separate segments, so loading one moves
+    (over PCIe, as whole arrays) only its own pages' segment."""
+    cache = make_cache(4, device_pages=8, host_pages=8, load_back_threshold=0, path=TransferPath.SEGMENTS)
+    a, b = seq(1, 3, 4), seq(2, 2, 4)
+    prefill(cache, a)
+    prefill(cache, b)
+    to_host(cache)
+    assert cache.stats()["host_segments"] == 2
+    assert_device_kv(cache, b, load(cache, b))
+    stats = cache.stats()
+    segment_bytes = segment_rows(2) * cache.device_pool.layout.page_bytes
+    assert stats["load_back_bytes"] == 2 * cache.device_pool.layout.page_bytes
+    assert stats["load_back_moved_bytes"] == segment_bytes  # not a's 3 pages as well
+
+
+def test_segment_chunks_cover_n_with_little_padding() -> None:
+    assert segment_chunks(129) == [128, 1] and segment_chunks(16) == [16] and segment_chunks(200) == [128, 64, 8]
+    for n in range(1, 3000):
+        sizes = segment_chunks(n)
+        assert sum(sizes) == n and len(sizes) <= 4
+        padded = sum(segment_rows(size) for size in sizes)
+        assert padded - n <= max(4, 0.04 * n), (n, sizes)
 
 
 def test_segment_rows_buckets() -> None:

@@ -147,3 +147,26 @@ def test_gpu_large_load_is_bit_exact():
     k, v = pc.load_pages(pinned(host[0]), pinned(host[1]), dev[0], dev[1], hid, did)
     assert same(k, pc.copy_pages_reference(host[0], keep[0], hid, did))
     assert same(v, pc.copy_pages_reference(host[1], keep[1], hid, did))
+
+
+@settings(max_examples=10, deadline=None)
+@given(page_size=st.sampled_from([1, 16, 64]), n=st.integers(0, 5), pad=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_scatter_rows_places_chosen_staging_rows(page_size, n, pad, seed):
+    """The segments path's load placement: any rows of a staged segment -> any pages, padded pairs."""
+    rng = np.random.default_rng(seed)
+    staging = rand(rng, (2, 6, page_size, 2, 4), np.float32)
+    rows = rng.choice(6, n, replace=False).astype(np.int32)
+    pages = rng.choice(7, n, replace=False).astype(np.int32)
+    if n:
+        rows, pages = (np.concatenate([x, np.repeat(x[-1:], pad)]) for x in (rows, pages))
+    k, v = (poisoned((7, page_size, 2, 4), np.float32) for _ in range(2))
+    got = pc.scatter_rows_layers([jnp.asarray(k), jnp.asarray(v)], jnp.asarray(staging), rows, pages)
+    for out, ref, src in zip(got, (k, v), staging):
+        assert same(out, pc.copy_pages_reference(src, ref, rows, pages))
+
+
+def test_scatter_rows_rejects_a_page_fed_by_two_rows():
+    staging = jnp.ones((2, 4, 16, 2, 8), jnp.float32)
+    k = jnp.zeros((5, 16, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="two different source"):
+        pc.scatter_rows_layers([k, k], staging, np.array([0, 1], np.int32), np.array([3, 3], np.int32))
