@@ -9,8 +9,9 @@ only page bookkeeping matters here):
                   own 1k-token history on device, + a 64-token turn; the device pool is filled with
                   other conversations, so admission must evict (as in the multi-turn bench).
   batch-decode    the same 16 requests decoding one token each.
-It prints the median host milliseconds of each call and, with `--top`, a cProfile of each
-(cumulative, over all repeats). On the CPU the JAX dispatch costs differ from the GPU's; the
+It prints the median host milliseconds of each call (and of the transfer launches inside
+`schedule()`: write-backs forced by eviction, the load-back) and, with `--top`, a cProfile of
+each (cumulative, over all repeats). On the CPU the JAX dispatch costs differ from the GPU's; the
 Python-side costs (tree walks, per-page loops, list/array conversions) carry over.
 """
 
@@ -97,8 +98,25 @@ def drop_all(engine: Engine) -> None:
     engine.cache.poll()
 
 
-def step_inputs(rec: Recorder, engine: Engine, name: str) -> Batch:
+def time_launches(engine: Engine) -> list[float]:
+    """Wraps the controller's launches (instance attributes) so that the part of `schedule()`
+    spent dispatching transfers (segment_transfer.py, not scheduling) can be told apart."""
+    spent = [0.0]
+    controller = engine.cache.controller
+    for name in ("launch_writes", "launch_loads"):
+        def timed(fn=getattr(controller, name)) -> None:
+            start = time.perf_counter()
+            fn()
+            spent[0] += time.perf_counter() - start
+        setattr(controller, name, timed)
+    return spent
+
+
+def step_inputs(rec: Recorder, engine: Engine, spent: list[float], name: str) -> Batch:
+    """Times one schedule() (`spent`: from time_launches(engine)) and the batch's model_inputs()."""
+    spent[0] = 0.0
     batch = rec.call(f"{name}: schedule", engine.scheduler.schedule)
+    rec.times.setdefault(f"{name}: (launches in it)", []).append(spent[0])
     assert batch is not None
     rec.call(f"{name}: model_inputs", lambda: model_inputs(batch, PAGE_SIZE))
     return batch
@@ -110,9 +128,10 @@ def host_hit(rec: Recorder, model, repeats: int, rng: np.random.Generator) -> No
     prefix = rng.integers(0, vocab, PREFIX).tolist()
     cache_tokens(engine, prefix)
     push_to_host(engine)
+    spent = time_launches(engine)
     for _ in range(repeats + 1):  # the first run compiles the load's programs
         add_request(engine, prefix + rng.integers(0, vocab, TURN).tolist())
-        batch = step_inputs(rec, engine, "host-hit")
+        batch = step_inputs(rec, engine, spent, "host-hit")
         assert batch.tickets, "expected a load-back"
         drop_all(engine)
         push_to_host(engine)
@@ -135,11 +154,12 @@ def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator, de
             cache_tokens(engine, prompt)
         for history in histories[:BATCH]:
             add_request(engine, history + rng.integers(0, vocab, TURN).tolist())
-        batch = step_inputs(rec, engine, "batch-prefill")
+        spent = time_launches(engine)
+        batch = step_inputs(rec, engine, spent, "batch-prefill")
         assert len(batch.chunks) == BATCH and not batch.is_decode
         for _ in range(decode_steps):
             engine.scheduler.commit(batch, {c.request.rid: 1 for c in batch.chunks}, time.perf_counter())
-            batch = step_inputs(rec, engine, "batch-decode")
+            batch = step_inputs(rec, engine, spent, "batch-decode")
             assert batch.is_decode and len(batch.chunks) == BATCH
         drop_all(engine)
         engine.check_invariants()
@@ -147,7 +167,7 @@ def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator, de
 
 def report(rec: Recorder, top: int) -> None:
     for name, times in rec.times.items():
-        print(f"{name:28s} median {statistics.median(times[1:]) * 1e3:8.3f} ms  "
+        print(f"{name:36s} median {statistics.median(times[1:]) * 1e3:8.3f} ms  "
               f"(min {min(times[1:]) * 1e3:.3f}, n={len(times) - 1})")
     for name, prof in rec.profiles.items() if top else ():
         out = io.StringIO()
