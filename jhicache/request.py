@@ -63,9 +63,24 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens), without building the list."""
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without concatenating prompt and output (a decode step reads one
+        token of a sequence thousands long)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
+
+    @property
     def pending_len(self) -> int:
         """Tokens of `tokens` not yet in the KV cache."""
-        return len(self.prompt) + len(self.output) - self.cached_len
+        return self.num_tokens - self.cached_len
 
     def to_output(self) -> RequestOutput:
         assert self.first_token_s is not None and self.finish_reason is not None

@@ -135,7 +135,7 @@ class Scheduler:
         so only that chunk (and a decode page) must stay available."""
         available = self.cache.device_alloc.num_free + self.cache.tree.evictable_pages
         cached = match.device_len + match.host_len
-        first_chunk = min(len(req.tokens) - cached, budget)
+        first_chunk = min(req.num_tokens - cached, budget)
         return available - (_pages_for(cached + first_chunk, self.page_size) - cached // self.page_size) - 1
 
     # ---- decode --------------------------------------------------------------------------

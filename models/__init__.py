@@ -2,7 +2,7 @@
 
 from models.config import Qwen2Config, preset_config
 from models.functional import ModelPrograms, forward_apply
-from models.metadata import AttentionMetadata, build_metadata, pack_tokens
+from models.metadata import AttentionMetadata, build_metadata, metadata_arrays, pack_token_array, pack_tokens, put_int32
 from models.qwen2 import Qwen2ForCausalLM, init_kv_pages
 from models.qwen2_weights import init_random, load_pretrained, save_checkpoint
 
@@ -16,7 +16,10 @@ __all__ = [
     "init_kv_pages",
     "init_random",
     "load_pretrained",
+    "metadata_arrays",
+    "pack_token_array",
     "pack_tokens",
     "preset_config",
+    "put_int32",
     "save_checkpoint",
 ]

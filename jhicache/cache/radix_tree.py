@@ -87,21 +87,28 @@ class RadixTree:
         if n % self.page_size:
             raise ValueError(f"key length {n} is not a multiple of page_size {self.page_size}")
 
-    def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    def _common_len(self, key: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
         """Length of the common prefix counted in whole pages only."""
-        p, n = self.page_size, 0
+        p = self.page_size
         limit = min(len(key), len(tokens) - start)
-        while n + p <= limit and tuple(tokens[start + n:start + n + p]) == key[n:n + p]:
+        limit -= limit % p
+        # One C-level comparison settles the common case (the whole key matches); only a
+        # mismatch pays for the page-by-page search, on tuple slices (no per-page conversion).
+        if tokens[start:start + limit] == key[:limit]:
+            return limit
+        n = 0
+        while n + p <= limit and tokens[start + n:start + n + p] == key[n:n + p]:
             n += p
         return n
 
     def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[Node, int]]:
         """Yields (node, start) for each matched node, splitting the last one if partial."""
         self._check_aligned(len(tokens))
+        tokens = tuple(tokens)  # once: slices of a tuple are keys already, no copy per page
         node, pos, now = self.root, 0, self._tick()
         node.last_access = now
         while pos < len(tokens):
-            child = node.children.get(tuple(tokens[pos:pos + self.page_size]))
+            child = node.children.get(tokens[pos:pos + self.page_size])
             if child is None:
                 return
             n = self._common_len(child.key, tokens, pos)
@@ -269,8 +276,20 @@ class RadixTree:
                 and not any(c.device_pages is not None for c in node.children.values()))
 
     def device_eviction_candidates(self) -> list[Node]:
-        """Unlocked device leaves, least recently used first."""
-        leaves = [n for n in self.nodes() if n.lock_count == 0 and self.is_device_leaf(n)]
+        """Unlocked device leaves, least recently used first.
+
+        Walks only the on-device top of the tree (invariant 1: nothing below a host-only node is
+        on device), in one loop: it runs on every eviction, and host-only nodes pile up under
+        the hierarchical cache."""
+        leaves: list[Node] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            on_device = [c for c in node.children.values() if c.device_pages is not None]
+            if on_device:
+                stack.extend(on_device)
+            elif node.lock_count == 0 and node is not self.root:
+                leaves.append(node)
         return sorted(leaves, key=lambda n: (n.last_access, n.node_id))
 
     def is_host_leaf(self, node: Node) -> bool:
