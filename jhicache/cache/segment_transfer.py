@@ -46,13 +46,13 @@ import itertools
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.ticket import LayerCopies, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
+from models import put_int32
 from pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
 
 
@@ -184,8 +184,8 @@ class SegmentTransferController(ControllerBase):
         that node's segments over PCIe, not whatever else was evicted with it."""
         pool, num_layers = self.device_pool, self.device_pool.num_layers
         chunks = [(op.device_pages[a:b], op.host_pages[a:b]) for op in ops for a, b in _bounds(len(op.device_pages))]
-        staged = [_gather_kv(tuple(pool.k), tuple(pool.v), jnp.asarray(pad_to(dev, segment_rows(len(dev)))))
-                  for dev, _ in chunks]
+        ids = put_int32({str(i): pad_to(dev, segment_rows(len(dev))) for i, (dev, _) in enumerate(chunks)})
+        staged = [_gather_kv(tuple(pool.k), tuple(pool.v), ids[str(i)]) for i in range(len(chunks))]
         flat = jax.device_put([a for layers in staged for a in layers], self.host_pool.sharding)  # DMA, one call
         segments = [flat[i : i + num_layers] for i in range(0, len(flat), num_layers)]
         for layers, (_, host) in zip(segments, chunks):
@@ -200,7 +200,7 @@ class SegmentTransferController(ControllerBase):
             _, rows, ids = groups.setdefault(segment.seg_id, (segment.layers, [], []))
             rows.append(row)
             ids.append(page)
-        parts = [_part(layers, rows, ids) for layers, rows, ids in groups.values()]
+        parts = _parts(list(groups.values()))
         self.counters["load_back_moved_bytes"] += sum(a.nbytes for part in parts for a in part.layers)
         return SegmentLoad(parts, self.device_pool, self.staging_bytes)
 
@@ -248,9 +248,15 @@ def _bounds(n: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(starts))
 
 
-def _part(layers: list[jax.Array], rows: list[int], ids: list[int]) -> _Part:
-    size = pow2_bucket(len(ids), 4)
-    return _Part(layers, jnp.asarray(pad_to(rows, size)), jnp.asarray(pad_to(ids, size)))
+def _parts(groups: list[tuple[list[jax.Array], list[int], list[int]]]) -> list[_Part]:
+    """Each segment's (layers, rows, device pages), the ids padded to a power of two and moved to
+    the device in one transfer for all parts (each transfer costs a dispatch of its own)."""
+    padded = {}
+    for i, (_, rows, ids) in enumerate(groups):
+        size = pow2_bucket(len(ids), 4)
+        padded[f"rows{i}"], padded[f"ids{i}"] = pad_to(rows, size), pad_to(ids, size)
+    put = put_int32(padded)
+    return [_Part(layers, put[f"rows{i}"], put[f"ids{i}"]) for i, (layers, _, _) in enumerate(groups)]
 
 
 def make_controller(device_pool: PagePool, host_pool: HostPool | HostSegmentPool,
