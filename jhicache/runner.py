@@ -68,11 +68,11 @@ class ModelRunner:
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)
-            timeline.add_group(_landed(tickets, group), hidden)
+            timeline.add_group(_placed(tickets, group), hidden)
         return ForwardResult(self.programs.head(hidden, last_index), waited, timeline)
 
 
-def _landed(tickets: tuple[LoadTicket, ...], group: range) -> list[jax.Array]:
-    """The distinct copies the tickets' loads landed `group`'s pages with (tickets may share a load)."""
-    arrays = {id(a): a for a in (t.landed(layer) for t in tickets for layer in group) if a is not None}
+def _placed(tickets: tuple[LoadTicket, ...], group: range) -> list[jax.Array]:
+    """What marks `group`'s loaded pages placed, once per load (tickets may share one)."""
+    arrays = {id(a): a for a in (t.placed(layer) for t in tickets for layer in group) if a is not None}
     return list(arrays.values())

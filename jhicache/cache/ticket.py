@@ -64,7 +64,7 @@ class LayerCopies(Protocol):
     def wait(self, layer: int) -> None: ...  # layer safe for the next dispatched computation
     def is_ready(self, layer: int) -> bool: ...  # non-blocking: layer's copy has finished
     def block(self, layer: int) -> None: ...  # blocks the host until layer's copy has finished
-    def landed(self, layer: int) -> jax.Array | None: ...  # after wait: the DMA holding layer's pages (timing only)
+    def placed(self, layer: int) -> jax.Array | None: ...  # after wait: done once layer's pages are placed (timing)
 
 
 class DispatchedCopies:
@@ -82,7 +82,7 @@ class DispatchedCopies:
     def block(self, layer: int) -> None:
         block_on(self.outputs[layer], layer, self.successor)
 
-    def landed(self, layer: int) -> None:
+    def placed(self, layer: int) -> None:
         return None  # the copies are kernels on the compute stream: a forward's wait blocks on them
 
 
@@ -126,11 +126,11 @@ class LoadTicket:
         """Makes `layer`'s pages safe to read by the next computation dispatched (see module doc)."""
         self._checked(layer).wait(layer)
 
-    def landed(self, layer: int) -> jax.Array | None:
-        """After `wait(layer)`: the host->device copy whose completion puts `layer`'s pages within
-        reach of the compute stream (segments path), for timing how long compute waited; None on
-        the pages path, whose copies run on the compute stream and block in `wait` instead."""
-        return self._checked(layer).landed(layer)
+    def placed(self, layer: int) -> jax.Array | None:
+        """After `wait(layer)`: an array done once `layer`'s pages are placed in the pool (segments
+        path), for timing how long compute waited; None on the pages path, whose copies run on the
+        compute stream and block in `wait` instead."""
+        return self._checked(layer).placed(layer)
 
     def done(self) -> bool:
         """Non-blocking: every layer copied (False while still queued)."""
