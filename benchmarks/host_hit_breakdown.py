@@ -61,7 +61,9 @@ def host_hit_step(engine, prompt: list[int], trace_dir: str | None) -> dict:
     row = {"tickets": len(batch.tickets), "schedule_s": t1 - t0, "inputs_s": t2 - t1,
            "forward_dispatch_s": t3 - t2, "forward_done_s": t4 - t2, "ticket_wait_s": result.load_wait_s,
            "load_s": timing.load_s, "load_exposed_s": timing.exposed_s}
-    launched = result.timeline.launched_at  # per group: when its pages were placed / its compute ended, from launch
+    launched = result.timeline.launched_at  # per group, from launch: its copies landed / pages placed / compute ended
+    row["groups_landed_ms"] = [round((result.timeline.landed_at.get(g, launched) - launched) * 1e3, 2)
+                               for g in range(len(engine.runner.groups))]
     row["groups_placed_ms"] = [round((result.timeline.placed_at.get(g, launched) - launched) * 1e3, 2)
                                for g in range(len(engine.runner.groups))]
     row["groups_computed_ms"] = [round((at - launched) * 1e3, 2) for at in result.timeline.computed_at]

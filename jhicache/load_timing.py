@@ -1,5 +1,5 @@
-"""LoadTimeline: how long a layer-split forward's compute waited for its loaded pages, timed from
-completion events once the host has dispatched the whole step."""
+"""LoadTimeline: when a layer-split forward's loads landed and how long its compute waited for
+them, timed from completion events once the host has dispatched the whole step."""
 
 from __future__ import annotations
 
@@ -8,49 +8,60 @@ from typing import NamedTuple
 
 import jax
 
+from jhicache.cache.ticket import LoadMarks
+
 
 class LoadTiming(NamedTuple):
     """One layer-split step's loads, as the engine's counters add them up."""
 
-    load_s: float  # first launch -> last loaded page placed in the pool
-    exposed_s: float  # compute stream busy with loads or waiting for them (a lower bound, see LoadTimeline)
+    load_s: float  # launch -> last host->device copy landed (an upper bound, see LoadTimeline)
+    exposed_s: float  # compute stream waiting for, or placing, loaded pages (a lower bound)
 
 
 class LoadTimeline:
-    """Per layer group, what marks its loaded pages placed and the array its compute produces.
+    """Per layer group, the marks of its loads (`LoadMarks`) and the array its compute produces.
 
     `measure()` runs once nothing is left to dispatch (the caller was about to wait for the logits
-    anyway). It polls the next unplaced group and the next unfinished compute and notes when each
-    is first seen done. Placement (DMA landed, then the on-device scatter) runs on the compute
-    stream between two groups' computes, so the time from the previous group's compute to this
-    group's placement is load time the forward did not hide. An event that finished before
-    measuring began reads as that instant, so what happened while the host was still dispatching
-    is missed: the exposure is a lower bound, exact when the host runs ahead of the device (the
-    isolated host-hit bench measures the same thing end to end, against a device hit)."""
+    anyway). It polls the next unfinished event of each stream (copies landing, pages placed,
+    groups computed; each finishes in order) and notes when each is first seen done. Placement
+    (the on-device scatter, after its copy landed) runs on the compute stream between two groups'
+    computes, so the time from the previous group's compute to this group's placement is load time
+    the forward did not hide. An event that finished before measuring began reads as that instant:
+    what happened while the host was still dispatching is missed, so the exposure is a lower bound
+    and the load time an upper bound, both exact when the host runs ahead of the device (the
+    isolated host-hit bench measures the exposure end to end, against a device hit)."""
 
     def __init__(self, launched_at: float, start: jax.Array) -> None:
         self.launched_at = launched_at
         self._start = start  # the computation the first group follows (the embedding)
-        self._groups: list[tuple[list[jax.Array], jax.Array]] = []
-        self.placed_at: dict[int, float] = {}  # after measure(): group -> its loaded pages placed (perf_counter)
-        self.computed_at: list[float] = []  # after measure(): the start computation, then each group's
+        self._groups: list[tuple[list[LoadMarks], jax.Array]] = []
+        # After measure(), for tools: perf_counter() per group (and the start computation first).
+        self.landed_at: dict[int, float] = {}
+        self.placed_at: dict[int, float] = {}
+        self.computed_at: list[float] = []
 
-    def add_group(self, placed: list[jax.Array], computed: jax.Array) -> None:
-        """`placed`: arrays done once the group's loaded pages are placed (none if nothing loaded);
-        `computed`: the group's output."""
-        self._groups.append((placed, computed))
+    def add_group(self, marks: list[LoadMarks], computed: jax.Array) -> None:
+        """`marks`: the group's loads (none if nothing loaded); `computed`: the group's output."""
+        self._groups.append((marks, computed))
 
     def measure(self) -> LoadTiming:
-        marks = [(g, a) for g, (placed, _) in enumerate(self._groups) for a in placed]
+        owners = [g for g, (marks, _) in enumerate(self._groups) for _ in marks]
+        marks = [m for group_marks, _ in self._groups for m in group_marks]
         computes = [self._start] + [computed for _, computed in self._groups]
-        placed_done, compute_done = _finish_times([a for _, a in marks], computes)
-        placed_at: dict[int, float] = {}
-        for (group, _), at in zip(marks, placed_done):
-            placed_at[group] = max(at, placed_at.get(group, at))
-        exposed = sum(max(0.0, at - compute_done[group]) for group, at in placed_at.items())
-        last = max(placed_at.values(), default=self.launched_at)
-        self.placed_at, self.computed_at = placed_at, compute_done
+        landed, placed, self.computed_at = _finish_times([m.landed for m in marks], [m.placed for m in marks],
+                                                         computes)
+        self.landed_at, self.placed_at = _latest(owners, landed), _latest(owners, placed)
+        exposed = sum(max(0.0, at - self.computed_at[group]) for group, at in self.placed_at.items())
+        last = max(self.landed_at.values(), default=self.launched_at)
         return LoadTiming(last - self.launched_at, exposed)
+
+
+def _latest(owners: list[int], times: list[float]) -> dict[int, float]:
+    """Per group, the latest of its events' times."""
+    latest: dict[int, float] = {}
+    for group, at in zip(owners, times):
+        latest[group] = max(at, latest.get(group, at))
+    return latest
 
 
 def _finish_times(*streams: list[jax.Array]) -> list[list[float]]:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 
 from jhicache.cache import DevicePool, LoadTicket, layer_groups
+from jhicache.cache.ticket import LoadMarks
 from jhicache.load_timing import LoadTimeline
 from models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 
@@ -68,11 +69,11 @@ class ModelRunner:
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)
-            timeline.add_group(_placed(tickets, group), hidden)
+            timeline.add_group(_marks(tickets, group), hidden)
         return ForwardResult(self.programs.head(hidden, last_index), waited, timeline)
 
 
-def _placed(tickets: tuple[LoadTicket, ...], group: range) -> list[jax.Array]:
-    """What marks `group`'s loaded pages placed, once per load (tickets may share one)."""
-    arrays = {id(a): a for a in (t.placed(layer) for t in tickets for layer in group) if a is not None}
-    return list(arrays.values())
+def _marks(tickets: tuple[LoadTicket, ...], group: range) -> list[LoadMarks]:
+    """What times `group`'s loads, once per load (tickets may share one)."""
+    marks = {id(m.placed): m for m in (t.marks(layer) for t in tickets for layer in group) if m is not None}
+    return list(marks.values())

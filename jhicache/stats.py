@@ -24,7 +24,7 @@ class EngineStats:
     layered_forward_s: float = 0.0
     load_wait_s: float = 0.0  # host time in ticket.wait: blocked (pages path) or dispatching (segments)
     load_back_s: float = 0.0  # per layer-split step: first load launched -> last copy landed (segments)
-    load_exposed_s: float = 0.0  # of that, compute waiting for copies (a lower bound, see LoadTimeline)
+    load_exposed_s: float = 0.0  # compute stream waiting for or placing loaded pages (a lower bound, see LoadTimeline)
 
     def record_forward(self, batch: Batch, seconds: float, load_wait_s: float, timing: LoadTiming | None) -> None:
         if batch.is_decode:

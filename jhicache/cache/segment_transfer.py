@@ -50,7 +50,7 @@ import jax
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
-from jhicache.cache.ticket import LayerCopies, array_ready, block_on, layer_groups
+from jhicache.cache.ticket import LayerCopies, LoadMarks, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
 from models import put_int32
 from pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
@@ -113,7 +113,8 @@ class SegmentLoad:
         self._staging_bytes = staging_bytes
         self._staged: dict[int, tuple[tuple[jax.Array, ...], ...]] = {}  # group -> per layer, device copies of each part
         self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
-        self._placed: dict[int, jax.Array] = {}  # group -> a scalar its scatter computed (for timing)
+        self._landed: dict[int, jax.Array] = {}  # group -> the last array its DMA call queued (timing)
+        self._placed: dict[int, jax.Array] = {}  # group -> a scalar its scatter computed (timing)
         self._next_group = 0
         self._next_prefetch = 0
         self._prefetch()  # at launch, before the batch's inputs and embedding are even dispatched
@@ -137,6 +138,7 @@ class SegmentLoad:
                                   self.pool.sharding)
             n = len(self.parts)
             self._staged[group] = tuple(tuple(flat[i : i + n]) for i in range(0, len(flat), n))
+            self._landed[group] = flat[-1]
             staged += self._group_bytes[group]
             self._next_prefetch += 1
 
@@ -163,11 +165,10 @@ class SegmentLoad:
         self.wait(layer)
         block_on(self.outputs[layer], layer, self._current)
 
-    def placed(self, layer: int) -> jax.Array:
-        """Done once `layer`'s group is placed in the pool: its DMA landed and the scatter ran. (Not
-        the DMA's own output: in an H200 run every DMA output read ready at the first poll, 7.5 ms
-        after launch, earlier than the 9.1 ms those bytes take at the PCIe ceiling.)"""
-        return self._placed[next(g for g, layers in enumerate(self._groups) if layer in layers)]
+    def marks(self, layer: int) -> LoadMarks:
+        """`layer`'s group: the last copy its DMA call queued, and a scalar its scatter computed."""
+        group = next(g for g, layers in enumerate(self._groups) if layer in layers)
+        return LoadMarks(self._landed[group], self._placed[group])
 
     def _current(self, layer: int) -> jax.Array:
         return self.pool.k[layer]
@@ -229,7 +230,7 @@ class _WrittenSegments:
         for layers in self.segments:
             layers[layer].block_until_ready()
 
-    def placed(self, layer: int) -> None:
+    def marks(self, layer: int) -> None:
         return None
 
 

@@ -17,13 +17,19 @@ the pool's current array standing ready implies the load finished.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 
 Successor = Callable[[int], jax.Array]  # layer -> the pool's current array for that layer
+
+
+class LoadMarks(NamedTuple):
+    """Arrays a forward times one layer group's load by (see jhicache.load_timing)."""
+
+    landed: jax.Array  # the group's host->device copy (copy engine)
+    placed: jax.Array  # computed by the scatter that placed the group's pages (compute stream)
 
 
 def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
@@ -64,7 +70,7 @@ class LayerCopies(Protocol):
     def wait(self, layer: int) -> None: ...  # layer safe for the next dispatched computation
     def is_ready(self, layer: int) -> bool: ...  # non-blocking: layer's copy has finished
     def block(self, layer: int) -> None: ...  # blocks the host until layer's copy has finished
-    def placed(self, layer: int) -> jax.Array | None: ...  # after wait: done once layer's pages are placed (timing)
+    def marks(self, layer: int) -> LoadMarks | None: ...  # after wait: what times layer's load (segments path)
 
 
 class DispatchedCopies:
@@ -82,7 +88,7 @@ class DispatchedCopies:
     def block(self, layer: int) -> None:
         block_on(self.outputs[layer], layer, self.successor)
 
-    def placed(self, layer: int) -> None:
+    def marks(self, layer: int) -> None:
         return None  # the copies are kernels on the compute stream: a forward's wait blocks on them
 
 
@@ -96,7 +102,7 @@ class LoadTicket:
         self.host_pages = tuple(host_pages)
         self.device_pages = tuple(device_pages)
         self._copies: LayerCopies | None = None
-        self.launched_at = 0.0  # perf_counter() at launch
+        self.launched_at = 0.0  # perf_counter() when the launch began dispatching its copies
 
     def __repr__(self) -> str:
         state = "launched" if self.launched else "queued"
@@ -106,10 +112,10 @@ class LoadTicket:
     def launched(self) -> bool:
         return self._copies is not None
 
-    def bind(self, copies: LayerCopies) -> None:
-        """Called by the controller at launch."""
+    def bind(self, copies: LayerCopies, launched_at: float) -> None:
+        """Called by the controller at launch (`launched_at`: before it dispatched the copies)."""
         self._copies = copies
-        self.launched_at = time.perf_counter()
+        self.launched_at = launched_at
 
     def _checked(self, layer: int) -> LayerCopies:
         if self._copies is None:
@@ -126,11 +132,10 @@ class LoadTicket:
         """Makes `layer`'s pages safe to read by the next computation dispatched (see module doc)."""
         self._checked(layer).wait(layer)
 
-    def placed(self, layer: int) -> jax.Array | None:
-        """After `wait(layer)`: an array done once `layer`'s pages are placed in the pool (segments
-        path), for timing how long compute waited; None on the pages path, whose copies run on the
-        compute stream and block in `wait` instead."""
-        return self._checked(layer).placed(layer)
+    def marks(self, layer: int) -> LoadMarks | None:
+        """After `wait(layer)`: arrays whose completion times `layer`'s load (segments path); None
+        on the pages path, whose copies run on the compute stream and block in `wait` instead."""
+        return self._checked(layer).marks(layer)
 
     def done(self) -> bool:
         """Non-blocking: every layer copied (False while still queued)."""

@@ -39,6 +39,7 @@ them) are ready.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -143,10 +144,11 @@ class ControllerBase:
     def launch_loads(self) -> None:
         ops = self._take(TransferKind.LOAD_BACK)
         if ops:
+            started = time.perf_counter()
             copies = self._load(ops)
             for op in ops:
                 assert op.ticket is not None
-                op.ticket.bind(copies)
+                op.ticket.bind(copies, started)
             self._in_flight.append(_Launch(ops, copies))
 
     def _take(self, kind: TransferKind) -> list[TransferOp]:
