@@ -8,7 +8,8 @@ dispatched before ~12 ms of matmuls, or after the matmuls were queued. Prints me
 landed (all copies done) and total times. H200, 2026-11-30: 9.1 ms alone (51.6 GB/s), 9.1 ms
 before the matmuls (total 11.8 ms, compute alone 11.6), 18.9 ms after them: a DMA dispatched
 while compute is queued waits for it, whatever the call grouping (figures from a first draft of
-this script with the same arrays, orders and matmuls).
+this script with the same arrays, orders and matmuls). It also prints when each of the 9 groups
+lands when all are dispatched at once (not yet run on the GPU).
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def median_times(copy: Callable[[], list], x: jax.Array, w: jax.Array, order: st
     return [statistics.median(r[i] for r in rows[1:]) * 1e3 for i in range(3)]
 
 
+def landing_times(arrays: list[jax.Array], groups: list[list[int]], device: jax.sharding.Sharding) -> list[float]:
+    """Milliseconds from the first dispatch until each group's copies are first seen ready, with
+    all groups dispatched at once: do they land in order (as at full speed one after another) or
+    together, sharing the bandwidth?"""
+    start = time.perf_counter()
+    outs = [jax.device_put([arrays[i] for i in g], device) for g in groups]
+    landed: dict[int, float] = {}
+    while len(landed) < len(groups):
+        now = (time.perf_counter() - start) * 1e3
+        for g, out in enumerate(outs):
+            if g not in landed and all(a.is_ready() for a in out):
+                landed[g] = round(now, 2)
+    return [landed[g] for g in range(len(groups))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--pages", type=int, default=128, help="pages per layer array (64 tokens, 4 KV heads x 128)")
@@ -67,6 +83,10 @@ def main() -> None:
     matmuls(x, w).block_until_ready()
     nbytes = sum(a.nbytes for a in arrays)
     print(f"matmuls alone {(time.perf_counter() - start) * 1e3:.2f} ms; {nbytes / 1e6:.0f} MB to move")
+    cumulative = [round(sum(arrays[i].nbytes for g in groups[: k + 1] for i in g) / nbytes, 3) for k in range(len(groups))]
+    print(f"9 groups, share of the bytes up to each: {cumulative}")
+    for _ in range(3):
+        print(f"9 groups, each landed at (ms after the first dispatch): {landing_times(arrays, groups, device)}")
     for name, copy in copies.items():
         for order in ("alone", "before", "after"):
             dispatched, landed, done = median_times(copy, x, w, order)
