@@ -53,6 +53,8 @@ def host_hit_step(engine, prompt: list[int], trace_dir: str | None) -> dict:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     result = engine.runner.run(tokens, meta, last_index, batch.tickets)
     t3 = time.perf_counter()
+    if result.timeline is None:
+        raise SystemExit("the prefix was not on host: the step ran fused, with no load to time")
     timing = result.timeline.measure()
     result.logits.block_until_ready()
     t4 = time.perf_counter()

@@ -137,11 +137,13 @@ def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
 
 def load_summary(stats: dict) -> dict:
     """Load-back GB/s (bytes moved over PCIe / launch-to-landed time: a lower bound, see
-    LoadTimeline) and the share of the load time the forward's compute did not wait for."""
+    LoadTimeline), the share of the load time the forward's compute did not wait for, and
+    write-back GB/s (bytes / launch-to-seen-done time: a lower bound, see time_writes)."""
+    write = {"write_back_gbps": stats["write_back_bytes"] / stats["write_back_s"] / 1e9 if stats["write_back_s"] else None}
     if stats["load_back_s"] <= 0:
-        return {"load_back_gbps": None, "load_hidden_fraction": None}
+        return {"load_back_gbps": None, "load_hidden_fraction": None, **write}
     return {"load_back_gbps": stats["load_back_moved_bytes"] / stats["load_back_s"] / 1e9,
-            "load_hidden_fraction": 1.0 - stats["load_exposed_s"] / stats["load_back_s"]}
+            "load_hidden_fraction": 1.0 - stats["load_exposed_s"] / stats["load_back_s"], **write}
 
 
 def round_summary(outputs) -> dict:
@@ -185,6 +187,7 @@ def push_to_host(engine: Engine) -> None:
 
 
 def stats_delta(engine: Engine, before: dict, keys: tuple[str, ...]) -> dict:
+    """How much each of `keys` in engine.stats() grew since `before`, as `engine_<key>`."""
     after = engine.stats()
     return {f"engine_{k}": after[k] - before[k] for k in keys}
 

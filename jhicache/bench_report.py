@@ -28,6 +28,8 @@ def multiturn_table(result: dict) -> str:
                      f"loads {s['load_back_ops']} ({s['load_back_bytes'] / 1e6:.1f} MB), "
                      f"write-backs {s['write_back_ops']} ({s['write_back_bytes'] / 1e6:.1f} MB), "
                      f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens")
+        if m.get("write_back_gbps"):
+            lines.append(f"{'':>14}write-back >= {m['write_back_gbps']:.1f} GB/s (launch to seen done)")
         if s["load_back_s"] > 0:
             lines.append(f"{'':>14}load-back >= {m['load_back_gbps']:.1f} GB/s ({s['load_back_moved_bytes'] / 1e6:.0f} MB "
                          f"moved, launch to landed), {m['load_hidden_fraction']:.0%} of load time hidden under compute")

@@ -157,6 +157,8 @@ class Engine:
         rows = batch.chunks
         sampled = self._sample(logits, rows)
         timing = timeline.measure() if timeline else None  # blocks, but the host has nothing left to dispatch
+        while not sampled.is_ready():  # the host only waits here: time the write-backs finishing meanwhile
+            self.cache.time_writes()
         ids = np.asarray(sampled)
         self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s, timing)
         return {c.request.rid: int(ids[i]) for i, c in enumerate(rows) if c.samples}

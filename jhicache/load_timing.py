@@ -14,7 +14,7 @@ from jhicache.cache.ticket import LoadMarks
 class LoadTiming(NamedTuple):
     """One layer-split step's loads, as the engine's counters add them up."""
 
-    load_s: float  # launch -> last host->device copy landed (an upper bound, see LoadTimeline)
+    load_s: float  # launch -> last host->device copy seen landed (see LoadTimeline)
     exposed_s: float  # compute stream waiting for, or placing, loaded pages (a lower bound)
 
 
@@ -28,8 +28,8 @@ class LoadTimeline:
     computes, so the time from the previous group's compute to this group's placement is load time
     the forward did not hide. An event that finished before measuring began reads as that instant:
     what happened while the host was still dispatching is missed, so the exposure is a lower bound
-    and the load time an upper bound, both exact when the host runs ahead of the device (the
-    isolated host-hit bench measures the exposure end to end, against a device hit)."""
+    and the load time reads long, both exact when the host runs ahead of the device (the isolated
+    host-hit bench measures the exposure end to end, against a device hit)."""
 
     def __init__(self, launched_at: float, start: jax.Array) -> None:
         self.launched_at = launched_at
@@ -45,12 +45,13 @@ class LoadTimeline:
         self._groups.append((marks, computed))
 
     def measure(self) -> LoadTiming:
-        owners = [g for g, (marks, _) in enumerate(self._groups) for _ in marks]
-        marks = [m for group_marks, _ in self._groups for m in group_marks]
+        marks = [(g, m) for g, (group_marks, _) in enumerate(self._groups) for m in group_marks]
+        copies = [(g, a) for g, m in marks for a in m.landed]
         computes = [self._start] + [computed for _, computed in self._groups]
-        landed, placed, self.computed_at = _finish_times([m.landed for m in marks], [m.placed for m in marks],
+        landed, placed, self.computed_at = _finish_times([a for _, a in copies], [m.placed for _, m in marks],
                                                          computes)
-        self.landed_at, self.placed_at = _latest(owners, landed), _latest(owners, placed)
+        self.landed_at = _latest([g for g, _ in copies], landed)
+        self.placed_at = _latest([g for g, _ in marks], placed)
         exposed = sum(max(0.0, at - self.computed_at[group]) for group, at in self.placed_at.items())
         last = max(self.landed_at.values(), default=self.launched_at)
         return LoadTiming(last - self.launched_at, exposed)
@@ -65,12 +66,14 @@ def _latest(owners: list[int], times: list[float]) -> dict[int, float]:
 
 
 def _finish_times(*streams: list[jax.Array]) -> list[list[float]]:
-    """When each array of each stream was first seen ready; a stream's arrays finish in order, so
-    only the first unfinished one of each is polled (the host spins: it has nothing else to do)."""
+    """When each array of each stream was first seen ready; a stream's arrays are expected to
+    finish in order, so only the first unfinished one of each is polled (one finishing earlier
+    reads late). The host spins: it has nothing else to do. A deleted (donated) array reads as
+    done: its successor is what runs now."""
     times: list[list[float]] = [[] for _ in streams]
     while any(len(t) < len(s) for t, s in zip(times, streams)):
         now = time.perf_counter()
         for t, s in zip(times, streams):
-            while len(t) < len(s) and s[len(t)].is_ready():
+            while len(t) < len(s) and (s[len(t)].is_deleted() or s[len(t)].is_ready()):
                 t.append(now)
     return times

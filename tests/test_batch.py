@@ -70,3 +70,11 @@ def test_model_inputs_of_a_mixed_prefill() -> None:
     np.testing.assert_array_equal(np.asarray(meta.page_table), [[3, 4, 0, 0], [9, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(meta.seq_lens), [5, 3])
     assert not meta.decode_only
+
+
+def test_put_int32_rejects_what_int32_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="int32 range"):
+        put_int32({"ids": np.array([2**31 + 5], np.int64)})
+    with pytest.raises(ValueError, match="int32 range"):
+        put_int32({"ids": np.array([1.5])})
+    assert put_int32({}) == {}

@@ -52,12 +52,13 @@ from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.ticket import LayerCopies, LoadMarks, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
-from models import put_int32
 from pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
 
 
-# Device memory a load's host->device DMAs may fill ahead of its scatters (an 8k-token Qwen2-7B
-# prefix is 470 MB): loads up to this size are in flight from launch on.
+# How many bytes of a load's host->device DMAs are dispatched at launch, before the forward (an
+# 8k-token Qwen2-7B prefix is 470 MB). The rest go out as the forward's waits reach them, behind
+# queued compute (which they then wait for). This bounds what is queued ahead, not device memory:
+# the forward never blocks, so a load's staged copies can all be alive at once.
 STAGING_BYTES = 1 << 30
 
 
@@ -69,12 +70,14 @@ def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Ar
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _scatter_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], staged: tuple[tuple[jax.Array, ...], ...],
-                rows: tuple[jax.Array, ...], ids: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], ...]:
+                rows: tuple[jax.Array, ...], ids: tuple[jax.Array, ...]
+                ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array]:
     """For each layer of a group and each part, rows `rows` of the part's staged segment layer ->
     device pages `ids` (one dispatch for the group; a repeated pair is harmless). A page-copy
     kernel, not an XLA scatter: that ran at ~480 GB/s on the H200, 2 ms of an 8k Qwen2-7B load.
-    Also returns a scalar read from the placed pages: unlike the donated K/V outputs it lives on,
-    so its readiness tells when the group's pages were placed (LoadTimeline)."""
+    Also returns a scalar read from an output (any one: all outputs of one run become ready
+    together); unlike the donated K/V outputs it lives on, so its readiness tells when the
+    group's pages were placed (LoadTimeline)."""
     new_k, new_v = [], []
     for k, v, parts in zip(ks, vs, staged):
         for part, part_rows, part_ids in zip(parts, rows, ids):
@@ -113,7 +116,7 @@ class SegmentLoad:
         self._staging_bytes = staging_bytes
         self._staged: dict[int, tuple[tuple[jax.Array, ...], ...]] = {}  # group -> per layer, device copies of each part
         self.outputs: list[jax.Array] = []  # per dispatched layer: the scattered K array
-        self._landed: dict[int, jax.Array] = {}  # group -> the last array its DMA call queued (timing)
+        self._landed: dict[int, tuple[jax.Array, ...]] = {}  # group -> its DMA's arrays (timing; freed at retire)
         self._placed: dict[int, jax.Array] = {}  # group -> a scalar its scatter computed (timing)
         self._next_group = 0
         self._next_prefetch = 0
@@ -124,9 +127,10 @@ class SegmentLoad:
         return len(self.outputs) == self.pool.num_layers
 
     def _prefetch(self) -> None:
-        """Queues the DMAs of the next groups while their staged copies fit in `staging_bytes`, and
-        always at least the group after the next one to scatter: the copy engine is kept busy from
-        launch on, instead of one group ahead of a compute that may be shorter than the load."""
+        """Queues the DMAs of the next groups while the copies not yet handed to a scatter fit in
+        `staging_bytes`, and always at least the group after the next one to scatter: the copy
+        engine is kept busy from launch on, instead of one group ahead of a compute that may be
+        shorter than the load."""
         staged = sum(self._group_bytes[g] for g in self._staged)
         while self._next_prefetch < len(self._groups):
             group = self._next_prefetch
@@ -138,7 +142,7 @@ class SegmentLoad:
                                   self.pool.sharding)
             n = len(self.parts)
             self._staged[group] = tuple(tuple(flat[i : i + n]) for i in range(0, len(flat), n))
-            self._landed[group] = flat[-1]
+            self._landed[group] = tuple(flat)
             staged += self._group_bytes[group]
             self._next_prefetch += 1
 
@@ -147,8 +151,9 @@ class SegmentLoad:
         self._next_group = group + 1
         self._prefetch()  # refills the window this group frees, before its scatter is queued
         layers = self._groups[group]
-        ks, vs, self._placed[group] = _scatter_kv(tuple(self.pool.k[layer] for layer in layers), tuple(self.pool.v[layer] for layer in layers),
-                             staged, self._rows, self._ids)
+        ks, vs, self._placed[group] = _scatter_kv(
+            tuple(self.pool.k[layer] for layer in layers), tuple(self.pool.v[layer] for layer in layers),
+            staged, self._rows, self._ids)
         for layer, k, v in zip(layers, ks, vs):
             self.pool.set_layer(layer, k, v)
         self.outputs.extend(ks)
@@ -166,7 +171,7 @@ class SegmentLoad:
         block_on(self.outputs[layer], layer, self._current)
 
     def marks(self, layer: int) -> LoadMarks:
-        """`layer`'s group: the last copy its DMA call queued, and a scalar its scatter computed."""
+        """`layer`'s group: the arrays its DMA wrote, and a scalar its scatter computed."""
         group = next(g for g, layers in enumerate(self._groups) if layer in layers)
         return LoadMarks(self._landed[group], self._placed[group])
 
@@ -187,8 +192,8 @@ class SegmentTransferController(ControllerBase):
         that node's segments over PCIe, not whatever else was evicted with it."""
         pool, num_layers = self.device_pool, self.device_pool.num_layers
         chunks = [(op.device_pages[a:b], op.host_pages[a:b]) for op in ops for a, b in _bounds(len(op.device_pages))]
-        ids = put_int32({str(i): pad_to(dev, segment_rows(len(dev))) for i, (dev, _) in enumerate(chunks)})
-        staged = [_gather_kv(tuple(pool.k), tuple(pool.v), ids[str(i)]) for i in range(len(chunks))]
+        ids = jax.device_put([pad_to(dev, segment_rows(len(dev))) for dev, _ in chunks])  # one call, no compile
+        staged = [_gather_kv(tuple(pool.k), tuple(pool.v), chunk_ids) for chunk_ids in ids]
         flat = jax.device_put([a for layers in staged for a in layers], self.host_pool.sharding)  # DMA, one call
         segments = [flat[i : i + num_layers] for i in range(0, len(flat), num_layers)]
         for layers, (_, host) in zip(segments, chunks):
@@ -252,14 +257,13 @@ def _bounds(n: int) -> list[tuple[int, int]]:
 
 
 def _parts(groups: list[tuple[list[jax.Array], list[int], list[int]]]) -> list[_Part]:
-    """Each segment's (layers, rows, device pages), the ids padded to a power of two and moved to
-    the device in one transfer for all parts (each transfer costs a dispatch of its own)."""
-    padded = {}
-    for i, (_, rows, ids) in enumerate(groups):
-        size = pow2_bucket(len(ids), 4)
-        padded[f"rows{i}"], padded[f"ids{i}"] = pad_to(rows, size), pad_to(ids, size)
-    put = put_int32(padded)
-    return [_Part(layers, put[f"rows{i}"], put[f"ids{i}"]) for i, (layers, _, _) in enumerate(groups)]
+    """Each segment's (layers, rows, device pages), the ids padded to a power of two (repeated
+    pairs copy the same page again: cheap, and few shapes to compile) and moved to the device in
+    one batched call. Not `put_int32`: its unpack compiles once per set of shapes, and the parts of
+    a load come in endless combinations."""
+    sizes = [pow2_bucket(len(ids), 4) for _, _, ids in groups]
+    put = jax.device_put([pad_to(x, size) for (_, rows, ids), size in zip(groups, sizes) for x in (rows, ids)])
+    return [_Part(layers, put[2 * i], put[2 * i + 1]) for i, (layers, _, _) in enumerate(groups)]
 
 
 def make_controller(device_pool: PagePool, host_pool: HostPool | HostSegmentPool,

@@ -4,9 +4,9 @@ A ticket is created when a load-back is queued and bound, when the transfer cont
 it, to the launch's per-layer copies (`LayerCopies`; several tickets may share one launch).
 `wait(layer)` makes that layer's pages safe for the next computation the caller dispatches:
 on the pages path (zero-copy kernels, all layers dispatched at launch) it blocks the host until
-the copy has finished; on the segments path it dispatches the copies of that layer (and the
-host->device DMA of the next one) without blocking, and JAX's data dependencies order them
-before the caller's next kernel. `is_ready(layer)` / `done()` poll without blocking and
+the copy has finished; on the segments path it dispatches the on-device scatter of that layer's
+group (and refills the window of host->device DMAs) without blocking, and JAX's data
+dependencies order them before the caller's next kernel. `is_ready(layer)` / `done()` poll without blocking and
 `wait_all()` blocks until every layer is on device. No pool getter waits implicitly: the runner
 calls `wait(layer)` at one explicit site in its layer loop.
 
@@ -28,7 +28,7 @@ Successor = Callable[[int], jax.Array]  # layer -> the pool's current array for 
 class LoadMarks(NamedTuple):
     """Arrays a forward times one layer group's load by (see jhicache.load_timing)."""
 
-    landed: jax.Array  # the group's host->device copy (copy engine)
+    landed: tuple[jax.Array, ...]  # the group's host->device copies (copy engine)
     placed: jax.Array  # computed by the scatter that placed the group's pages (compute stream)
 
 

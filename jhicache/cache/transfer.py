@@ -83,6 +83,7 @@ class TransferOp(NamedTuple):
 class _Launch(NamedTuple):
     ops: list[TransferOp]
     copies: LayerCopies  # per-layer readiness of the launch's outputs
+    started: float  # perf_counter() before its copies were dispatched
 
 
 class ControllerBase:
@@ -94,10 +95,12 @@ class ControllerBase:
         self.device_pool = device_pool
         self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
         self._in_flight: list[_Launch] = []
+        self._writes_to_time: list[_Launch] = []
         self._next_id = 0
         self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
                          "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0,
-                         "load_back_moved_bytes": 0}  # what loads moved over PCIe (segments: whole arrays)
+                         "load_back_moved_bytes": 0,  # what loads moved over PCIe (segments: whole arrays)
+                         "write_back_s": 0.0}  # launch -> seen done, summed over write-back launches
 
     def _write(self, ops: list[TransferOp]) -> LayerCopies:
         raise NotImplementedError
@@ -139,7 +142,10 @@ class ControllerBase:
     def launch_writes(self) -> None:
         ops = self._take(TransferKind.WRITE_BACK)
         if ops:
-            self._in_flight.append(_Launch(ops, self._write(ops)))
+            started = time.perf_counter()
+            launch = _Launch(ops, self._write(ops), started)
+            self._in_flight.append(launch)
+            self._writes_to_time.append(launch)
 
     def launch_loads(self) -> None:
         ops = self._take(TransferKind.LOAD_BACK)
@@ -149,7 +155,7 @@ class ControllerBase:
             for op in ops:
                 assert op.ticket is not None
                 op.ticket.bind(copies, started)
-            self._in_flight.append(_Launch(ops, copies))
+            self._in_flight.append(_Launch(ops, copies, started))
 
     def _take(self, kind: TransferKind) -> list[TransferOp]:
         ops, self._queued[kind] = self._queued[kind], []
@@ -163,8 +169,22 @@ class ControllerBase:
     def drive_loads(self) -> None:
         """Dispatches every launched load's remaining copies (no-op where launch dispatches all)."""
 
+    def time_writes(self) -> None:
+        """Non-blocking: adds the launch-to-now time of every write-back launch first seen done to
+        `write_back_s`. Called while the host waits on a forward; a launch that finished earlier
+        reads long, so bytes / `write_back_s` is a lower bound on the write-back rate."""
+        now, layers = time.perf_counter(), range(self.device_pool.num_layers)
+        pending = []
+        for launch in self._writes_to_time:
+            if all(launch.copies.is_ready(i) for i in layers):
+                self.counters["write_back_s"] += now - launch.started
+            else:
+                pending.append(launch)
+        self._writes_to_time = pending
+
     def poll(self) -> list[TransferOp]:
         """Non-blocking: ops whose launch has completed, in launch order."""
+        self.time_writes()
         self.drive_loads()
         done: list[TransferOp] = []
         layers = range(self.device_pool.num_layers)

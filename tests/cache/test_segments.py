@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -197,6 +199,40 @@ def test_a_load_moves_only_its_own_nodes_segments() -> None:
     segment_bytes = segment_rows(2) * cache.device_pool.layout.page_bytes
     assert stats["load_back_bytes"] == 2 * cache.device_pool.layout.page_bytes
     assert stats["load_back_moved_bytes"] == segment_bytes  # not a's 3 pages as well
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_write_backs_are_timed_once_from_launch_to_done(path: TransferPath) -> None:
+    cache = make_cache(4, device_pages=4, host_pages=8, path=path)
+    prefill(cache, seq(1, 3, 4))
+    start = time.perf_counter()
+    cache.evict_device(cache.tree.evictable_pages)
+    cache.launch()
+    for _ in range(10_000):  # what the engine does while a forward runs
+        cache.time_writes()
+        if cache.stats()["write_back_s"] > 0:
+            break
+    timed = cache.stats()["write_back_s"]
+    assert 0 < timed <= time.perf_counter() - start
+    cache.flush()
+    cache.time_writes()
+    assert cache.stats()["write_back_s"] == timed  # counted once
+
+
+def test_op_over_16_pages_is_cut_into_segments_and_loads_back_exactly() -> None:
+    """A 45-page node becomes segments of 32 and 13 pages; a split across their boundary still
+    loads back bit-exact, moving both segments whole."""
+    n = 45
+    cache = make_cache(1, device_pages=64, host_pages=64, load_back_threshold=0, path=TransferPath.SEGMENTS, layers=7)
+    a = seq(1, n, 1)
+    prefill(cache, a)
+    to_host(cache)
+    assert segment_chunks(n) == [32, 13] and cache.stats()["host_segments"] == 2
+    cache.match(a[:20])  # splits the node inside the first segment
+    assert_device_kv(cache, a, load(cache, a))
+    moved = sum(segment_rows(size) for size in segment_chunks(n)) * cache.device_pool.layout.page_bytes
+    assert cache.stats()["load_back_moved_bytes"] == moved
+    cache.check_invariants()
 
 
 def test_segment_chunks_cover_n_with_little_padding() -> None:
