@@ -112,6 +112,7 @@ class SegmentLoad:
         self._rows = tuple(p.rows for p in parts)
         self._ids = tuple(p.device_ids for p in parts)
         self._groups = layer_groups(pool.num_layers)
+        self._group_of = [g for g, layers in enumerate(self._groups) for _ in layers]  # layer -> its group
         self._group_bytes = [sum(p.layers[layer].nbytes for layer in g for p in parts) for g in self._groups]
         self._staging_bytes = staging_bytes
         self._staged: dict[int, tuple[tuple[jax.Array, ...], ...]] = {}  # group -> per layer, device copies of each part
@@ -172,7 +173,7 @@ class SegmentLoad:
 
     def marks(self, layer: int) -> LoadMarks:
         """`layer`'s group: the arrays its DMA wrote, and a scalar its scatter computed."""
-        group = next(g for g, layers in enumerate(self._groups) if layer in layers)
+        group = self._group_of[layer]
         return LoadMarks(self._landed[group], self._placed[group])
 
     def _current(self, layer: int) -> jax.Array:

@@ -173,6 +173,8 @@ class ControllerBase:
         """Non-blocking: adds the launch-to-now time of every write-back launch first seen done to
         `write_back_s`. Called while the host waits on a forward; a launch that finished earlier
         reads long, so bytes / `write_back_s` is a lower bound on the write-back rate."""
+        if not self._writes_to_time:  # the common case, polled in a spin loop
+            return
         now, layers = time.perf_counter(), range(self.device_pool.num_layers)
         pending = []
         for launch in self._writes_to_time:
