@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-pa = importlib.import_module("pallas_kernels.paged_attention")  # the package re-exports a function of that name
+pa = importlib.import_module("jhicache.pallas_kernels.paged_attention")  # the package re-exports a function of that name
 
 SHAPES = {"qwen2-0.5b": dict(heads=14, kv_heads=2, dim=64), "qwen2-7b": dict(heads=28, kv_heads=4, dim=128)}
 PAGE = 64

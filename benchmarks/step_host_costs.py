@@ -33,7 +33,7 @@ from jhicache.config import EngineConfig
 from jhicache.engine import Engine
 from jhicache.request import Request
 from jhicache.sampling import SamplingParams
-from models import init_random, preset_config
+from jhicache.models import init_random, preset_config
 
 PAGE_SIZE = 64
 PREFIX, TURN = 8192, 64

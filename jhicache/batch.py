@@ -9,7 +9,7 @@ import numpy as np
 from jhicache.cache import LoadTicket
 from jhicache.cache.transfer import pow2_bucket
 from jhicache.request import Request
-from models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
+from jhicache.models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
 
 
 @dataclasses.dataclass(frozen=True)

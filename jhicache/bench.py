@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
         print(report.model_table(result["model"]))
         save_json(result, args.out)
     if args.what in ("all", "multiturn"):
-        from models import preset_config
+        from jhicache.models import preset_config
 
         vocab = preset_config(args.preset).vocab_size if not args.weights else make_engine(args).model_config.vocab_size
         result.update(bench_multiturn(args, vocab, lambda partial: save_json({**result, **partial}, args.out)))

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
-from pallas_kernels import page_copy as pc
+import jhicache.pallas_kernels as pk
+from jhicache.pallas_kernels import page_copy as pc
 
 SHAPES = {"qwen2-0.5b": dict(layers=24, kv_heads=2, dim=64, heads=14),
           "qwen2-7b": dict(layers=28, kv_heads=4, dim=128, heads=28)}

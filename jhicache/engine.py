@@ -16,7 +16,7 @@ from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SamplingParams, greedy, sample, sampling_arrays
 from jhicache.stats import EngineStats
-from models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
+from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
 

@@ -23,7 +23,7 @@ import jax
 from jhicache.cache import DevicePool, LoadTicket, layer_groups
 from jhicache.cache.ticket import LoadMarks
 from jhicache.load_timing import LoadTimeline
-from models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
+from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 
 
 class ForwardResult(NamedTuple):

@@ -1,10 +1,10 @@
 """Flax NNX Qwen2 model over a paged KV cache, its config presets and its HF checkpoint loader."""
 
-from models.config import Qwen2Config, preset_config
-from models.functional import ModelPrograms, forward_apply
-from models.metadata import AttentionMetadata, build_metadata, metadata_arrays, pack_token_array, pack_tokens, put_int32
-from models.qwen2 import Qwen2ForCausalLM, init_kv_pages
-from models.qwen2_weights import init_random, load_pretrained, save_checkpoint
+from jhicache.models.config import Qwen2Config, preset_config
+from jhicache.models.functional import ModelPrograms, forward_apply
+from jhicache.models.metadata import AttentionMetadata, build_metadata, metadata_arrays, pack_token_array, pack_tokens, put_int32
+from jhicache.models.qwen2 import Qwen2ForCausalLM, init_kv_pages
+from jhicache.models.qwen2_weights import init_random, load_pretrained, save_checkpoint
 
 __all__ = [
     "AttentionMetadata",

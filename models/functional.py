@@ -31,8 +31,8 @@ import jax
 from flax import nnx
 from jax.tree_util import PyTreeDef
 
-from models.metadata import AttentionMetadata
-from models.qwen2 import KVPages, Qwen2ForCausalLM
+from jhicache.models.metadata import AttentionMetadata
+from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 
 Leaves = list[jax.Array]
 

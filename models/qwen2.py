@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import Qwen2Config
-from models.metadata import AttentionMetadata
-from pallas_kernels.kv_write import write_kv
-from pallas_kernels.paged_attention import paged_attention
+from jhicache.models.config import Qwen2Config
+from jhicache.models.metadata import AttentionMetadata
+from jhicache.pallas_kernels.kv_write import write_kv
+from jhicache.pallas_kernels.paged_attention import paged_attention
 
 try:  # older pallas_kernels lack a decode kernel; then decode runs through paged_attention
-    from pallas_kernels.paged_attention import paged_decode_attention as _decode_kernel
+    from jhicache.pallas_kernels.paged_attention import paged_decode_attention as _decode_kernel
 except ImportError:
     _decode_kernel = None
 

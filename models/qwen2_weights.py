@@ -15,8 +15,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.config import Qwen2Config
-from models.qwen2 import Qwen2ForCausalLM
+from jhicache.models.config import Qwen2Config
+from jhicache.models.qwen2 import Qwen2ForCausalLM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

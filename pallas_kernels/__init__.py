@@ -1,7 +1,7 @@
 """Pallas kernels for paged KV: attention, KV write, slot allocation and page transfers between tiers."""
 
-from pallas_kernels.kv_write import write_kv
-from pallas_kernels.page_copy import (
+from jhicache.pallas_kernels.kv_write import write_kv
+from jhicache.pallas_kernels.page_copy import (
     gather_pages,
     gather_pages_layers,
     load_pages,
@@ -11,8 +11,8 @@ from pallas_kernels.page_copy import (
     write_back_pages,
     write_back_pages_layers,
 )
-from pallas_kernels.paged_attention import paged_attention, paged_decode_attention
-from pallas_kernels.slots import alloc_decode_slots, alloc_extend_slots
+from jhicache.pallas_kernels.paged_attention import paged_attention, paged_decode_attention
+from jhicache.pallas_kernels.slots import alloc_decode_slots, alloc_extend_slots
 
 __all__ = [
     "alloc_decode_slots",

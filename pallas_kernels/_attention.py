@@ -9,8 +9,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check, check_pages_pair
-from pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels._common import check, check_pages_pair
+from jhicache.pallas_kernels.backend import use_interpreter
 
 NEG = -1e30  # finite: a fully masked block then gives exp(-huge) = 0, never inf - inf = NaN
 

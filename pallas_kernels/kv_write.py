@@ -10,8 +10,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
-from pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
+from jhicache.pallas_kernels.backend import use_interpreter
 
 
 # Path: the Pallas kernel below (method="pallas", the default), because it measured 4-5x faster than an XLA

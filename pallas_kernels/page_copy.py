@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check, check_copy_pairs, check_ids, check_pages_pair, is_concrete, row_chunk
-from pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels._common import check, check_copy_pairs, check_ids, check_pages_pair, is_concrete, row_chunk
+from jhicache.pallas_kernels.backend import use_interpreter
 
 Arrays = tuple[jax.Array, ...]
 

@@ -11,10 +11,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._attention import attend, check_pages_in_range, combine_splits, validate_common
-from pallas_kernels._common import check, is_concrete
-from pallas_kernels.backend import use_interpreter
-from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from jhicache.pallas_kernels._attention import attend, check_pages_in_range, combine_splits, validate_common
+from jhicache.pallas_kernels._common import check, is_concrete
+from jhicache.pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
 
 __all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference", "paged_decode_attention",
            "paged_decode_attention_reference", "token_requests"]

@@ -8,7 +8,7 @@ import pytest
 from jhicache.batch import Batch, Chunk, model_inputs
 from jhicache.request import Request
 from jhicache.sampling import SamplingParams
-from models import metadata_arrays, put_int32
+from jhicache.models import metadata_arrays, put_int32
 
 
 def reference_layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ import pytest
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
-from models import init_random, preset_config
+from jhicache.models import init_random, preset_config
 
 SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3, vocab_size=512, seed=7)
 POOL_TOKENS = 384  # working set is 657 tokens: eviction, write-back and load-back must all happen
@@ -232,7 +232,7 @@ def test_host_pool_size_checks_agree_between_config_and_engine() -> None:
 
 def test_from_pretrained_and_from_preset_serve(tmp_path) -> None:
     """An engine over a written Hugging Face checkpoint generates what the in-memory model does."""
-    from models import save_checkpoint
+    from jhicache.models import save_checkpoint
 
     save_checkpoint(_model(), _model().config, tmp_path / "ckpt", shards=2)
     config = EngineConfig(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32")

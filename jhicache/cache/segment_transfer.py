@@ -52,7 +52,7 @@ from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.ticket import LayerCopies, LoadMarks, array_ready, block_on, layer_groups
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
-from pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
+from jhicache.pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
 
 
 # How many bytes of a load's host->device DMAs are dispatched at launch, before the forward (an

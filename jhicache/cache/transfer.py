@@ -60,7 +60,7 @@ class CopyFns(NamedTuple):
 
 
 def default_copy_fns() -> CopyFns:
-    from pallas_kernels.page_copy import load_pages, write_back_pages  # imported late: optional
+    from jhicache.pallas_kernels.page_copy import load_pages, write_back_pages  # imported late: optional
 
     return CopyFns(load_pages, write_back_pages)
 

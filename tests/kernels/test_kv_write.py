@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.kv_write import write_kv, write_kv_reference
+from jhicache.pallas_kernels.kv_write import write_kv, write_kv_reference
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import poisoned, rand, same
 

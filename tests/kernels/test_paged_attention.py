@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import importlib
 
-pa = importlib.import_module("pallas_kernels.paged_attention")  # the package re-exports a function of that name
-from pallas_kernels._attention import NEG
+pa = importlib.import_module("jhicache.pallas_kernels.paged_attention")  # the package re-exports a function of that name
+from jhicache.pallas_kernels._attention import NEG
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import rand
 

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.slots import (
+from jhicache.pallas_kernels.slots import (
     alloc_decode_reference,
     alloc_decode_slots,
     alloc_extend_reference,

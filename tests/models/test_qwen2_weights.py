@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from models import Qwen2Config, init_random, load_pretrained, preset_config, save_checkpoint
+from jhicache.models import Qwen2Config, init_random, load_pretrained, preset_config, save_checkpoint
 from tests.models.numpy_reference import random_hf_weights, small_hf_config, write_hf_checkpoint
 
 
