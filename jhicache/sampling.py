@@ -3,15 +3,52 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+SEED_LIMIT = 2**63  # seeds are ints in [0, SEED_LIMIT), as in vLLM
+
+
+def _int(field: str, value: object, *, low: int, high: int | None = None) -> int:
+    """`value` as a Python int in [low, high); numpy integers count, bools and floats do not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"SamplingParams.{field}={value!r}: expected an int")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"SamplingParams.{field}={value!r}: expected an int {bound}")
+    return value
+
+
+def _real(field: str, value: object) -> float:
+    """`value` as a finite float; ints and numpy reals count, bools and strings do not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{field}={value!r}: expected a finite number")
+    return float(value)
+
+
+def _token_ids(field: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ValueError(f"SamplingParams.{field}={value!r}: expected a list of token ids")
+    return tuple(_int(field, t, low=0) for t in value)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each new token. `temperature == 0` is greedy."""
+    """How to pick each new token.
+
+    `temperature == 0` is greedy. Otherwise the tempered softmax is cut to the `top_k` most
+    likely tokens, then to the smallest set of those whose renormalised mass reaches `top_p`
+    (the order Hugging Face and vLLM apply them in), and a token is drawn from what is left. A
+    request with a `seed` draws the same tokens however it is batched and whatever the cache
+    mode; an unseeded one gets a fresh random seed when it is submitted. Generation stops after
+    `max_new_tokens` tokens or at the first of `stop_token_ids`, which is kept in the output.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -21,30 +58,40 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: expected an int >= 1")
+        fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
+        fix("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, low=1))
+        fix("temperature", _real("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature={self.temperature!r}: expected >= 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: expected None or >= 1")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected None or in (0, 1]")
+        if self.top_k is not None:
+            fix("top_k", _int("top_k", self.top_k, low=1))
+        if self.top_p is not None:
+            fix("top_p", _real("top_p", self.top_p))
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected None or in (0, 1]")
+        if self.seed is not None:
+            fix("seed", _int("seed", self.seed, low=0, high=SEED_LIMIT))
+        fix("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
 
-
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
 
 
 def sampling_arrays(params: list[SamplingParams], steps: list[int], rows: int) -> tuple[np.ndarray, ...]:
-    """Per-row temperature, top-k (0 = off), top-p, and seed/step pairs, padded to `rows`."""
+    """Per-row temperature, top-k (0 = off), top-p, and (seed low, seed high, step) words, padded
+    to `rows`. Sampled rows must carry a seed (the engine gives unseeded requests one)."""
     temperature = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
-    seeds = np.zeros((rows, 2), np.uint32)
+    seeds = np.zeros((rows, 3), np.uint32)
     for i, (p, step) in enumerate(zip(params, steps)):
-        temperature[i] = p.temperature
-        top_k[i] = p.top_k or 0
-        top_p[i] = p.top_p or 1.0
-        seeds[i] = (p.seed if p.seed is not None else i) & 0xFFFFFFFF, step
+        if p.is_greedy:
+            continue
+        if p.seed is None:
+            raise ValueError("a sampled row needs a seed: submit requests through the Engine")
+        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k or 0, p.top_p or 1.0
+        seeds[i] = p.seed & 0xFFFFFFFF, p.seed >> 32, step
     return temperature, top_k, top_p, seeds
 
 
@@ -54,27 +101,33 @@ def greedy(logits: jax.Array) -> jax.Array:  # [B, vocab] -> [B] int32
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def _row_key(words: jax.Array) -> jax.Array:
+    """A PRNG key from (seed low, seed high, step): every 64-bit seed and step has its own."""
+    key = jax.random.fold_in(jax.random.key(words[0]), words[1])
+    return jax.random.fold_in(key, words[2])
+
+
 @jax.jit
 def sample(
     logits: jax.Array,  # [B, vocab] float32
     temperature: jax.Array,  # [B]
     top_k: jax.Array,  # [B] int32, 0 = no top-k
     top_p: jax.Array,  # [B] float32, 1 = no top-p
-    seeds: jax.Array,  # [B, 2] uint32: (seed, step) per row
+    seeds: jax.Array,  # [B, 3] uint32: (seed low, seed high, step) per row
 ) -> jax.Array:  # [B] int32
     """Greedy rows take the argmax; the others sample from the filtered, tempered softmax."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix of sorted tokens whose mass reaches top_p (always the first).
-    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    cutoff_idx = jnp.sum(mass_before < top_p[:, None], axis=-1) - 1
-    pth = jnp.take_along_axis(sorted_logits, cutoff_idx[:, None], axis=-1)
-    masked = jnp.where((scaled >= kth) & (scaled >= pth), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
-    sampled = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    # Filter by rank in sorted order, so exactly k tokens survive top-k even among ties.
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    # top-p over the renormalised top-k distribution: the smallest prefix whose mass reaches p.
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    picked = jax.vmap(jax.random.categorical)(jax.vmap(_row_key)(seeds), masked)
+    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy_ids)

@@ -35,3 +35,42 @@ def test_top_k_samples_only_among_the_k_largest_and_is_seeded() -> None:
 def test_invalid_params_raise(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def _draws(probs: list[float], n: int, **params) -> np.ndarray:
+    """`n` samples, one seed each, from logits whose softmax is `probs`."""
+    logits = np.log(np.asarray([probs] * n, np.float32))
+    rows = [SamplingParams(temperature=1.0, seed=s, **params) for s in range(n)]
+    return _sample(logits, rows)
+
+
+def test_top_p_applies_to_the_renormalised_top_k_distribution() -> None:
+    """HF and vLLM: top-k first, then the nucleus of what top-k kept. With p = [.35, .25, .2, .2],
+    top_k=2 leaves [.58, .42], whose 0.5-nucleus is token 0 alone."""
+    draws = _draws([0.35, 0.25, 0.2, 0.2], 2000, top_k=2, top_p=0.5)
+    assert set(draws.tolist()) == {0}
+
+
+def test_joint_top_k_top_p_draws_follow_the_renormalised_distribution() -> None:
+    """top_k=3 leaves [.35, .25, .2] / .8 (ties at .2 broken towards the lower id); the 0.8-nucleus
+    of that keeps all three (mass before the third is .75), drawn as [.4375, .3125, .25]."""
+    n = 4000
+    draws = _draws([0.35, 0.25, 0.2, 0.2], n, top_k=3, top_p=0.8)
+    freq = np.bincount(draws, minlength=4) / n
+    expected = np.array([0.4375, 0.3125, 0.25, 0.0])
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert freq[3] == 0 and np.all(np.abs(freq - expected) <= 4 * sigma + 1e-9), freq
+
+
+def test_temperature_alone_draws_from_the_tempered_softmax() -> None:
+    n, probs = 4000, np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(np.asarray([probs] * n, np.float32))
+    draws = _sample(logits, [SamplingParams(temperature=2.0, seed=s) for s in range(n)])
+    tempered = probs ** 0.5 / np.sum(probs ** 0.5)
+    freq = np.bincount(draws, minlength=4) / n
+    assert np.all(np.abs(freq - tempered) <= 4 * np.sqrt(tempered * (1 - tempered) / n)), freq
+
+
+def test_sampled_rows_need_a_seed() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        sampling_arrays([SamplingParams(temperature=1.0)], [0], 1)
