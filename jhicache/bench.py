@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
+    if overrides.get("device_kv_tokens"):  # pools hold whole pages: round a derived size up
+        overrides["device_kv_tokens"] = -(-overrides["device_kv_tokens"] // args.page_size) * args.page_size
     config = EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy,
                           transfer_path=args.transfer_path, **overrides)
     if args.weights:

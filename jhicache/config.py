@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 
 from jhicache.cache import TransferPath, WritePolicy
 
@@ -33,11 +35,28 @@ def _as_enum(enum_type: type[enum.Enum], value: object, field: str) -> enum.Enum
         raise ValueError(f"EngineConfig.{field}={value!r}: expected one of {allowed}") from None
 
 
-def _require_positive(field: str, value: int | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"EngineConfig.{field}={value!r}: expected a positive integer")
+def _int(field: str, value: object, low: int) -> int:
+    """`value` as a Python int >= low; numpy integers count, bools, floats and strings do not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"EngineConfig.{field}={value!r}: expected an int >= {low}")
+    return int(value)
+
+
+def _real(field: str, value: object, low: float, high: float, *, low_open: bool) -> float:
+    """`value` as a float in (low, high] (or [low, high]); bools and strings do not count."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low < value if low_open else low <= value) or value > high:
+        span = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"EngineConfig.{field}={value!r}: expected a number in {span}")
+    return float(value)
+
+
+def _page_multiple(field: str, tokens: int, page_size: int) -> None:
+    """Pools hold whole pages: a size that is not a multiple is refused rather than rounded."""
+    if tokens % page_size:
+        down, up = tokens // page_size * page_size, -(-tokens // page_size) * page_size
+        raise ValueError(f"EngineConfig.{field}={tokens} is not a multiple of page_size={page_size}; "
+                         f"use {down or up} or {up}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +65,10 @@ class EngineConfig:
 
     Attributes:
       page_size: tokens per KV page, in both tiers.
-      device_kv_tokens: device pool capacity in tokens; None sizes it from free device memory.
+      device_kv_tokens: device pool capacity in tokens; None sizes it from free device memory
+        (`device_memory_fraction` of it) on a GPU, and means 16384 tokens on the CPU.
       host_kv_tokens: host pool capacity in tokens; None means `host_to_device_ratio` x device.
+        Both sizes must be whole pages (multiples of page_size).
       cache_mode: "off", "device" or "hierarchical".
       write_policy: "write_back", "write_through" or "write_through_selective".
       write_through_threshold: hits before a node is written through (selective policy).
@@ -55,6 +76,8 @@ class EngineConfig:
       max_running_requests: requests decoded together at most.
       chunked_prefill_tokens: most new prompt tokens computed in one prefill step.
       load_back_threshold: host runs shorter than this many tokens are recomputed, not loaded.
+      host_to_device_ratio: host pool size as a multiple (> 1) of the device pool's, when
+        host_kv_tokens is None.
       device_memory_fraction: share of free device memory the default device pool takes.
       check_invariants_every_step: debug flag: page accounting is verified after each step.
       transfer_path: host tier layout and copy path: "pages" (zero-copy Pallas kernels over a
@@ -73,25 +96,32 @@ class EngineConfig:
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 4096
     load_back_threshold: int = 10
-    host_to_device_ratio: int = 4
+    host_to_device_ratio: float = 4.0
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
     transfer_path: TransferPath | str = TransferPath.SEGMENTS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))
-        object.__setattr__(self, "write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
-        object.__setattr__(self, "dtype", _as_enum(KVDtype, self.dtype, "dtype"))
-        object.__setattr__(self, "transfer_path", _as_enum(TransferPath, self.transfer_path, "transfer_path"))
+        fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
+        fix("cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))
+        fix("write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
+        fix("dtype", _as_enum(KVDtype, self.dtype, "dtype"))
+        fix("transfer_path", _as_enum(TransferPath, self.transfer_path, "transfer_path"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
-                      "chunked_prefill_tokens", "host_to_device_ratio"):
-            _require_positive(field, getattr(self, field))
+                      "chunked_prefill_tokens"):
+            fix(field, _int(field, getattr(self, field), 1))
         for field in ("device_kv_tokens", "host_kv_tokens"):
-            _require_positive(field, getattr(self, field), allow_none=True)
-        if not isinstance(self.load_back_threshold, int) or self.load_back_threshold < 0:
-            raise ValueError(f"EngineConfig.load_back_threshold={self.load_back_threshold!r}: expected an int >= 0")
-        if not 0.0 < self.device_memory_fraction <= 0.95:
-            raise ValueError(f"EngineConfig.device_memory_fraction={self.device_memory_fraction!r}: expected (0, 0.95]")
+            if getattr(self, field) is not None:
+                fix(field, _int(field, getattr(self, field), 1))
+                _page_multiple(field, getattr(self, field), self.page_size)
+        fix("load_back_threshold", _int("load_back_threshold", self.load_back_threshold, 0))
+        fix("host_to_device_ratio",
+            _real("host_to_device_ratio", self.host_to_device_ratio, 1.0, 1e6, low_open=True))
+        fix("device_memory_fraction",
+            _real("device_memory_fraction", self.device_memory_fraction, 0.0, 0.95, low_open=True))
+        if not isinstance(self.check_invariants_every_step, bool):
+            raise ValueError(f"EngineConfig.check_invariants_every_step="
+                             f"{self.check_invariants_every_step!r}: expected True or False")
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()
@@ -99,14 +129,20 @@ class EngineConfig:
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:
             raise ValueError("EngineConfig.device_kv_tokens must hold at least two pages")
+        if self.cache_mode is not CacheMode.HIERARCHICAL:
+            return  # no host pool is built, so its size is not checked against the device's
         if self.host_kv_tokens is not None and self.device_kv_tokens is not None:
             if self.host_kv_tokens <= self.device_kv_tokens:
-                raise ValueError("EngineConfig.host_kv_tokens must exceed device_kv_tokens")
+                raise ValueError(f"EngineConfig.host_kv_tokens={self.host_kv_tokens} must exceed "
+                                 f"device_kv_tokens={self.device_kv_tokens}")
 
     def host_tokens_for(self, device_tokens: int) -> int:
-        """Host pool capacity for a device pool of `device_tokens`."""
-        if self.host_kv_tokens is not None:
-            if self.host_kv_tokens <= device_tokens:
-                raise ValueError("EngineConfig.host_kv_tokens must exceed the device pool's capacity")
-            return self.host_kv_tokens
-        return self.host_to_device_ratio * device_tokens
+        """Host pool capacity for a device pool of `device_tokens` (whole pages)."""
+        tokens = self.host_kv_tokens
+        if tokens is None:
+            tokens = int(self.host_to_device_ratio * device_tokens) // self.page_size * self.page_size
+        if tokens <= device_tokens:
+            raise ValueError(f"EngineConfig: the host pool ({tokens} tokens) must exceed the device "
+                             f"pool's capacity ({device_tokens} tokens); raise host_kv_tokens or "
+                             f"host_to_device_ratio")
+        return tokens

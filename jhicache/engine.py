@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import threading
 import time
 from collections.abc import Sequence
 
@@ -12,11 +15,11 @@ import numpy as np
 from jhicache.batch import Batch, Chunk, model_inputs
 from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
+from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
-from jhicache.sampling import SamplingParams, greedy, sample, sampling_arrays
+from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
 from jhicache.stats import EngineStats
-from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
 
@@ -46,6 +49,8 @@ class Engine:
         self.runner = ModelRunner(model, self.device_pool)
         self.counters = EngineStats()
         self._next_rid = 0
+        self._seeds = np.random.default_rng()  # seeds for unseeded sampled requests
+        self._lock = threading.RLock()  # the engine is single-threaded: calls take turns
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
@@ -70,58 +75,89 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
-        """Runs `prompts` (token-id lists) to completion with continuous batching; outputs in order."""
-        per_prompt = self._per_prompt_params(prompts, params)
-        for prompt, p in zip(prompts, per_prompt):
-            self._validate(prompt, p)
-        now = time.perf_counter()
-        requests = [self._new_request(prompt, p, now) for prompt, p in zip(prompts, per_prompt)]
-        for req in requests:
-            self.scheduler.add(req)
-        self._run_until_idle()
-        return [req.to_output() for req in requests]
+        """Runs `prompts` (a list of token-id lists) to completion with continuous batching;
+        returns their outputs in order.
+
+        Everything is validated before the engine changes; a bad value raises `ValueError` and
+        queues nothing. If the call fails or is interrupted part-way, its requests are dropped
+        (their pages freed, nothing left queued) and the cache stays intact. Calls from several
+        threads are serialised: one runs at a time."""
+        with self._lock:
+            prompts = _prompt_list(prompts)
+            per_prompt = self._per_prompt_params(prompts, params)
+            for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+                self._validate(i, prompt, p)
+            now = time.perf_counter()
+            requests = [self._new_request(prompt, p, now) for prompt, p in zip(prompts, per_prompt)]
+            for req in requests:
+                self.scheduler.add(req)
+            try:
+                self._run_until_idle()
+            except BaseException:
+                self._abandon(requests)
+                raise
+            return [req.to_output() for req in requests]
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters: cache hits, transfers, evictions, and load time hidden vs exposed."""
-        return {**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats()}
+        with self._lock:
+            return {**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats()}
 
     def check_invariants(self) -> None:
         """Raises `InvariantError` on any page-accounting error in either tier."""
-        self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
+        with self._lock:
+            self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
 
     # ---- internals -----------------------------------------------------------------------
 
     @staticmethod
-    def _per_prompt_params(prompts: Sequence[Sequence[int]], params) -> list[SamplingParams]:
+    def _per_prompt_params(prompts: list[np.ndarray], params) -> list[SamplingParams]:
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
+        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise ValueError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return params
 
-    def _validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+    def _validate(self, index: int, tokens: np.ndarray, params: SamplingParams) -> None:
+        where = f"prompt {index}"
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("empty prompt")
-        tokens = np.asarray(prompt)
-        if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
-            raise ValueError("a prompt must be a flat list of integer token ids")
+            raise ValueError(f"params for {where} must be SamplingParams, got {type(params).__name__}")
+        if len(tokens) == 0:
+            raise ValueError(f"{where} is empty")
         vocab = self.model_config.vocab_size
         if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ValueError(f"token id out of range [0, {vocab}): min {tokens.min()}, max {tokens.max()}")
-        total = len(prompt) + params.max_new_tokens
+            raise ValueError(f"{where}: token id out of range [0, {vocab}): "
+                             f"min {tokens.min()}, max {tokens.max()}")
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"SamplingParams.stop_token_ids for {where}: {bad_stops} not in the "
+                             f"vocabulary [0, {vocab})")
+        total = len(tokens) + params.max_new_tokens
         if total > self.model_config.max_position_embeddings:
-            raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's context "
+            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the model's context "
                              f"({self.model_config.max_position_embeddings})")
         capacity = (self.device_pool.layout.num_pages - 1) * self.config.page_size
         if total > capacity:
-            raise ValueError(f"prompt + max_new_tokens = {total} exceeds the device pool ({capacity} tokens)")
+            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the device pool "
+                             f"({capacity} tokens)")
 
-    def _new_request(self, prompt: Sequence[int], params: SamplingParams, now: float) -> Request:
+    def _new_request(self, prompt: np.ndarray, params: SamplingParams, now: float) -> Request:
         self._next_rid += 1
-        return Request(rid=self._next_rid, prompt=[int(t) for t in prompt], params=params, arrival_s=now)
+        if not params.is_greedy and params.seed is None:
+            # A fresh seed per submission (as vLLM does): unseeded output is random, yet the
+            # request then samples the same way however it is batched or cached.
+            params = dataclasses.replace(params, seed=int(self._seeds.integers(SEED_LIMIT)))
+        return Request(rid=self._next_rid, prompt=prompt.tolist(), params=params, arrival_s=now)
+
+    def _abandon(self, requests: list[Request]) -> None:
+        """Drops the unfinished `requests` of a call that failed: pages freed, nothing queued,
+        copies in flight completed; the cache keeps what it held."""
+        for req in requests:
+            self.scheduler.abort(req)
+        self.cache.flush()
 
     def _run_until_idle(self) -> None:
         idle_steps = 0
@@ -166,7 +202,7 @@ class Engine:
     @staticmethod
     def _sample(logits: jax.Array, rows: list[Chunk]) -> jax.Array:
         """Dispatches the sampling of one token per row: [B] int32."""
-        if all(c.request.params.temperature == 0 for c in rows):
+        if all(c.request.params.is_greedy for c in rows):
             return greedy(logits)
         arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
                                  logits.shape[0])
@@ -179,3 +215,31 @@ def _default_device_tokens(token_bytes: int, fraction: float) -> int:
         return _CPU_DEFAULT_DEVICE_TOKENS
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
     return max(int(free * fraction) // token_bytes, 1024)
+
+
+def _prompt_list(prompts: object) -> list[np.ndarray]:
+    """`prompts` as a list of 1-D int64 token arrays; a clear error for anything else, above
+    all a single flat prompt where a list of prompts is expected."""
+    flat_hint = "; for one prompt, pass [prompt]"
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 1 and prompts.dtype != object:
+            raise ValueError(f"prompts must be a list of prompts, got one 1-D array{flat_hint}")
+        prompts = list(prompts)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        raise ValueError(f"prompts must be a list of token-id lists, got a flat list of ints{flat_hint}")
+    return [_token_array(i, p) for i, p in enumerate(prompts)]
+
+
+def _token_array(index: int, prompt: object) -> np.ndarray:
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"prompt {index} is a string: prompts are token ids (tokenize first)")
+    try:
+        tokens = np.asarray(prompt) if isinstance(prompt, (Sequence, np.ndarray)) else None
+    except ValueError:  # ragged nesting
+        tokens = None
+    if tokens is None or tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise ValueError(f"prompt {index} must be a flat list of integer token ids, "
+                         f"got {type(prompt).__name__}")
+    return tokens.astype(np.int64)

@@ -17,8 +17,9 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"
+    LENGTH = "length"  # max_new_tokens generated
+    STOP = "stop"  # a stop token was generated (it is the last output token)
+    ABORT = "abort"  # dropped before it finished
 
 
 @dataclasses.dataclass(frozen=True)

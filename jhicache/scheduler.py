@@ -163,6 +163,20 @@ class Scheduler:
                 return False
         return True
 
+    def abort(self, req: Request) -> bool:
+        """Drops `req` wherever it is (waiting or running), freeing what it holds; False if it
+        was not queued here (finished, or never added)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            return False
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        return True
+
     def retract(self, req: Request) -> None:
         """Frees `req`'s pages and re-queues it at the front; its output so far is kept."""
         self.running.remove(req)

@@ -168,7 +168,7 @@ def test_hierarchical_serves_every_reusable_page_under_pressure() -> None:
     """With a host tier big enough for the working set, each round hits every full page of the
     previous turn's KV (prompt + output but the last token), however small the device pool."""
     spec = MultiTurnSpec(num_clients=4, num_rounds=3, request_length=48, output_length=4, vocab_size=512, seed=3)
-    engine = make_engine(device_kv_tokens=376, host_kv_tokens=4096)
+    engine = make_engine(device_kv_tokens=368, host_kv_tokens=4096)
     chats, page = MultiTurnChats(spec), engine.config.page_size
     for round_index in range(spec.num_rounds):
         previous = [len(h) for h in chats.histories]
