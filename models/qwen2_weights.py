@@ -179,7 +179,9 @@ def _read_tensor(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> np
         if shape != expected:
             raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected {expected}")
         if kind not in _FLOAT_DTYPES:  # casting ints or bools to weights would load garbage silently
-            raise CheckpointError(f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}")
+            raise CheckpointError(
+                f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}"
+            )
         return f.get_tensor(name)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e

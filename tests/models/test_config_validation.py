@@ -86,8 +86,10 @@ def test_config_that_is_not_an_object(value: Any):
     "overrides, names",
     [
         ({"hidden_size": 60, "num_attention_heads": 8}, ("hidden_size 60", "num_attention_heads 8")),
-        ({"num_attention_heads": 4, "num_key_value_heads": 3}, ("num_attention_heads 4", "num_key_value_heads 3")),
-        ({"num_attention_heads": 4, "num_key_value_heads": 8}, ("num_attention_heads 4", "num_key_value_heads 8")),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3},
+         ("num_attention_heads 4", "num_key_value_heads 3")),
+        ({"num_attention_heads": 4, "num_key_value_heads": 8},
+         ("num_attention_heads 4", "num_key_value_heads 8")),
     ],
 )
 def test_divisibility_errors_name_both_fields(overrides: dict[str, int], names: tuple[str, str]):

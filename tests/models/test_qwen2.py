@@ -162,7 +162,8 @@ def test_metadata_rejects_bad_layouts(kwargs):
 
 
 @pytest.mark.parametrize(
-    "overrides", [dict(head_dim=32), dict(hidden_size=80, head_dim=16)], ids=["wider", "hidden-not-heads-x-d"]
+    "overrides", [dict(head_dim=32), dict(hidden_size=80, head_dim=16)],
+    ids=["wider", "hidden-not-heads-x-d"],
 )
 def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: dict):
     """transformers' Qwen2 sizes q/k/v/o by an explicit head_dim when config.json has one."""
