@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jhicache.models.config import Qwen2Config
@@ -21,6 +22,12 @@ from jhicache.models.qwen2 import Qwen2ForCausalLM
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype names a weight may have; the loader casts them to the model's dtype
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that exists but cannot be read as the weights it should hold."""
 
 # HF tensor name -> (attribute path in our model, transpose). HF Linear weights are [out, in].
 _TOP_TABLE: tuple[tuple[str, tuple[str, ...], bool], ...] = (
@@ -65,12 +72,48 @@ def _set(var: nnx.Variable, value: jax.Array) -> None:
         var.value = value
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file's contents; a ValueError naming the file when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
 def read_config(ckpt_dir: str | Path) -> Qwen2Config:
-    """Parses `config.json` of a checkpoint directory; FileNotFoundError names the missing file."""
+    """Parses `config.json` of a checkpoint directory; FileNotFoundError names the missing file,
+    and every ValueError (bad JSON, a missing or ill-typed field) starts with the file's path."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {Path(ckpt_dir)}: {path} is missing")
-    return Qwen2Config.from_hf_dict(json.loads(path.read_text()))
+    data = _read_json(path)
+    try:
+        return Qwen2Config.from_hf_dict(data)
+    except ValueError as e:  # same type (UnsupportedConfigError stays one), now naming the file
+        raise type(e)(f"{path}: {e}") from e
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file name map, checked to be one."""
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path} has no weight_map object (tensor name -> shard file)")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{index_path}: weight_map gives no shard file name for {bad[:5]}")
+    return weight_map
+
+
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """safe_open, with errors opening the file (truncated, not safetensors) naming it."""
+    try:
+        handle = safe_open(path, framework="np")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read safetensors file {path}: {e}") from e
+    with handle as f:
+        yield f
 
 
 def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
@@ -78,10 +121,9 @@ def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     ckpt_dir = Path(ckpt_dir)
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        files = {name: ckpt_dir / f for name, f in weight_map.items()}
+        files = {name: ckpt_dir / f for name, f in _weight_map(index_path).items()}
     elif (ckpt_dir / SINGLE_FILE).is_file():
-        with safe_open(ckpt_dir / SINGLE_FILE, framework="np") as f:
+        with _open_shard(ckpt_dir / SINGLE_FILE) as f:
             files = {name: ckpt_dir / SINGLE_FILE for name in f.keys()}
     else:
         raise FileNotFoundError(f"neither {SINGLE_FILE} nor {INDEX_FILE} found in {ckpt_dir}")
@@ -96,6 +138,7 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwe
 
     The model is built abstractly (no random init) and each parameter is set straight from its
     tensor, so peak memory is one copy of the weights plus one tensor. `model.config` holds the config.
+    A damaged safetensors file raises CheckpointError (a ValueError) naming the file and tensor.
     """
     config = read_config(ckpt_dir)
     files = tensor_files(ckpt_dir)
@@ -109,22 +152,39 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwe
     for entry in table:
         by_file.setdefault(files[entry[0]], []).append(entry)
     for path, entries in by_file.items():
-        with safe_open(path, framework="np") as f:
-            for name, var_path, transpose in entries:
-                _load_tensor(model, f.get_tensor(name), name, path, var_path, transpose, dtype)
+        with _open_shard(path) as f:
+            _load_file(model, f, path, entries, dtype)
     return model
 
 
-def _load_tensor(
-    model: Qwen2ForCausalLM, array: np.ndarray, name: str, path: Path, var_path: tuple[Any, ...],
-    transpose: bool, dtype: jnp.dtype,
+def _load_file(
+    model: Qwen2ForCausalLM, f: Any, path: Path, entries: list[tuple[str, tuple[Any, ...], bool]],
+    dtype: jnp.dtype,
 ) -> None:
-    var = _variable(model, var_path)
-    expected = _hf_shape(var, transpose)
-    if tuple(array.shape) != expected:
-        raise ValueError(f"tensor {name} in {path.name} has shape {tuple(array.shape)}, expected {expected}")
-    array = np.ascontiguousarray(array.T) if transpose else array
-    _set(var, jnp.asarray(array.astype(jnp.dtype(dtype))))
+    names = set(f.keys())
+    for name, var_path, transpose in entries:
+        if name not in names:  # the index listed it in this file, which lacks it
+            raise CheckpointError(f"tensor {name} is not in {path}")
+        var = _variable(model, var_path)
+        array = _read_tensor(f, name, path, _hf_shape(var, transpose))
+        array = np.ascontiguousarray(array.T) if transpose else array
+        _set(var, jnp.asarray(array.astype(jnp.dtype(dtype))))
+
+
+def _read_tensor(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` of open file `f`, its shape and dtype checked from the header before reading."""
+    try:
+        header = f.get_slice(name)
+        shape, kind = tuple(header.get_shape()), header.get_dtype()
+        if shape != expected:
+            raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected {expected}")
+        if kind not in _FLOAT_DTYPES:  # casting ints or bools to weights would load garbage silently
+            raise CheckpointError(
+                f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}"
+            )
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
 
 
 def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:

@@ -26,11 +26,16 @@ def small_hf_config(tied: bool = True, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def head_dim(cfg: dict[str, Any]) -> int:
+    """transformers' Qwen2: an explicit head_dim, else hidden_size // num_attention_heads."""
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def random_hf_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     """HF-named float32 tensors ([out, in] Linear weights); norms and biases random too so they matter."""
     rng = np.random.default_rng(seed)
     hid, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = hid // cfg["num_attention_heads"]
+    d = head_dim(cfg)
     q_out, kv_out = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
 
     def rnd(*shape: int, scale: float = 0.1, loc: float = 0.0) -> np.ndarray:
@@ -77,7 +82,7 @@ def _rope(x: np.ndarray, theta: float) -> np.ndarray:  # [N, H, D], positions 0.
 def _attention(h: np.ndarray, w: dict[str, np.ndarray], p: str, cfg: dict[str, Any]) -> np.ndarray:
     n = h.shape[0]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg["hidden_size"] // nh
+    d = head_dim(cfg)
     proj = lambda name: h @ w[p + name + ".weight"].T + w[p + name + ".bias"]  # noqa: E731
     q = _rope(proj("self_attn.q_proj").reshape(n, nh, d), cfg["rope_theta"])
     k = _rope(proj("self_attn.k_proj").reshape(n, nkv, d), cfg["rope_theta"])

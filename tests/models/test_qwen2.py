@@ -159,3 +159,27 @@ def test_metadata_layout_and_padding():
 def test_metadata_rejects_bad_layouts(kwargs):
     with pytest.raises(ValueError):
         build_metadata(page_size=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(head_dim=32), dict(hidden_size=80, head_dim=16)],
+    ids=["wider", "hidden-not-heads-x-d"],
+)
+def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: dict):
+    """transformers' Qwen2 sizes q/k/v/o by an explicit head_dim when config.json has one."""
+    cfg = small_hf_config(tied=False, **overrides)
+    hid, d = cfg["hidden_size"], cfg["head_dim"]
+    assert d != hid // cfg["num_attention_heads"]
+    weights = random_hf_weights(cfg, seed=11)
+    model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
+    attn = model.layers[0].self_attn
+    chex.assert_shape([attn.q_proj.kernel[...], attn.k_proj.kernel[...]], [(hid, 4 * d), (hid, 2 * d)])
+    chex.assert_shape(attn.o_proj.kernel[...], (4 * d, hid))
+    toks = tokens_of(7, seed=12)
+    ref = reference_logits(weights, cfg, toks)
+    kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
+    chex.assert_shape(kv[0][0], (NUM_PAGES, PAGE_SIZE, 2, d))
+    logits, kv = step(model, kv, [(0, toks[:6], [5, 2])])
+    assert_close(logits[:6], ref[:6])
+    logits, _ = step(model, kv, [(6, toks[6:], [5, 2])], num_tokens=None, num_reqs=2, decode_only=True)
+    assert_close(logits[0], ref[6])
