@@ -9,9 +9,29 @@ _ROOT = _Path(__file__).resolve().parent.parent
 if all((_ROOT / f).is_file() for f in ("pyproject.toml", "models/__init__.py", "pallas_kernels/__init__.py")):
     __path__.append(str(_ROOT))  # noqa: F821 (a package's __path__)
 
-from jhicache.config import CacheMode, EngineConfig, KVDtype
-from jhicache.engine import Engine
-from jhicache.request import RequestOutput
-from jhicache.sampling import SamplingParams
+# The public names load on first use, so that `import jhicache.config` (settings, enums) needs
+# no JAX, and importing one submodule does not build the whole engine.
+_EXPORTS = {
+    "CacheMode": "jhicache.config",
+    "Engine": "jhicache.engine",
+    "EngineConfig": "jhicache.config",
+    "EngineStats": "jhicache.stats",
+    "KVDtype": "jhicache.config",
+    "RequestOutput": "jhicache.request",
+    "SamplingParams": "jhicache.sampling",
+    "TransferPath": "jhicache.config",
+    "WritePolicy": "jhicache.config",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["CacheMode", "Engine", "EngineConfig", "KVDtype", "RequestOutput", "SamplingParams"]
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jhicache' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

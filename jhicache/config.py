@@ -7,8 +7,6 @@ import enum
 import math
 import numbers
 
-from jhicache.cache import TransferPath, WritePolicy
-
 
 class CacheMode(enum.Enum):
     """How much prefix reuse the engine does."""
@@ -16,6 +14,25 @@ class CacheMode(enum.Enum):
     OFF = "off"  # every prompt is computed in full
     DEVICE = "device"  # radix cache on the device tier only
     HIERARCHICAL = "hierarchical"  # device tier plus a pinned-host tier under it
+
+
+class WritePolicy(enum.Enum):
+    """When a node's device pages are copied to the host tier."""
+
+    WRITE_BACK = "write_back"  # only when the node is evicted from device
+    WRITE_THROUGH = "write_through"  # when the node enters the tree (first insert visit)
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
+
+
+class TransferPath(enum.Enum):
+    """How the host tier is laid out and how pages move between the tiers."""
+
+    # One preallocated [pages, S, H, D] pinned_host array per layer and K/V; Pallas kernels read
+    # and write it in place (zero-copy) on the compute stream: simple, but loads are not hidden.
+    PAGES = "pages"
+    # Per write-back launch, one [2, n, S, H, D] pinned_host array per layer (a "segment"); loads
+    # are copy-engine DMAs of whole segments plus an on-device scatter, overlapping the forward.
+    SEGMENTS = "segments"
 
 
 class KVDtype(enum.Enum):

@@ -6,23 +6,12 @@ Unlike the device tier, no host page is reserved: every host page id is usable.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 
 import jax
 
 from jhicache.cache.device_pool import PagePool, PoolLayout
-
-
-class TransferPath(enum.Enum):
-    """How the host tier is laid out and how pages move between the tiers."""
-
-    # One preallocated [pages, S, H, D] pinned_host array per layer and K/V; Pallas kernels read
-    # and write it in place (zero-copy) on the compute stream: simple, but loads are not hidden.
-    PAGES = "pages"
-    # Per write-back launch, one [2, n, S, H, D] pinned_host array per layer (a "segment"); loads
-    # are copy-engine DMAs of whole segments plus an on-device scatter, overlapping the forward.
-    SEGMENTS = "segments"
+from jhicache.config import TransferPath
 
 
 class HostPool(PagePool):

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from jhicache.cache.device_pool import PoolLayout
-from jhicache.cache.host_pool import HostPool, TransferPath
+from jhicache.cache.host_pool import HostPool
+from jhicache.config import TransferPath
 from jhicache.cache.invariants import InvariantError
 
 

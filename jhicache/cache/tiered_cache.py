@@ -24,7 +24,6 @@ and `flush`) must run before any forward that does not hold the ticket.
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections.abc import Iterable, Sequence
 
@@ -38,14 +37,7 @@ from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.segment_transfer import make_controller
 from jhicache.cache.transfer import CopyFns, TransferKind, TransferOp
-
-
-class WritePolicy(enum.Enum):
-    """When a node's device pages are copied to the host tier."""
-
-    WRITE_BACK = "write_back"  # only when the node is evicted from device
-    WRITE_THROUGH = "write_through"  # when the node enters the tree (first insert visit)
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
+from jhicache.config import WritePolicy
 
 
 _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache import CopyFns, DevicePool, PoolLayout, TieredCache, TransferPath, WritePolicy, make_host_pool
+from jhicache.cache import CopyFns, DevicePool, PoolLayout, TieredCache, make_host_pool
+from jhicache.config import TransferPath, WritePolicy
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
 PATHS = list(TransferPath)

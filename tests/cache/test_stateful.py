@@ -11,7 +11,8 @@ import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jhicache.cache import Node, TieredCache, TransferPath, WritePolicy
+from jhicache.cache import Node, TieredCache
+from jhicache.config import TransferPath, WritePolicy
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, write_kv
 
 

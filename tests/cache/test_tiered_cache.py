@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jhicache.cache import TieredCache, TransferPath, WritePolicy
+from jhicache.cache import TieredCache
+from jhicache.config import TransferPath, WritePolicy
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 POLICIES = list(WritePolicy)

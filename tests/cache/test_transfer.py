@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jhicache.cache import TransferController, WritePolicy
+from jhicache.cache import TransferController
+from jhicache.config import WritePolicy
 from jhicache.cache.transfer import default_copy_fns
 from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
