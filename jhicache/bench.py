@@ -296,7 +296,8 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
     spec = multiturn_spec(args, vocab)
     args._device_tokens = device_tokens_for(args, spec)
     result: dict = {"spec": dataclasses.asdict(spec), "modes": {}}
-    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr) as progress:
+    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr,
+              disable=None) as progress:  # None: no bar unless stderr is a terminal (no fragments in logs)
         for mode in modes:
             result["modes"][mode] = run_multiturn_mode(args, spec, mode, progress)
             save(result)
@@ -432,12 +433,23 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_kernels.main([] if args.out is None else ["--out", args.out])
         return 0
+    note = timing_note(jax.default_backend())
+    if note:
+        print(note, flush=True)
     result = run(args)
     save_json(result, args.out)
     if args.plot:  # parse_args made sure that the run has multiturn modes and matplotlib is there
         report.save_plot(result, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def timing_note(backend: str) -> str | None:
+    """What a non-GPU run's timings are worth: the bench is tuned for, and only meaningful on, a GPU."""
+    if backend == "gpu":
+        return None
+    return (f"note: on the {backend.upper()} backend, timings only check that the bench runs; "
+            "they say nothing about performance")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,25 @@
 
 from __future__ import annotations
 
+_BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in the largest decimal unit that keeps it at least 1, to three significant
+    digits, so that a small amount never reads as "0 MB"."""
+    value, index = float(nbytes), 0
+    while abs(value) >= 999.5 and index < len(_BYTE_UNITS) - 1:  # 999.5 would round to "1000"
+        value, index = value / 1000, index + 1
+    if index == 0:
+        return f"{value:.0f} B"
+    decimals = 2 if abs(value) < 9.995 else 1 if abs(value) < 99.95 else 0
+    return f"{value:.{decimals}f} {_BYTE_UNITS[index]}"
+
+
+def format_rate(gbps: float) -> str:
+    """A rate given in GB/s, in format_bytes's units per second."""
+    return f"{format_bytes(gbps * 1e9)}/s"
+
 
 def model_table(result: dict) -> str:
     return (f"model: batch {result['batch']} x {result['prompt_len']} prompt tokens, {result['new_tokens']} new\n"
@@ -25,14 +44,15 @@ def multiturn_table(result: dict) -> str:
     for name, m in modes.items():
         s = m["stats"]
         lines.append(f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
-                     f"loads {s['load_back_ops']} ({s['load_back_bytes'] / 1e6:.1f} MB), "
-                     f"write-backs {s['write_back_ops']} ({s['write_back_bytes'] / 1e6:.1f} MB), "
+                     f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
+                     f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
                      f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens")
         if m.get("write_back_gbps"):
-            lines.append(f"{'':>14}write-back >= {m['write_back_gbps']:.1f} GB/s (launch to seen done)")
+            lines.append(f"{'':>14}write-back >= {format_rate(m['write_back_gbps'])} (launch to seen done)")
         if s["load_back_s"] > 0:
-            lines.append(f"{'':>14}load-back >= {m['load_back_gbps']:.1f} GB/s ({s['load_back_moved_bytes'] / 1e6:.0f} MB "
-                         f"moved, launch to landed), {m['load_hidden_fraction']:.0%} of load time hidden under compute")
+            lines.append(f"{'':>14}load-back >= {format_rate(m['load_back_gbps'])} "
+                         f"({format_bytes(s['load_back_moved_bytes'])} moved, launch to landed), "
+                         f"{m['load_hidden_fraction']:.0%} of load time hidden under compute")
     return "\n".join(lines)
 
 
@@ -40,11 +60,11 @@ def host_hit_table(result: dict) -> str:
     return (f"host hit: {result['prefix_tokens']}-token prefix + {result['turn_tokens']}-token turn\n"
             f"  TTFT no cache {result['no_cache_ttft_s'] * 1e3:.1f} ms | prefix on device "
             f"{result['device_hit_ttft_s'] * 1e3:.1f} ms | prefix on host {result['host_hit_ttft_s'] * 1e3:.1f} ms\n"
-            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({result['load_gbps']:.1f} GB/s), "
+            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({format_rate(result['load_gbps'])}), "
             f"hidden under compute {result['load_hidden_fraction']:.0%} "
             f"(engine's timeline: compute waited >= {result['engine_load_exposed_s'] * 1e3:.2f} ms "
             f"of the {result['engine_load_back_s'] * 1e3:.2f} ms load)\n"
-            f"  PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({result['pcie_gbps']:.1f} GB/s); "
+            f"  PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({format_rate(result['pcie_gbps'])}); "
             f"host hit / max(PCIe, device hit) = {result['target_ratio']:.2f} (target <= 1.25)")
 
 
