@@ -8,7 +8,6 @@ import re
 import pytest
 
 from jhicache import bench
-from jhicache import bench_report as report
 from jhicache.cache import WritePolicy
 
 
@@ -150,29 +149,3 @@ def test_gpu_runs_have_no_timing_note(monkeypatch, capsys) -> None:
     assert bench.main(["model"]) == 0
     assert "only check" not in capsys.readouterr().out
 
-
-@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 kB"), (1234, "1.23 kB"),
-                                          (99_949, "99.9 kB"), (204_800, "205 kB"), (999_600, "1.00 MB"),
-                                          (5.2e9, "5.20 GB")])
-def test_format_bytes_picks_a_unit_that_keeps_three_digits(nbytes: float, text: str) -> None:
-    assert report.format_bytes(nbytes) == text
-
-
-def test_small_amounts_never_read_zero() -> None:
-    assert report.format_rate(2e-4) == "200 kB/s"
-    summary = report.multiturn_table(tiny_multiturn_result(load_back_moved_bytes=163_840))
-    assert not re.search(r"(?<![\d.])0 MB", summary) and "164 kB moved" in summary
-
-
-def tiny_multiturn_result(**stats) -> dict:
-    """A one-mode, one-round multiturn result of the shape bench.bench_multiturn returns."""
-    base = {"load_back_ops": 5, "load_back_bytes": 204_800, "load_back_moved_bytes": 204_800,
-            "write_back_ops": 1, "write_back_bytes": 4096, "load_back_s": 0.01,
-            "evicted_device_tokens": 0, "evicted_host_tokens": 0}
-    mode = {"rounds": [{"mean_ttft_s": 0.1, "device_hit_rate": 0.5, "host_hit_rate": 0.25,
-                        "prompt_tokens": 10, "output_tokens": 2}],
-            "stats": {**base, **stats}, "throughput_tokens_per_s": 1.0, "elapsed_s": 1.0,
-            "device_kv_tokens": 64, "write_back_gbps": 0.5, "load_back_gbps": 0.02,
-            "load_hidden_fraction": 0.5}
-    spec = {"num_clients": 1, "num_rounds": 1, "request_length": 8, "output_length": 2}
-    return {"spec": spec, "modes": {"hierarchical": mode}}
