@@ -9,63 +9,196 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import enum
+import importlib.util
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
 from jhicache import bench_report as report
-from jhicache.config import EngineConfig
+from jhicache.cache import TransferPath, WritePolicy
+from jhicache.config import EngineConfig, KVDtype
 from jhicache.engine import Engine
+from jhicache.models.config import PRESETS, preset_config
+from jhicache.models.qwen2_weights import CONFIG_FILE
 from jhicache.sampling import SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
 MODES = ("off", "device", "hierarchical", "unbounded")  # unbounded: the device cache holding the whole working set
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(prog="python -m jhicache.bench", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", nargs="?", default="all", choices=("all", "model", "multiturn", "host-hit", "kernels"),
-                   help="which benchmark; `all` = model + multiturn + host-hit")
-    p.add_argument("--preset", default="tiny", help="model shape: tiny, qwen2-0.5b, qwen2-1.5b, qwen2-7b")
-    p.add_argument("--weights", default=None, help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
-    p.add_argument("--dtype", default="bfloat16" if on_gpu else "float32", choices=("bfloat16", "float32"))
-    p.add_argument("--page-size", type=int, default=64 if on_gpu else 16)
-    p.add_argument("--clients", type=int, default=32 if on_gpu else 4)
-    p.add_argument("--rounds", type=int, default=6 if on_gpu else 3)
-    p.add_argument("--request-length", type=int, default=1024 if on_gpu else 48)
-    p.add_argument("--output-length", type=int, default=16 if on_gpu else 4)
-    p.add_argument("--working-set-ratio", type=float, default=4.0,
-                   help="multiturn: final working set / device pool capacity")
-    p.add_argument("--device-kv-tokens", type=int, default=None, help="device pool tokens (default: from ratio)")
-    p.add_argument("--modes", default=",".join(MODES), help="multiturn cache modes, comma separated")
-    p.add_argument("--write-policy", default="write_back")
-    p.add_argument("--transfer-path", default="segments", choices=("pages", "segments"),
-                   help="host tier layout: zero-copy kernels (pages) or copy-engine DMA (segments)")
-    p.add_argument("--host-hit-prefix", type=int, default=8192 if on_gpu else 256,
-                   help="host-hit: cached prefix tokens")
-    p.add_argument("--host-hit-turn", type=int, default=64 if on_gpu else 16, help="host-hit: new turn tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", default=None, help="save a PNG of TTFT and hit rate per round (needs matplotlib)")
-    args = p.parse_args(argv)
-    unknown = [m for m in args.modes.split(",") if m.strip() and m.strip() not in MODES]
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _parsed(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _parsed(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = _parsed(float, text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
+    return value
+
+
+def _parsed(kind: type[int] | type[float], text: str) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def preset_name(text: str) -> str:
+    """argparse type: the PRESETS key that `text` names under preset_config's spelling rules
+    (any case, an optional `Qwen/`), so that `choices` accepts what the engine accepts."""
+    try:
+        config = preset_config(text)
+    except ValueError:
+        return text  # not a preset: `choices` rejects it and lists the presets
+    return next(name for name, preset in PRESETS.items() if preset is config)
+
+
+def checkpoint_dir(text: str) -> str:
+    """argparse type: a directory holding a Hugging Face config.json."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not (Path(text) / CONFIG_FILE).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} has no {CONFIG_FILE}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file path whose folder exists (checked now, not after an hour's run)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+    return text
+
+
+def mode_list(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated MODES, at least one, none twice."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        p.error(f"--modes: unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        choices = ", ".join(MODES)
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {choices}")
+    if not modes:
+        raise argparse.ArgumentTypeError(f"no mode given; choose from {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r} names a mode twice")
+    return modes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; sizes default to GPU- or CPU-sized values by the JAX backend."""
+    gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(
+        prog="python -m jhicache.bench", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"Size defaults shown are for this machine's JAX backend ({jax.default_backend()}); "
+               "a GPU gets larger ones.")
+    p.add_argument("what", nargs="?", default="all",
+                   choices=("all", "model", "multiturn", "host-hit", "kernels"),
+                   help="which benchmark; `all` = model + multiturn + host-hit")
+    p.add_argument("--preset", type=preset_name, default="tiny", choices=tuple(PRESETS),
+                   help="model shape, with seeded random weights")
+    p.add_argument("--weights", type=checkpoint_dir, metavar="DIR", default=None,
+                   help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
+    p.add_argument("--dtype", default="bfloat16" if gpu else "float32", choices=_values(KVDtype),
+                   help="weights and KV pages dtype")
+    count = {"type": positive_int, "metavar": "N"}
+    p.add_argument("--page-size", **count, default=64 if gpu else 16, help="tokens per KV page")
+    p.add_argument("--clients", **count, default=32 if gpu else 4,
+                   help="multiturn: concurrent conversations")
+    p.add_argument("--rounds", **count, default=6 if gpu else 3,
+                   help="multiturn: turns per conversation")
+    p.add_argument("--request-length", **count, default=1024 if gpu else 48,
+                   help="multiturn: new prompt tokens per turn")
+    p.add_argument("--output-length", **count, default=16 if gpu else 4,
+                   help="multiturn: generated tokens per turn")
+    p.add_argument("--working-set-ratio", type=positive_float, metavar="X", default=4.0,
+                   help="multiturn: final working set / device pool capacity")
+    p.add_argument("--device-kv-tokens", **count, default=None,
+                   help="multiturn: device pool tokens; unset, from --working-set-ratio")
+    p.add_argument("--modes", type=mode_list, metavar="LIST", default=",".join(MODES),
+                   help="multiturn cache modes, comma separated")
+    p.add_argument("--write-policy", default=WritePolicy.WRITE_BACK.value, choices=_values(WritePolicy),
+                   help="when device pages are copied to the host tier")
+    p.add_argument("--transfer-path", default=TransferPath.SEGMENTS.value,
+                   choices=_values(TransferPath),
+                   help="host tier layout: zero-copy kernels (pages) or copy-engine DMA (segments)")
+    p.add_argument("--host-hit-prefix", **count, default=8192 if gpu else 256,
+                   help="host-hit: cached prefix tokens")
+    p.add_argument("--host-hit-turn", **count, default=64 if gpu else 16,
+                   help="host-hit: new turn tokens")
+    p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
+                   help="seed of the random weights and the prompts")
+    p.add_argument("--out", type=output_file, metavar="FILE", default=None,
+                   help="write the results as JSON here")
+    p.add_argument("--plot", type=output_file, metavar="FILE", default=None,
+                   help="save a PNG of TTFT and hit rate per round of multiturn (needs matplotlib)")
+    return p
+
+
+def _values(enum_type: type[enum.Enum]) -> tuple[str, ...]:
+    return tuple(member.value for member in enum_type)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_combination(p, args)
     return args
+
+
+def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors that involve more than one option, before anything runs."""
+    if args.plot and args.what not in ("multiturn", "all"):
+        p.error("--plot draws the multiturn benchmark; use it with `multiturn` or `all`")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
+    if args.page_size > EngineConfig.chunked_prefill_tokens:
+        p.error(f"--page-size {args.page_size}: at most the engine's prefill chunk "
+                f"({EngineConfig.chunked_prefill_tokens} tokens)")
+    if args.device_kv_tokens is not None and args.device_kv_tokens < 2 * args.page_size:
+        p.error(f"--device-kv-tokens {args.device_kv_tokens}: the device pool must hold two pages "
+                f"(2 x --page-size = {2 * args.page_size} tokens)")
+    try:  # the engine's own rules, should they grow past the checks above
+        engine_config(args, device_kv_tokens=args.device_kv_tokens)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy,
+                        transfer_path=args.transfer_path, **overrides)
 
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
     if overrides.get("device_kv_tokens"):  # pools hold whole pages: round a derived size up
-        overrides["device_kv_tokens"] = -(-overrides["device_kv_tokens"] // args.page_size) * args.page_size
-    config = EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy,
-                          transfer_path=args.transfer_path, **overrides)
+        tokens, page = overrides["device_kv_tokens"], args.page_size
+        overrides["device_kv_tokens"] = -(-tokens // page) * page
+    config = engine_config(args, **overrides)
     if args.weights:
         return Engine.from_pretrained(args.weights, config)
     return Engine.from_preset(args.preset, config, seed=args.seed)
@@ -162,11 +295,12 @@ def round_summary(outputs) -> dict:
 def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
     """Runs each mode in turn; `save` gets the result so far after every mode (a long GPU run cut
     short by a time limit keeps the modes it finished)."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes  # a tuple: mode_list parsed it
     spec = multiturn_spec(args, vocab)
     args._device_tokens = device_tokens_for(args, spec)
     result: dict = {"spec": dataclasses.asdict(spec), "modes": {}}
-    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr) as progress:
+    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr,
+              disable=None) as progress:  # None: no bar unless stderr is a terminal (no fragments in logs)
         for mode in modes:
             result["modes"][mode] = run_multiturn_mode(args, spec, mode, progress)
             save(result)
@@ -275,8 +409,6 @@ def run(args: argparse.Namespace) -> dict:
         print(report.model_table(result["model"]))
         save_json(result, args.out)
     if args.what in ("all", "multiturn"):
-        from jhicache.models import preset_config
-
         vocab = preset_config(args.preset).vocab_size if not args.weights else make_engine(args).model_config.vocab_size
         result.update(bench_multiturn(args, vocab, lambda partial: save_json({**result, **partial}, args.out)))
         print(report.multiturn_table(result))
@@ -304,11 +436,23 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_kernels.main([] if args.out is None else ["--out", args.out])
         return 0
+    note = timing_note(jax.default_backend())
+    if note:
+        print(note, flush=True)
     result = run(args)
     save_json(result, args.out)
-    if args.plot and "modes" in result and not report.save_plot(result, args.plot):
-        print("--plot: matplotlib is not installed; no PNG written", file=sys.stderr)
+    if args.plot:  # parse_args made sure that the run has multiturn modes and matplotlib is there
+        report.save_plot(result, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
+
+
+def timing_note(backend: str) -> str | None:
+    """What a non-GPU run's timings are worth: the bench is tuned for, and only meaningful on, a GPU."""
+    if backend == "gpu":
+        return None
+    return (f"note: on the {backend.upper()} backend, timings only check that the bench runs; "
+            "they say nothing about performance")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+_BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in the largest decimal unit that keeps it at least 1, to three significant
+    digits, so that a small amount never reads as "0 MB"."""
+    value, index = float(nbytes), 0
+    while abs(value) >= 999.5 and index < len(_BYTE_UNITS) - 1:  # 999.5 would round to "1000"
+        value, index = value / 1000, index + 1
+    if index == 0:
+        return f"{value:.0f} B"
+    decimals = 2 if abs(value) < 9.995 else 1 if abs(value) < 99.95 else 0
+    return f"{value:.{decimals}f} {_BYTE_UNITS[index]}"
+
+
+def format_rate(gbps: float) -> str:
+    """A rate given in GB/s, in format_bytes's units per second."""
+    return f"{format_bytes(gbps * 1e9)}/s"
+
 
 def model_table(result: dict) -> str:
     return (f"model: batch {result['batch']} x {result['prompt_len']} prompt tokens, {result['new_tokens']} new\n"
@@ -21,18 +42,20 @@ def multiturn_table(result: dict) -> str:
         cells = "".join(
             f"| {m['rounds'][r]['mean_ttft_s']:9.4f} {m['rounds'][r]['device_hit_rate']:9.3f} "
             f"{m['rounds'][r]['host_hit_rate']:9.3f} " for m in modes.values())
-        lines.append(f"{r:5d} {cells}")
+        lines.append(f"{r + 1:5d} {cells}")  # rounds count from 1, as in the plot
     for name, m in modes.items():
         s = m["stats"]
         lines.append(f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
-                     f"loads {s['load_back_ops']} ({s['load_back_bytes'] / 1e6:.1f} MB), "
-                     f"write-backs {s['write_back_ops']} ({s['write_back_bytes'] / 1e6:.1f} MB), "
+                     f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
+                     f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
                      f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens")
         if m.get("write_back_gbps"):
-            lines.append(f"{'':>14}write-back >= {m['write_back_gbps']:.1f} GB/s (launch to seen done)")
+            lines.append(f"{'':>14}write-back >= {format_rate(m['write_back_gbps'])} "
+                         "(launch to seen done)")
         if s["load_back_s"] > 0:
-            lines.append(f"{'':>14}load-back >= {m['load_back_gbps']:.1f} GB/s ({s['load_back_moved_bytes'] / 1e6:.0f} MB "
-                         f"moved, launch to landed), {m['load_hidden_fraction']:.0%} of load time hidden under compute")
+            lines.append(f"{'':>14}load-back >= {format_rate(m['load_back_gbps'])} "
+                         f"({format_bytes(s['load_back_moved_bytes'])} moved, launch to landed), "
+                         f"{m['load_hidden_fraction']:.0%} of load time hidden under compute")
     return "\n".join(lines)
 
 
@@ -40,16 +63,33 @@ def host_hit_table(result: dict) -> str:
     return (f"host hit: {result['prefix_tokens']}-token prefix + {result['turn_tokens']}-token turn\n"
             f"  TTFT no cache {result['no_cache_ttft_s'] * 1e3:.1f} ms | prefix on device "
             f"{result['device_hit_ttft_s'] * 1e3:.1f} ms | prefix on host {result['host_hit_ttft_s'] * 1e3:.1f} ms\n"
-            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({result['load_gbps']:.1f} GB/s), "
+            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({format_rate(result['load_gbps'])}), "
             f"hidden under compute {result['load_hidden_fraction']:.0%} "
             f"(engine's timeline: compute waited >= {result['engine_load_exposed_s'] * 1e3:.2f} ms "
             f"of the {result['engine_load_back_s'] * 1e3:.2f} ms load)\n"
-            f"  PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({result['pcie_gbps']:.1f} GB/s); "
+            f"  PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({format_rate(result['pcie_gbps'])}); "
             f"host hit / max(PCIe, device hit) = {result['target_ratio']:.2f} (target <= 1.25)")
 
 
+# (marker, dashes, marker size) per mode in the order run: lines that coincide (hierarchical and
+# unbounded while the device pool still holds everything) stay visible as rings around dots.
+_LINE_STYLES = (("o", "-", 10), ("s", "--", 8), ("^", "-.", 6), ("D", ":", 4))
+
+
+def plot_title(result: dict) -> str:
+    """The figure's title: model, device, workload, and on a CPU what its timings are worth."""
+    model = Path(result["preset"]).name  # a checkpoint directory reads as its folder name
+    spec = result["spec"]
+    pool = min(m["device_kv_tokens"] for m in result["modes"].values())
+    title = (f"{model} on {result['device']}: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
+             f"device pool {pool} tokens")
+    if result.get("backend") != "gpu":
+        title += "\n(CPU run: timings only check that the bench runs)"
+    return title
+
+
 def save_plot(result: dict, path: str) -> bool:
-    """PNG of mean TTFT and hit rate per round, one line per mode; False without matplotlib."""
+    """Writes make_figure's PNG to `path`; False without matplotlib."""
     try:
         import matplotlib
 
@@ -57,15 +97,61 @@ def save_plot(result: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, mode in result["modes"].items():
-        rounds = mode["rounds"]
-        ax_ttft.plot([r["mean_ttft_s"] for r in rounds], marker="o", label=name)
-        ax_hit.plot([r["device_hit_rate"] + r["host_hit_rate"] for r in rounds], marker="o", label=name)
-    ax_ttft.set(xlabel="round", ylabel="mean TTFT (s)", title="TTFT per round")
-    ax_hit.set(xlabel="round", ylabel="hit rate (device + host)", title="Cache hit rate per round", ylim=(0, 1))
-    ax_ttft.legend()
-    fig.tight_layout()
+    fig = make_figure(result)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def make_figure(result: dict):
+    """Mean TTFT per round (a line per mode) beside hit rate per round split by tier (a bar per
+    mode: device hits solid, host hits hatched on top), under plot_title's title."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(12, 5))
+    colors = {name: plt.get_cmap("tab10")(i) for i, name in enumerate(result["modes"])}
+    _plot_ttft(ax_ttft, result["modes"], colors)
+    _plot_hits(ax_hit, result["modes"], colors)
+    fig.suptitle(plot_title(result))
+    fig.tight_layout()
+    return fig
+
+
+def _plot_ttft(ax, modes: dict, colors: dict) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    styles = _cycle(_LINE_STYLES, len(modes))
+    for (name, mode), (marker, dashes, size) in zip(modes.items(), styles):
+        ttfts = [r["mean_ttft_s"] * 1e3 for r in mode["rounds"]]
+        ax.plot(range(1, len(ttfts) + 1), ttfts, color=colors[name], marker=marker,
+                linestyle=dashes, markersize=size, alpha=0.8, label=name)
+    ax.set(xlabel="round", ylabel="mean TTFT (ms)", title="TTFT per round")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(title="cache mode", fontsize="small")
+
+
+def _plot_hits(ax, modes: dict, colors: dict) -> None:
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    width = 0.8 / len(modes)
+    for i, (name, mode) in enumerate(modes.items()):
+        x = [r + 1 + (i - (len(modes) - 1) / 2) * width for r in range(len(mode["rounds"]))]
+        device = [r["device_hit_rate"] for r in mode["rounds"]]
+        host = [r["host_hit_rate"] for r in mode["rounds"]]
+        ax.bar(x, device, width, color=colors[name], edgecolor="white", linewidth=0.5)
+        ax.bar(x, host, width, bottom=device, color=colors[name], alpha=0.35, hatch="///",
+               edgecolor=colors[name], linewidth=0.5)
+    handles = [Patch(color=colors[name], label=name) for name in modes]
+    handles += [Patch(facecolor="grey", label="device hits"),
+                Patch(facecolor="grey", alpha=0.35, hatch="///", edgecolor="grey",
+                      label="host hits")]
+    ax.set(xlabel="round", ylabel="share of prompt tokens", title="Cache hits per round, by tier",
+           ylim=(0, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(handles=handles, fontsize="small", loc="upper left", ncol=2)
+
+
+def _cycle(items: tuple, count: int) -> list:
+    return [items[i % len(items)] for i in range(count)]

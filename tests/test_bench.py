@@ -12,9 +12,14 @@ TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length
         "--page-size", "8", "--dtype", "float32"]
 
 
-def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path) -> None:
-    out = tmp_path / "bench.json"
-    assert bench.main(["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out)]) == 0
+def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, capsys) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out), "--plot", str(png)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "timings only check that the bench runs" in printed.out.splitlines()[0]  # a CPU run
+    assert png.read_bytes().startswith(b"\x89PNG") and f"plot written to {png}" in printed.out
+    assert "%|" not in printed.err  # captured stderr is no terminal: no progress-bar fragments
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"off", "hierarchical", "unbounded"}
     for mode in result["modes"].values():
