@@ -23,8 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jhicache import bench_report as report
-from jhicache.cache import TransferPath, WritePolicy
-from jhicache.config import EngineConfig, KVDtype
+from jhicache.config import EngineConfig, KVDtype, TransferPath, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from jhicache import bench
-from jhicache.cache import WritePolicy
+from jhicache.config import WritePolicy
 
 
 def usage_error(capsys, argv: list[str]) -> str:
