@@ -42,12 +42,12 @@ def timed(fn, reps: int = 5) -> tuple[float, float]:
 
 def host_hit_step(engine, prompt: list[int], trace_dir: str | None) -> dict:
     """Runs the host-hit request's first step by hand, timing each piece, then finishes it."""
-    request = engine._new_request(prompt, SamplingParams(max_new_tokens=1), time.perf_counter())
-    engine.scheduler.add(request)
+    engine._submit(np.asarray(prompt), SamplingParams(max_new_tokens=1), None, time.perf_counter())
     t0 = time.perf_counter()
     batch = engine.scheduler.schedule()
+    engine.cache.launch()
     t1 = time.perf_counter()
-    tokens, meta, last_index = model_inputs(batch, engine.config.page_size)
+    tokens, meta, last_index, _ = model_inputs(batch, engine.config.page_size)
     t2 = time.perf_counter()
     if trace_dir:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -75,8 +75,10 @@ def host_hit_step(engine, prompt: list[int], trace_dir: str | None) -> dict:
     row["layered_dispatch_s"], row["layered_done_s"] = timed(
         lambda: runner._layered(tokens, meta, last_index, ()).logits)
     ids = np.asarray(result.logits.argmax(-1))
-    engine.scheduler.commit(batch, {request.rid: int(ids[0])}, time.perf_counter())
-    engine._run_until_idle()
+    engine.scheduler.commit(batch, ids, time.perf_counter())
+    while engine.has_unfinished():
+        engine.step()
+    engine._drain()
     return row
 
 

@@ -83,9 +83,7 @@ def push_to_host(engine: Engine) -> None:
 
 
 def add_request(engine: Engine, prompt: list[int]) -> Request:
-    req = engine._new_request(prompt, SamplingParams(max_new_tokens=64), time.perf_counter())
-    engine.scheduler.add(req)
-    return req
+    return engine._submit(np.asarray(prompt), SamplingParams(max_new_tokens=64), None, time.perf_counter())
 
 
 def drop_all(engine: Engine) -> None:
@@ -94,6 +92,7 @@ def drop_all(engine: Engine) -> None:
     for req in list(sched.running):
         sched.retract(req)
     sched.waiting.clear()
+    engine._requests.clear()
     engine.cache.flush()
     engine.cache.poll()
 
@@ -115,7 +114,12 @@ def time_launches(engine: Engine) -> list[float]:
 def step_inputs(rec: Recorder, engine: Engine, spent: list[float], name: str) -> Batch:
     """Times one schedule() (`spent`: from time_launches(engine)) and the batch's model_inputs()."""
     spent[0] = 0.0
-    batch = rec.call(f"{name}: schedule", engine.scheduler.schedule)
+    def schedule() -> Batch | None:  # as Engine._step: plan, then launch what it queued
+        batch = engine.scheduler.schedule()
+        engine.cache.launch()
+        return batch
+
+    batch = rec.call(f"{name}: schedule", schedule)
     rec.times.setdefault(f"{name}: (launches in it)", []).append(spent[0])
     assert batch is not None
     rec.call(f"{name}: model_inputs", lambda: model_inputs(batch, PAGE_SIZE))
@@ -158,7 +162,7 @@ def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator, de
         batch = step_inputs(rec, engine, spent, "batch-prefill")
         assert len(batch.chunks) == BATCH and not batch.is_decode
         for _ in range(decode_steps):
-            engine.scheduler.commit(batch, {c.request.rid: 1 for c in batch.chunks}, time.perf_counter())
+            engine.scheduler.commit(batch, np.ones(len(batch.chunks), np.int32), time.perf_counter())
             batch = step_inputs(rec, engine, spent, "batch-decode")
             assert batch.is_decode and len(batch.chunks) == BATCH
         drop_all(engine)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
 import jax
 import numpy as np
 
 from jhicache.cache import LoadTicket
 from jhicache.cache.transfer import pow2_bucket
-from jhicache.request import Request
 from jhicache.models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
+from jhicache.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +21,12 @@ class Chunk:
     request: Request
     start: int
     length: int
+    sample_index: int | None = None  # the output token its last logits sample; None: no sample
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so its last logits are sampled."""
-        return self.start + self.length == self.request.num_tokens
+        return self.sample_index is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +42,20 @@ class Batch:
         return sum(c.length for c in self.chunks)
 
 
-def model_inputs(batch: Batch, page_size: int) -> tuple[jax.Array, AttentionMetadata, jax.Array]:
-    """Token ids [T], attention metadata and the row of each request's last token [B], bucketed."""
+class StepInputs(NamedTuple):
+    tokens: jax.Array  # [T] int32, pending tokens not yet patched in (see `patches`)
+    meta: AttentionMetadata
+    last_index: jax.Array  # [B] int32: the token row whose logits each request samples
+    patches: tuple[jax.Array, jax.Array] | None  # (token rows, rows of the previous step's
+    # sampled tokens) for tokens the host has not read yet; None when there are none
+
+
+def model_inputs(batch: Batch, page_size: int) -> StepInputs:
+    """Token ids, attention metadata and sampled rows of one step, bucketed.
+
+    A decode row whose input token is still pending (sampled by the step in flight, see
+    `Request.pending`) reads it on the device: `patches` pairs the row with the request's row in
+    that step's sampled tokens."""
     chunks = batch.chunks
     num_reqs = pow2_bucket(len(chunks), 4 if batch.is_decode else 1)
     num_tokens = num_reqs if batch.is_decode else pow2_bucket(batch.num_tokens, 16)
@@ -53,8 +68,31 @@ def model_inputs(batch: Batch, page_size: int) -> tuple[jax.Array, AttentionMeta
     tokens = pack_token_array([c.request.token_slice(c.start, c.start + c.length) for c in chunks], num_tokens)
     last_index = np.zeros(num_reqs, np.int32)
     last_index[: len(chunks)] = np.cumsum(lengths) - 1
-    # The step's eight host arrays in one transfer (see put_int32): each separate transfer costs
+    host = {**arrays, "tokens": tokens, "last_index": last_index, **_patch_arrays(chunks, last_index, num_tokens)}
+    # The step's host arrays in one transfer (see put_int32): each separate transfer costs
     # a dispatch of its own, hundreds of microseconds of host time per step on the H200.
-    put = put_int32({**arrays, "tokens": tokens, "last_index": last_index})
+    put = put_int32(host)
     tokens, last_index = put.pop("tokens"), put.pop("last_index")
-    return tokens, AttentionMetadata(**put, decode_only=batch.is_decode), last_index
+    patches = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
+    return StepInputs(tokens, AttentionMetadata(**put, decode_only=batch.is_decode), last_index, patches)
+
+
+def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray, num_tokens: int) -> dict[str, np.ndarray]:
+    """Rows whose input token is pending: only a chunk's last token can be (a decode token)."""
+    rows = [(i, c.request.pending_row) for i, c in enumerate(chunks)
+            if c.start + c.length > c.request.known_len]
+    if not rows:
+        return {}
+    assert all(chunks[i].start + chunks[i].length == chunks[i].request.known_len + 1 for i, _ in rows)
+    patch_rows = np.full(len(last_index), num_tokens, np.int32)  # out of range: dropped
+    patch_from = np.zeros(len(last_index), np.int32)
+    for k, (i, row) in enumerate(rows):
+        patch_rows[k], patch_from[k] = last_index[i], row
+    return {"patch_rows": patch_rows, "patch_from": patch_from}
+
+
+@jax.jit
+def patch_tokens(tokens: jax.Array, rows: jax.Array, source_rows: jax.Array, sampled: jax.Array) -> jax.Array:
+    """tokens[rows] = sampled[source_rows]: pending tokens fed from the previous step's samples
+    without a round trip through the host (out-of-range rows are padding)."""
+    return tokens.at[rows].set(sampled[source_rows], mode="drop")

@@ -101,6 +101,8 @@ class EngineConfig:
         paged host pool; compute stream) or "segments" (host segments moved by copy-engine DMA
         one layer ahead of the forward, see jhicache/cache/segment_transfer.py; the default:
         it loaded an 8k-token prefix faster on the H200, see BENCHMARKS.md).
+      overlap_schedule: plan and dispatch step N+1 while step N runs on the device, feeding
+        its sampled tokens on the device (False: the lock-step loop, for debugging).
     """
 
     page_size: int = 64
@@ -117,6 +119,7 @@ class EngineConfig:
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
     transfer_path: TransferPath | str = TransferPath.SEGMENTS
+    overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -136,9 +139,9 @@ class EngineConfig:
             _real("host_to_device_ratio", self.host_to_device_ratio, 1.0, 1e6, low_open=True))
         fix("device_memory_fraction",
             _real("device_memory_fraction", self.device_memory_fraction, 0.0, 0.95, low_open=True))
-        if not isinstance(self.check_invariants_every_step, bool):
-            raise ValueError(f"EngineConfig.check_invariants_every_step="
-                             f"{self.check_invariants_every_step!r}: expected True or False")
+        for field in ("check_invariants_every_step", "overlap_schedule"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: expected True or False")
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()

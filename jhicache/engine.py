@@ -6,17 +6,20 @@ import dataclasses
 import numbers
 import threading
 import time
+import uuid
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.batch import Batch, Chunk, model_inputs
+from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
 from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 from jhicache.request import Request, RequestOutput
+from jhicache.load_timing import LoadTimeline
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
 from jhicache.stats import EngineStats
@@ -48,7 +51,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool)
         self.counters = EngineStats()
-        self._next_rid = 0
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
+        self._idle_steps = 0
         self._seeds = np.random.default_rng()  # seeds for unseeded sampled requests
         self._lock = threading.RLock()  # the engine is single-threaded: calls take turns
 
@@ -73,10 +78,46 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------
 
+    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        """Queues one prompt (a list or 1-D array of token ids) and returns its id; `step()`
+        then advances it. Validated as `generate` does: a bad value raises `ValueError` and
+        changes nothing. `request_id` must not name an unfinished request."""
+        with self._lock:
+            tokens = _token_array("prompt", prompt)
+            self._validate("prompt", tokens, params)
+            if request_id is not None:
+                if not isinstance(request_id, str) or not request_id:
+                    raise ValueError(f"request_id={request_id!r}: expected a non-empty str")
+                if request_id in self._requests:
+                    raise ValueError(f"request_id={request_id!r} is already queued")
+            return self._submit(tokens, params, request_id, time.perf_counter()).request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; an output for every request that gained a token or finished in it.
+
+        With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
+        the one before, so the outputs a step returns are those of the batch dispatched by the
+        previous call."""
+        with self._lock:
+            return self._step()
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a request at any stage: its computed full pages go to the cache, the rest back
+        to the pool; copies in flight complete. False (nothing done) for an unknown or finished
+        id."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            return req is not None and self.scheduler.abort(req)
+
+    def has_unfinished(self) -> bool:
+        """True while a submitted request has not finished or been aborted."""
+        return bool(self._requests)
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
         """Runs `prompts` (a list of token-id lists) to completion with continuous batching;
-        returns their outputs in order.
+        returns their outputs in order (`new_token_ids` then holds every generated token).
 
         Everything is validated before the engine changes; a bad value raises `ValueError` and
         queues nothing. If the call fails or is interrupted part-way, its requests are dropped
@@ -86,17 +127,18 @@ class Engine:
             prompts = _prompt_list(prompts)
             per_prompt = self._per_prompt_params(prompts, params)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-                self._validate(i, prompt, p)
+                self._validate(f"prompt {i}", prompt, p)
             now = time.perf_counter()
-            requests = [self._new_request(prompt, p, now) for prompt, p in zip(prompts, per_prompt)]
-            for req in requests:
-                self.scheduler.add(req)
+            requests = [self._submit(prompt, p, None, now) for prompt, p in zip(prompts, per_prompt)]
             try:
-                self._run_until_idle()
+                while not all(r.finished for r in requests):
+                    self._step()
+                if not self._requests:
+                    self._drain()
             except BaseException:
                 self._abandon(requests)
                 raise
-            return [req.to_output() for req in requests]
+            return [req.to_output(list(req.output)) for req in requests]
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters: cache hits, transfers, evictions, and load time hidden vs exposed."""
@@ -107,6 +149,84 @@ class Engine:
         """Raises `InvariantError` on any page-accounting error in either tier."""
         with self._lock:
             self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def _step(self) -> list[RequestOutput]:
+        """Retire finished copies, schedule, launch queued transfers, forward, end a step, commit."""
+        self.cache.poll()
+        in_flight = self._in_flight is not None
+        batch = self.scheduler.schedule(may_retract=not in_flight)
+        outputs: list[RequestOutput] = []
+        if batch is None and in_flight:
+            # The step in flight may finish requests and free their pages: commit it first.
+            outputs = self._end(self._take_in_flight())
+            self.cache.poll()
+            batch = self.scheduler.schedule(may_retract=True)
+        self.cache.launch()  # write-backs and load-backs queued by the scheduler start now
+        launched = self._launch(batch) if batch is not None else None
+        self.cache.drive_loads()  # loads of requests that were not admitted: none stays half-loaded
+        if self.config.overlap_schedule:
+            ending, self._in_flight = self._take_in_flight(), launched
+        else:
+            ending = launched
+        if ending is not None:
+            outputs += self._end(ending)
+        self._note_progress(launched is not None or ending is not None or bool(outputs))
+        return outputs
+
+    def _launch(self, batch: Batch) -> _Launched:
+        """Dispatches the batch's forward and sampling; nothing here waits for the device."""
+        inputs = model_inputs(batch, self.config.page_size)
+        tokens = inputs.tokens
+        if inputs.patches is not None:  # decode tokens sampled by the step still in flight
+            assert self._in_flight is not None
+            tokens = patch_tokens(tokens, *inputs.patches, self._in_flight.sampled)
+        start = time.perf_counter()
+        logits, load_wait_s, timeline = self.runner.run(tokens, inputs.meta, inputs.last_index, batch.tickets)
+        sampled = self._sample(logits, batch.chunks)
+        for row, chunk in enumerate(batch.chunks):
+            if chunk.samples:
+                chunk.request.pending_row = row
+        return _Launched(batch, sampled, start, load_wait_s, timeline)
+
+    def _end(self, step: _Launched) -> list[RequestOutput]:
+        """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
+        ids = np.asarray(step.sampled)
+        timing = step.timeline.measure() if step.timeline else None
+        now = time.perf_counter()
+        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s, timing)
+        gained = self.scheduler.commit(step.batch, ids, now)
+        finished = [r for r in gained if r.finished]
+        self.counters.record_finished(finished)
+        for req in finished:
+            self._requests.pop(req.request_id, None)
+        if self.config.check_invariants_every_step:
+            self.check_invariants()
+        return [r.to_output([r.output[-1]]) for r in gained]
+
+    def _take_in_flight(self) -> _Launched | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _note_progress(self, progressed: bool) -> None:
+        if progressed:
+            self._idle_steps = 0
+            return
+        # Loaded pages stay locked until their copy retires: wait for the transfers rather
+        # than count a step that only had to wait for the copy engine.
+        self.cache.flush()
+        self._idle_steps += 1
+        if self._idle_steps > 2 * len(self.scheduler.running) + 8:
+            raise RuntimeError("scheduler made no progress: device pool too small for the running requests")
+
+    def _drain(self) -> None:
+        """Ends the step in flight and every transfer: the engine is idle afterwards."""
+        step = self._take_in_flight()
+        if step is not None:
+            self._end(step)
+        self.cache.flush()
+        self.cache.poll()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -121,8 +241,7 @@ class Engine:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return params
 
-    def _validate(self, index: int, tokens: np.ndarray, params: SamplingParams) -> None:
-        where = f"prompt {index}"
+    def _validate(self, where: str, tokens: np.ndarray, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params for {where} must be SamplingParams, got {type(params).__name__}")
         if len(tokens) == 0:
@@ -144,69 +263,51 @@ class Engine:
             raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the device pool "
                              f"({capacity} tokens)")
 
-    def _new_request(self, prompt: np.ndarray, params: SamplingParams, now: float) -> Request:
-        self._next_rid += 1
+    def _submit(self, prompt: np.ndarray, params: SamplingParams, request_id: str | None,
+                now: float) -> Request:
         if not params.is_greedy and params.seed is None:
             # A fresh seed per submission (as vLLM does): unseeded output is random, yet the
             # request then samples the same way however it is batched or cached.
             params = dataclasses.replace(params, seed=int(self._seeds.integers(SEED_LIMIT)))
-        return Request(rid=self._next_rid, prompt=prompt.tolist(), params=params, arrival_s=now)
+        req = Request(request_id=request_id or uuid.uuid4().hex, prompt=prompt.tolist(), params=params,
+                      arrival_s=now)
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
 
     def _abandon(self, requests: list[Request]) -> None:
-        """Drops the unfinished `requests` of a call that failed: pages freed, nothing queued,
-        copies in flight completed; the cache keeps what it held."""
+        """Drops the unfinished `requests` of a call that failed: pages freed (nothing of theirs
+        goes to the cache), nothing queued, the step and copies in flight completed."""
+        step = self._take_in_flight()
+        if step is not None:
+            try:
+                self._end(step)
+            except Exception:  # noqa: BLE001 (the step failed too: its requests cannot go on)
+                requests = [*requests, *(c.request for c in step.batch.chunks)]
         for req in requests:
-            self.scheduler.abort(req)
-        self.cache.flush()
-
-    def _run_until_idle(self) -> None:
-        idle_steps = 0
-        while self.scheduler.has_work():
-            progressed = self.step()
-            if not progressed:
-                # Loaded pages stay locked until their copy retires: wait for the transfers
-                # rather than count a step that only had to wait for the copy engine.
-                self.cache.flush()
-            idle_steps = 0 if progressed else idle_steps + 1
-            if idle_steps > 2 * len(self.scheduler.running) + 8:
-                raise RuntimeError("scheduler made no progress: device pool too small for the running requests")
+            if self._requests.pop(req.request_id, None) is not None:
+                self.scheduler.abort(req, keep_computed=False)
         self.cache.flush()
         self.cache.poll()
-
-    def step(self) -> bool:
-        """One scheduling step and forward; False when nothing could run."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return False
-        sampled = self._forward(batch)
-        self.cache.drive_loads()  # loads of requests that were not admitted: none stays half-loaded
-        finished = self.scheduler.commit(batch, sampled, time.perf_counter())
-        self.counters.record_finished(finished)
-        if self.config.check_invariants_every_step:
-            self.check_invariants()
-        return True
-
-    def _forward(self, batch: Batch) -> dict[int, int]:
-        tokens, meta, last_index = model_inputs(batch, self.config.page_size)
-        start = time.perf_counter()
-        logits, load_wait_s, timeline = self.runner.run(tokens, meta, last_index, batch.tickets)
-        rows = batch.chunks
-        sampled = self._sample(logits, rows)
-        timing = timeline.measure() if timeline else None  # blocks, but the host has nothing left to dispatch
-        while not sampled.is_ready():  # the host only waits here: time the write-backs finishing meanwhile
-            self.cache.time_writes()
-        ids = np.asarray(sampled)
-        self.counters.record_forward(batch, time.perf_counter() - start, load_wait_s, timing)
-        return {c.request.rid: int(ids[i]) for i, c in enumerate(rows) if c.samples}
 
     @staticmethod
     def _sample(logits: jax.Array, rows: list[Chunk]) -> jax.Array:
         """Dispatches the sampling of one token per row: [B] int32."""
         if all(c.request.params.is_greedy for c in rows):
             return greedy(logits)
-        arrays = sampling_arrays([c.request.params for c in rows], [len(c.request.output) for c in rows],
-                                 logits.shape[0])
+        steps = [c.sample_index or 0 for c in rows]
+        arrays = sampling_arrays([c.request.params for c in rows], steps, logits.shape[0])
         return sample(logits, *map(jnp.asarray, arrays))
+
+
+class _Launched(NamedTuple):
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    batch: Batch
+    sampled: jax.Array  # [B] int32, on the device
+    dispatched_s: float
+    load_wait_s: float
+    timeline: LoadTimeline | None
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:
@@ -229,17 +330,17 @@ def _prompt_list(prompts: object) -> list[np.ndarray]:
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
         raise ValueError(f"prompts must be a list of token-id lists, got a flat list of ints{flat_hint}")
-    return [_token_array(i, p) for i, p in enumerate(prompts)]
+    return [_token_array(f"prompt {i}", p) for i, p in enumerate(prompts)]
 
 
-def _token_array(index: int, prompt: object) -> np.ndarray:
+def _token_array(where: str, prompt: object) -> np.ndarray:
     if isinstance(prompt, (str, bytes)):
-        raise ValueError(f"prompt {index} is a string: prompts are token ids (tokenize first)")
+        raise ValueError(f"{where} is a string: prompts are token ids (tokenize first)")
     try:
         tokens = np.asarray(prompt) if isinstance(prompt, (Sequence, np.ndarray)) else None
     except ValueError:  # ragged nesting
         tokens = None
     if tokens is None or tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-        raise ValueError(f"prompt {index} must be a flat list of integer token ids, "
+        raise ValueError(f"{where} must be a flat list of integer token ids, "
                          f"got {type(prompt).__name__}")
     return tokens.astype(np.int64)

@@ -24,14 +24,18 @@ class FinishReason(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """What `Engine.generate` returns per prompt."""
+    """One request's progress: what `Engine.step` reports when it gains tokens or finishes, and
+    what `Engine.generate` returns (then `new_token_ids` holds every generated token)."""
 
-    token_ids: list[int]
+    request_id: str
+    token_ids: list[int]  # every token generated so far; a stop token is included
+    new_token_ids: list[int]  # the tokens gained since the last output for this request
+    finished: bool
     prompt_len: int
-    device_hit_tokens: int
-    host_hit_tokens: int
-    ttft_s: float
-    finish_reason: str
+    device_hit_tokens: int  # prompt tokens found on the device tier
+    host_hit_tokens: int  # prompt tokens loaded back from the host tier
+    ttft_s: float | None  # submission to first token known on the host; None before it
+    finish_reason: str | None  # "length", "stop" or "abort"; None while running
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,15 +43,20 @@ class Request:
     """Mutable per-request state owned by the scheduler.
 
     `device_pages[i]` holds tokens [i * page_size, (i + 1) * page_size) of `tokens`; the first
-    `cached_len` tokens have KV in those pages. `cache_handle` is the locked tree node that
-    protects the prefix pages shared with the cache (None when nothing is locked).
+    `cached_len` tokens have KV in those pages, or will have once the steps already dispatched
+    complete. `pending` counts tokens sampled by dispatched steps whose values the host has not
+    read yet: they follow `output`, and the step that reads them appends them in order.
+    `cache_handle` is the locked tree node that protects the prefix pages shared with the cache
+    (None when nothing is locked).
     """
 
-    rid: int
+    request_id: str
     prompt: list[int]
     params: SamplingParams
     arrival_s: float
     output: list[int] = dataclasses.field(default_factory=list)
+    pending: int = 0
+    pending_row: int = -1  # the row of the newest pending token in its step's sampled tokens
     status: RequestStatus = RequestStatus.WAITING
     device_pages: list[int] = dataclasses.field(default_factory=list)
     cached_len: int = 0
@@ -60,36 +69,53 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt plus generated tokens: the sequence whose KV the request builds."""
+        """Prompt plus the generated tokens the host knows."""
         return self.prompt + self.output
 
     @property
-    def num_tokens(self) -> int:
-        """len(tokens), without building the list."""
+    def known_len(self) -> int:
+        """len(tokens): the tokens whose values the host knows."""
         return len(self.prompt) + len(self.output)
+
+    @property
+    def num_tokens(self) -> int:
+        """The sequence length once the pending tokens are known."""
+        return self.known_len + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output) + self.pending
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """tokens[start:end] without concatenating prompt and output (a decode step reads one
-        token of a sequence thousands long)."""
-        n = len(self.prompt)
+        token of a sequence thousands long); a pending token reads as 0 (see `Batch.patches`)."""
+        n, known = len(self.prompt), self.known_len
+        unknown = [0] * max(0, end - max(start, known))
+        end = min(end, known)
         if end <= n:
-            return self.prompt[start:end]
+            return self.prompt[start:end] + unknown
         if start >= n:
-            return self.output[start - n:end - n]
-        return self.prompt[start:] + self.output[:end - n]
+            return self.output[start - n:end - n] + unknown
+        return self.prompt[start:] + self.output[:end - n] + unknown
 
     @property
     def pending_len(self) -> int:
-        """Tokens of `tokens` not yet in the KV cache."""
+        """Tokens of the sequence not yet in the KV cache."""
         return self.num_tokens - self.cached_len
 
-    def to_output(self) -> RequestOutput:
-        assert self.first_token_s is not None and self.finish_reason is not None
+    def to_output(self, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
+            request_id=self.request_id,
             token_ids=list(self.output),
+            new_token_ids=new_token_ids,
+            finished=self.finished,
             prompt_len=len(self.prompt),
             device_hit_tokens=self.device_hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
-            ttft_s=self.first_token_s - self.arrival_s,
-            finish_reason=self.finish_reason.value,
+            ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            finish_reason=None if self.finish_reason is None else self.finish_reason.value,
         )

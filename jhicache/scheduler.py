@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from jhicache.batch import Batch, Chunk
 from jhicache.cache import LoadTicket, MatchResult, TieredCache
 from jhicache.config import CacheMode, EngineConfig
@@ -41,17 +43,39 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch | None:
-        """The next batch: prefill work first (it unblocks TTFT), otherwise one decode step."""
-        self.cache.poll()
-        batch = self._prefill_batch() or self._decode_batch()
-        # Every queued transfer starts now, before the forward: a load-back is never left queued.
-        self.cache.launch()
-        if batch is None and self.running:
-            # Nothing could run (prefills without pages, or decoders that retracted themselves):
-            # free the newest running request's pages so the others can move.
-            self.retract(self.running[-1])
+    def schedule(self, may_retract: bool = True) -> Batch | None:
+        """The next batch: prefill work first (it unblocks TTFT), otherwise one decode step.
+
+        The batch's effects are recorded at once, before it runs: its requests' `cached_len`
+        advances and each sampling chunk adds a pending token, so the next batch can be planned
+        while this one is still on the device (overlap scheduling). Without `may_retract` (a
+        step in flight will free pages when it ends), a request short of pages waits instead of
+        another being retracted."""
+        batch = self._prefill_batch() or self._decode_batch(may_retract)
+        if batch is None:
+            blocked = [r for r in self.running if not self._last_token_dispatched(r)]
+            if blocked and may_retract:
+                # Nothing could run (prefills without pages, or decoders that retracted
+                # themselves): free the newest running request's pages so the others can move.
+                self.retract(blocked[-1])
+            return None
+        for chunk in batch.chunks:
+            req = chunk.request
+            req.cached_len = chunk.start + chunk.length
+            if chunk.samples:
+                req.pending += 1
+                req.status = RequestStatus.DECODING
         return batch
+
+    @staticmethod
+    def _last_token_dispatched(req: Request) -> bool:
+        """True when `req`'s last token is being sampled: it finishes once that step ends."""
+        return req.num_generated >= req.params.max_new_tokens
+
+    def _chunk(self, req: Request, length: int) -> Chunk:
+        start = req.cached_len
+        samples = start + length == req.num_tokens
+        return Chunk(req, start, length, req.num_generated if samples else None)
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -67,6 +91,8 @@ class Scheduler:
                 budget -= chunk.length
         tickets: list[LoadTicket] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            if self.waiting[0].pending:  # retracted while its last token was in flight
+                break
             admitted = self._admit(self.waiting[0], budget, tickets)
             if admitted is None:
                 break
@@ -83,7 +109,7 @@ class Scheduler:
         if pages is None:
             return None
         req.device_pages.extend(pages)
-        return Chunk(req, req.cached_len, length)
+        return self._chunk(req, length)
 
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
@@ -140,41 +166,49 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------
 
-    def _decode_batch(self) -> Batch | None:
-        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+    def _decode_batch(self, may_retract: bool) -> Batch | None:
+        decoding = [r for r in self.running
+                    if r.status is RequestStatus.DECODING and not self._last_token_dispatched(r)]
         chunks = []
         while decoding:
             req = decoding.pop(0)
-            if self._reserve_decode_slot(req, decoding):
-                chunks.append(Chunk(req, req.cached_len, 1))
+            if self._reserve_decode_slot(req, decoding, may_retract):
+                chunks.append(self._chunk(req, 1))
         return Batch(chunks=chunks, is_decode=True) if chunks else None
 
-    def _reserve_decode_slot(self, req: Request, others: list[Request]) -> bool:
+    def _reserve_decode_slot(self, req: Request, others: list[Request], may_retract: bool) -> bool:
         """Gives `req` a page for its next token, retracting the newest decoding requests not yet
-        given one this step (`others`), then `req` itself, if the pool has none left."""
+        given one this step (`others`), then `req` itself, if the pool has none left (or, without
+        `may_retract`, leaving `req` out of this step)."""
         while len(req.device_pages) * self.page_size <= req.cached_len:
             pages = self.cache.alloc_device(1)
             if pages is not None:
                 req.device_pages.extend(pages)
                 return True
+            if not may_retract:
+                return False
             victim = others.pop() if others else req
             self.retract(victim)
             if victim is req:
                 return False
         return True
 
-    def abort(self, req: Request) -> bool:
-        """Drops `req` wherever it is (waiting or running), freeing what it holds; False if it
-        was not queued here (finished, or never added)."""
+    def abort(self, req: Request, keep_computed: bool = True) -> bool:
+        """Drops `req` wherever it is (waiting, loading, prefilling, decoding). With
+        `keep_computed`, its full pages of known tokens go to the cache (their KV is computed, or
+        will be by steps already dispatched, which run before any later reader); the rest are
+        freed. False if it was not queued here (finished, or never added)."""
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.running:
             self.running.remove(req)
-            self._release(req)
+            if keep_computed and self.reuse:
+                self._settle(req, min(req.cached_len, req.known_len))
+            else:
+                self._release(req)
         else:
             return False
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = FinishReason.ABORT
+        self._end(req, FinishReason.ABORT)
         return True
 
     def retract(self, req: Request) -> None:
@@ -195,47 +229,56 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
 
-    def commit(self, batch: Batch, sampled: dict[int, int], now: float) -> list[Request]:
-        """Records computed tokens and samples; returns the requests that finished."""
-        finished = []
-        for chunk in batch.chunks:
+    def commit(self, batch: Batch, sampled: np.ndarray, now: float) -> list[Request]:
+        """Appends each sampling chunk's token (`sampled[row]`) to its request and finishes the
+        requests that reached a stop token or their length; returns the requests that gained a
+        token. A request that finished or was aborted since the batch was planned gains none:
+        what was computed for it beyond that point is dropped."""
+        gained = []
+        for row, chunk in enumerate(batch.chunks):
             req = chunk.request
-            req.cached_len = chunk.start + chunk.length
-            if not chunk.samples:
+            if not chunk.samples or req.finished:
                 continue
-            req.status = RequestStatus.DECODING
-            req.output.append(sampled[req.rid])
+            assert chunk.sample_index == len(req.output), "steps commit in order"
+            req.output.append(int(sampled[row]))
+            req.pending -= 1
             if req.first_token_s is None:
                 req.first_token_s = now
-            if self._check_finished(req):
-                finished.append(req)
-        return finished
+            gained.append(req)
+            if req.output[-1] in req.params.stop_token_ids:
+                self._finish(req, FinishReason.STOP)
+            elif len(req.output) >= req.params.max_new_tokens:
+                self._finish(req, FinishReason.LENGTH)
+        return gained
 
-    def _check_finished(self, req: Request) -> bool:
-        if req.output[-1] in req.params.stop_token_ids:
-            req.finish_reason = FinishReason.STOP
-        elif len(req.output) >= req.params.max_new_tokens:
-            req.finish_reason = FinishReason.LENGTH
-        else:
-            return False
-        self._finish(req)
-        return True
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Hands the request's computed full pages to the cache and frees the rest. Only the KV
+        of tokens before the last is kept: a later step may have computed the last token's, but
+        the cache then holds the same pages whether or not steps overlap."""
+        if req in self.running:
+            self.running.remove(req)
+            if self.reuse:
+                self._settle(req, min(req.cached_len, req.known_len - 1))
+            else:
+                self._release(req)
+        elif req in self.waiting:  # retracted while its last token was in flight: holds nothing
+            self.waiting.remove(req)
+        self._end(req, reason)
 
-    def _finish(self, req: Request) -> None:
-        """Hands the request's computed full pages to the cache and frees the rest."""
-        self.running.remove(req)
-        req.status = RequestStatus.FINISHED
-        if not self.reuse:
-            self._release(req)
-            return
-        full_pages = req.cached_len // self.page_size
-        aligned = full_pages * self.page_size
-        known = self.cache.insert(req.tokens[:aligned], req.device_pages[:full_pages])
+    def _settle(self, req: Request, kv_len: int) -> None:
+        """Inserts the full pages of `req`'s first `kv_len` tokens into the cache, frees the
+        rest and unlocks its prefix."""
+        full_pages = kv_len // self.page_size
+        known = self.cache.insert(req.tokens[: full_pages * self.page_size], req.device_pages[:full_pages])
         shared_pages = req.shared_len // self.page_size
-        duplicates = req.device_pages[shared_pages: known // self.page_size]
-        self.cache.free_device(duplicates + req.device_pages[full_pages:])
+        duplicates = req.device_pages[shared_pages: max(shared_pages, known // self.page_size)]
+        self.cache.free_device(duplicates + req.device_pages[max(full_pages, shared_pages):])
         self.cache.unlock(req.cache_handle)
         req.device_pages, req.cache_handle = [], None
+
+    @staticmethod
+    def _end(req: Request, reason: FinishReason) -> None:
+        req.status, req.finish_reason, req.pending = RequestStatus.FINISHED, reason, 0
 
     def owned_device_pages(self) -> list[int]:
         """Private pages held by running requests, for the cache's page accounting."""

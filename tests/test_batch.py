@@ -53,7 +53,7 @@ def test_put_int32_keeps_names_shapes_and_values() -> None:
 
 
 def test_token_slice_equals_slicing_tokens() -> None:
-    req = Request(rid=1, prompt=list(range(10)), params=SamplingParams(), arrival_s=0.0, output=[50, 51, 52])
+    req = Request(request_id="a", prompt=list(range(10)), params=SamplingParams(), arrival_s=0.0, output=[50, 51, 52])
     for start in range(req.num_tokens + 1):
         for end in range(start, req.num_tokens + 1):
             assert req.token_slice(start, end) == req.tokens[start:end]
@@ -61,9 +61,10 @@ def test_token_slice_equals_slicing_tokens() -> None:
 
 
 def test_model_inputs_of_a_mixed_prefill() -> None:
-    a = Request(rid=1, prompt=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0, device_pages=[3, 4])
-    b = Request(rid=2, prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3], device_pages=[9])
-    tokens, meta, last_index = model_inputs(Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), page_size=4)
+    a = Request(request_id="a", prompt=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0, device_pages=[3, 4])
+    b = Request(request_id="b", prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3], device_pages=[9])
+    tokens, meta, last_index, patches = model_inputs(Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), page_size=4)
+    assert patches is None
     np.testing.assert_array_equal(np.asarray(tokens), [6, 7, 8, 9, 3] + [0] * 11)
     np.testing.assert_array_equal(np.asarray(last_index), [3, 4])
     np.testing.assert_array_equal(np.asarray(meta.positions)[:5], [1, 2, 3, 4, 2])

@@ -1,0 +1,215 @@
+"""The online engine: add_request / step / abort, overlap scheduling against the lock-step loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from jhicache import Engine, RequestOutput, SamplingParams
+from jhicache.request import RequestStatus
+from jhicache.workload import MultiTurnChats, MultiTurnSpec
+from tests.test_engine import SPEC, assert_idle_and_consistent, make_engine, reference_histories
+
+GREEDY = SamplingParams(max_new_tokens=5)
+
+
+def settle(engine: Engine) -> list[RequestOutput]:
+    """Steps until every request finished, then twice more: the step still in flight ends, and a
+    step with nothing to run waits for the copies."""
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    engine.step()
+    engine.step()
+    return outputs
+
+
+def run_chats_sampled(engine: Engine, spec: MultiTurnSpec) -> list[list[int]]:
+    """Multi-turn chats where each client samples with its own seed (and a stop token)."""
+    chats = MultiTurnChats(spec)
+    for r in range(spec.num_rounds):
+        params = [SamplingParams(max_new_tokens=spec.output_length + 3, temperature=1.0, top_k=50,
+                                 top_p=0.9, seed=1000 * r + c, stop_token_ids=[7, 11, 13])
+                  for c in range(spec.num_clients)]
+        outputs = engine.generate(chats.prompts(), params)
+        chats.extend([o.token_ids for o in outputs])
+    return chats.histories
+
+
+# ---- overlap on and off ------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mode,policy", [("off", "write_back"), ("device", "write_back"),
+                                         ("hierarchical", "write_back"),
+                                         ("hierarchical", "write_through_selective")])
+def test_lock_step_loop_matches_the_overlapped_reference(mode: str, policy: str, page_size: int) -> None:
+    """reference_histories() run with overlap on (the default); the lock-step loop agrees."""
+    from tests.test_engine import run_chats
+
+    engine = make_engine(cache_mode=mode, write_policy=policy, page_size=page_size, overlap_schedule=False)
+    assert run_chats(engine) == reference_histories()
+    if mode == "hierarchical":
+        stats = engine.stats()
+        assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("mode", ["off", "device", "hierarchical"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_seeded_sampling_with_stops_is_identical_with_overlap_on_and_off(mode: str, page_size: int) -> None:
+    spec = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=60, output_length=6, vocab_size=512, seed=5)
+    runs = [run_chats_sampled(make_engine(cache_mode=mode, page_size=page_size, overlap_schedule=overlap), spec)
+            for overlap in (False, True)]
+    assert runs[0] == runs[1]
+
+
+def test_stop_token_ends_output_under_overlap_and_frees_what_was_computed_beyond() -> None:
+    reference = make_engine(overlap_schedule=False).generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=8))[0]
+    stop = reference.token_ids[2]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=[stop])
+    for overlap in (False, True):
+        engine = make_engine(overlap_schedule=overlap)
+        out = engine.generate([[3, 1, 4, 1, 5], list(range(40, 90))], params)[0]
+        assert out.token_ids == reference.token_ids[: reference.token_ids.index(stop) + 1]
+        assert out.finish_reason == "stop"
+        assert_idle_and_consistent(engine)
+
+
+# ---- add_request / step ------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_streams_what_generate_returns(overlap: bool) -> None:
+    prompts = [[(3 * i + j) % 500 for j in range(20 + 7 * i)] for i in range(4)]
+    params = [SamplingParams(max_new_tokens=3 + i) for i in range(4)]
+    expected = make_engine().generate(prompts, params)
+    engine = make_engine(overlap_schedule=overlap)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    assert len(set(ids)) == 4 and engine.has_unfinished()
+    streamed: dict[str, list[int]] = {i: [] for i in ids}
+    finals: dict[str, RequestOutput] = {}
+    for out in settle(engine):
+        streamed[out.request_id] += out.new_token_ids
+        assert out.token_ids == streamed[out.request_id]
+        assert out.finished == (out.finish_reason is not None)
+        if out.finished:
+            finals[out.request_id] = out
+    assert [finals[i].token_ids for i in ids] == [e.token_ids for e in expected]
+    assert all(finals[i].finish_reason == "length" and finals[i].ttft_s > 0 for i in ids)
+    assert_idle_and_consistent(engine)
+
+
+def test_request_ids_are_the_callers_and_unique() -> None:
+    engine = make_engine()
+    assert engine.add_request([1, 2, 3], GREEDY, request_id="chat-1") == "chat-1"
+    with pytest.raises(ValueError, match="already queued"):
+        engine.add_request([4, 5, 6], GREEDY, request_id="chat-1")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request([4, 5, 6], GREEDY, request_id=7)
+    outs = settle(engine)
+    assert {o.request_id for o in outs} == {"chat-1"}
+    assert engine.add_request([4, 5, 6], GREEDY, request_id="chat-1") == "chat-1"  # finished: free again
+    settle(engine)
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([1, 2, 3], SamplingParams(stop_token_ids=[512]), "stop_token_ids"),
+    ([], GREEDY, "empty"),
+    ([[1, 2, 3]], GREEDY, "flat list of integer token ids"),
+    ("abc", GREEDY, "string"),
+    ([1, 512], GREEDY, "out of range"),
+    ([1] * 400, GREEDY, "device pool"),
+    ([1, 2], {"max_new_tokens": 2}, "SamplingParams"),
+])
+def test_add_request_refuses_what_generate_refuses(prompt, params, message: str) -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([prompt], params)
+    assert not engine.has_unfinished()
+    assert engine.generate([[1, 2, 3]], GREEDY)[0].token_ids == make_engine().generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+# ---- abort -------------------------------------------------------------------------------
+
+def _step_until(engine: Engine, request_id: str, condition) -> None:
+    req = engine._requests[request_id]
+    for _ in range(200):
+        if condition(req):
+            return
+        engine.step()
+    raise AssertionError("condition never held")
+
+
+def _host_hit_engine(overlap: bool) -> tuple[Engine, list[int]]:
+    """An engine whose 64-token prefix lives only on host."""
+    engine = make_engine(page_size=16, device_kv_tokens=128, host_kv_tokens=1024, overlap_schedule=overlap)
+    prefix = list(range(100, 164))
+    engine.generate([prefix], SamplingParams(max_new_tokens=1))
+    engine.generate([list(range(200, 290))], SamplingParams(max_new_tokens=1))  # pushes the prefix out
+    assert engine.stats()["evicted_device_tokens"] >= 48
+    return engine, prefix
+
+
+STAGES = ["waiting", "loading", "prefilling", "decoding"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("stage", STAGES)
+def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str, overlap: bool) -> None:
+    if stage == "loading":
+        engine, prefix = _host_hit_engine(overlap)
+        rid = engine.add_request(prefix + [1, 2, 3], SamplingParams(max_new_tokens=20))
+        engine.step()  # admitted: its load-back launched with this step
+        assert engine.stats()["load_back_ops"] >= 1
+    else:
+        engine = make_engine(chunked_prefill_tokens=32, overlap_schedule=overlap)
+        rid = engine.add_request(list(range(10, 110)), SamplingParams(max_new_tokens=20))
+        if stage == "prefilling":
+            _step_until(engine, rid, lambda r: r.status is RequestStatus.PREFILLING and r.cached_len > 0)
+        elif stage == "decoding":
+            _step_until(engine, rid, lambda r: len(r.output) >= 2)
+    other = engine.add_request([7, 8, 9, 10], GREEDY)
+    engine.check_invariants()
+    assert engine.abort(rid) is True
+    engine.check_invariants()
+    assert engine.abort(rid) is False  # already gone
+    outs = {o.request_id: o for o in settle(engine) if o.finished}
+    assert rid not in outs and outs[other].token_ids == make_engine().generate([[7, 8, 9, 10]], GREEDY)[0].token_ids
+    assert_idle_and_consistent(engine)
+    after = engine.generate([list(range(10, 60))], GREEDY)[0]
+    assert after.token_ids == make_engine().generate([list(range(10, 60))], GREEDY)[0].token_ids
+    assert_idle_and_consistent(engine)
+
+
+def test_abort_of_unknown_or_finished_ids_says_so() -> None:
+    engine = make_engine()
+    assert engine.abort("nope") is False
+    rid = engine.add_request([1, 2, 3], GREEDY)
+    settle(engine)
+    assert engine.abort(rid) is False
+
+
+def test_aborted_decode_keeps_its_computed_pages_in_the_cache() -> None:
+    engine = make_engine()
+    prompt = list(range(10, 60))  # 50 tokens: three full pages of 16
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=30))
+    _step_until(engine, rid, lambda r: len(r.output) >= 3)
+    engine.abort(rid)
+    settle(engine)
+    again = engine.generate([prompt + [1]], GREEDY)[0]
+    assert again.device_hit_tokens == 48
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_feeds_decode_tokens_from_the_device(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlap on, decode steps are planned before the previous step's tokens are read:
+    their input tokens come from its sampled array on the device."""
+    import jhicache.engine as engine_module
+
+    calls = []
+    patch = engine_module.patch_tokens
+    monkeypatch.setattr(engine_module, "patch_tokens", lambda *a: calls.append(1) or patch(*a))
+    engine = make_engine(overlap_schedule=overlap)
+    engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=6))
+    assert (len(calls) > 0) == overlap
