@@ -217,9 +217,9 @@ def bench_model(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     vocab = engine.model_config.vocab_size
     engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
-    before = engine.stats()
+    before = engine.stats().as_dict()
     engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
-    after = engine.stats()
+    after = engine.stats().as_dict()
     delta = {k: after[k] - before[k] for k in ("computed_prompt_tokens", "prefill_forward_s",
                                                "decode_tokens", "decode_forward_s")}
     return {
@@ -263,7 +263,7 @@ def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
             progress.update(1)
         elapsed = time.perf_counter() - start
     engine.check_invariants()
-    stats = engine.stats()
+    stats = engine.stats().as_dict()
     return {"rounds": rounds, "elapsed_s": elapsed, "stats": stats,
             "throughput_tokens_per_s": sum(r["prompt_tokens"] + r["output_tokens"] for r in rounds) / elapsed,
             "device_kv_tokens": device_tokens, **load_summary(stats)}
@@ -323,7 +323,7 @@ def push_to_host(engine: Engine) -> None:
 
 def stats_delta(engine: Engine, before: dict, keys: tuple[str, ...]) -> dict:
     """How much each of `keys` in engine.stats() grew since `before`, as `engine_<key>`."""
-    after = engine.stats()
+    after = engine.stats().as_dict()
     return {f"engine_{k}": after[k] - before[k] for k in keys}
 
 
@@ -348,7 +348,7 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     turns = random_prompts(rng, vocab, 4, args.host_hit_turn)
     none_s, _ = ttft_of(engine, prefix + turns[0])  # nothing cached: computes the whole prompt
     push_to_host(engine)
-    before = engine.stats()
+    before = engine.stats().as_dict()
     host_s, host_out = ttft_of(engine, prefix + turns[1])  # prefix only on host: load-back
     measured = stats_delta(engine, before, ("load_back_s", "load_exposed_s", "load_wait_s"))
     device_s, _ = ttft_of(engine, prefix + turns[2])  # prefix now on device

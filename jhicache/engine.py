@@ -22,7 +22,7 @@ from jhicache.request import Request, RequestOutput
 from jhicache.load_timing import LoadTimeline
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
-from jhicache.stats import EngineStats
+from jhicache.stats import EngineStats, StepCounters
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
 
@@ -50,7 +50,7 @@ class Engine:
 
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool)
-        self.counters = EngineStats()
+        self.counters = StepCounters()
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
         self._idle_steps = 0
@@ -140,10 +140,10 @@ class Engine:
                 raise
             return [req.to_output(list(req.output)) for req in requests]
 
-    def stats(self) -> dict[str, float]:
-        """Cumulative counters: cache hits, transfers, evictions, and load time hidden vs exposed."""
+    def stats(self) -> EngineStats:
+        """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
         with self._lock:
-            return {**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats()}
+            return EngineStats(**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats())
 
     def check_invariants(self) -> None:
         """Raises `InvariantError` on any page-accounting error in either tier."""

@@ -1,4 +1,5 @@
-"""EngineStats: cumulative step counters of the engine (tokens computed, steps, forward time)."""
+"""Engine statistics: the step counters the engine keeps, and EngineStats, the typed snapshot
+that `Engine.stats()` returns (engine, scheduler and cache counters in one record)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from jhicache.request import Request
 
 
 @dataclasses.dataclass
-class EngineStats:
-    """Counters the engine adds to after every step; cache and scheduler counters live with them."""
+class StepCounters:
+    """Counters the engine adds to after every step. `*_forward_s` run from a step's dispatch
+    to its tokens being read on the host; with overlap scheduling consecutive steps overlap."""
 
     computed_prompt_tokens: int = 0
     decode_tokens: int = 0
@@ -45,6 +47,60 @@ class EngineStats:
 
     def record_finished(self, finished: list[Request]) -> None:
         self.finished_requests += len(finished)
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Every counter of an engine, cumulative since it was built, at one moment. Built from the
+    step counters, the scheduler's and the cache's by keyword, so a name two of them used would
+    raise rather than one silently hiding the other."""
+
+    # work done: tokens and steps, host seconds per kind of step (see StepCounters)
+    computed_prompt_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    layered_steps: int = 0  # steps run layer group by layer group around a load-back
+    finished_requests: int = 0
+    prefill_forward_s: float = 0.0
+    decode_forward_s: float = 0.0
+    layered_forward_s: float = 0.0
+    load_wait_s: float = 0.0
+    load_back_s: float = 0.0
+    load_exposed_s: float = 0.0
+    # scheduler: prompt tokens served by each tier, requests retracted under page pressure
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    retracted_requests: int = 0
+    # transfers between the tiers (bytes: pages moved; moved_bytes: with padding)
+    write_back_ops: int = 0
+    write_back_bytes: int = 0
+    write_back_s: float = 0.0  # launch to first seen done, summed (a lower bound on copy speed)
+    load_back_ops: int = 0
+    load_back_bytes: int = 0
+    load_back_moved_bytes: int = 0
+    # evictions and what they cost
+    evicted_device_tokens: int = 0
+    evicted_host_tokens: int = 0
+    dropped_nodes: int = 0
+    dropped_tokens: int = 0
+    # refusals
+    write_through_failures: int = 0
+    load_back_skipped: int = 0
+    load_back_over_quota: int = 0
+    load_back_failures: int = 0
+    load_back_stale: int = 0
+    alloc_failures: int = 0
+    # occupancy now
+    device_free_pages: int = 0
+    evictable_tokens: int = 0
+    protected_tokens: int = 0
+    host_free_pages: int = 0
+    loads_in_flight: int = 0
+    host_segments: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)

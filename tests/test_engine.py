@@ -45,18 +45,18 @@ def reference_histories() -> list[list[int]]:
 def assert_idle_and_consistent(engine: Engine) -> None:
     engine.check_invariants()
     stats = engine.stats()
-    assert stats["protected_tokens"] == 0 and stats["loads_in_flight"] == 0
+    assert stats.protected_tokens == 0 and stats.loads_in_flight == 0
     capacity = engine.device_pool.layout.num_pages - 1
-    assert stats["device_free_pages"] + stats["evictable_tokens"] // engine.config.page_size == capacity
+    assert stats.device_free_pages + stats.evictable_tokens // engine.config.page_size == capacity
 
 
 def assert_matches_no_cache_with_transfers(engine: Engine) -> None:
     """Greedy histories equal cache-off ones, and eviction, write-back and load-back all happened."""
     assert run_chats(engine) == reference_histories()
     stats = engine.stats()
-    assert stats["evicted_device_tokens"] > 0
-    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0 and stats["host_hit_tokens"] > 0
-    assert stats["write_back_s"] > 0  # write-backs timed while forwards ran
+    assert stats.evicted_device_tokens > 0
+    assert stats.write_back_ops > 0 and stats.load_back_ops > 0 and stats.host_hit_tokens > 0
+    assert stats.write_back_s > 0  # write-backs timed while forwards ran
     assert_idle_and_consistent(engine)
 
 
@@ -73,9 +73,9 @@ def test_segments_transfer_path_matches_no_cache(page_size: int, policy: str) ->
     engine = make_engine(page_size=page_size, write_policy=policy, transfer_path="segments")
     assert_matches_no_cache_with_transfers(engine)
     stats = engine.stats()
-    assert stats["host_segments"] > 0
-    assert stats["layered_steps"] > 0 and 0 <= stats["load_exposed_s"] <= stats["load_back_s"]
-    assert stats["load_back_s"] > 0  # every layer-split step timed its loads' copies
+    assert stats.host_segments > 0
+    assert stats.layered_steps > 0 and 0 <= stats.load_exposed_s <= stats.load_back_s
+    assert stats.load_back_s > 0  # every layer-split step timed its loads' copies
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -83,8 +83,8 @@ def test_device_cache_matches_no_cache(page_size: int) -> None:
     engine = make_engine(page_size=page_size, cache_mode="device")
     assert run_chats(engine) == reference_histories()
     stats = engine.stats()
-    assert stats["device_hit_tokens"] > 0 and stats["evicted_device_tokens"] > 0
-    assert stats["host_hit_tokens"] == 0 and stats["write_back_ops"] == 0
+    assert stats.device_hit_tokens > 0 and stats.evicted_device_tokens > 0
+    assert stats.host_hit_tokens == 0 and stats.write_back_ops == 0
     assert_idle_and_consistent(engine)
 
 
@@ -99,7 +99,7 @@ def test_decode_pressure_retracts_and_requeues() -> None:
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=30))
     alone = [make_engine(device_kv_tokens=96).generate([p], SamplingParams(max_new_tokens=30))[0] for p in prompts]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
-    assert engine.stats()["retracted_requests"] > 0
+    assert engine.stats().retracted_requests > 0
     assert_idle_and_consistent(engine)
 
 
@@ -160,7 +160,7 @@ def test_gpu_bfloat16_engine_serves_with_all_transfers(path: str) -> None:
     histories = run_chats(engine)
     assert all(len(h) == SPEC.final_context_tokens for h in histories)
     stats = engine.stats()
-    assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0
+    assert stats.write_back_ops > 0 and stats.load_back_ops > 0
     assert_idle_and_consistent(engine)
 
 
@@ -178,7 +178,7 @@ def test_hierarchical_serves_every_reusable_page_under_pressure() -> None:
         reusable = [max(n - 1, 0) // page * page for n in previous]
         assert [o.device_hit_tokens + o.host_hit_tokens for o in outputs] == reusable, round_index
     stats = engine.stats()
-    assert stats["host_hit_tokens"] > 0 and stats["load_back_over_quota"] == 0
+    assert stats.host_hit_tokens > 0 and stats.load_back_over_quota == 0
 
 
 def test_slow_write_back_copies_do_not_stall_admission(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,7 +221,7 @@ def test_load_back_never_strands_its_own_first_chunk() -> None:
         engine.generate([prompt], SamplingParams(max_new_tokens=1))
     outs = engine.generate([list(range(200, 212)), x + y + list(range(60, 82))], SamplingParams(max_new_tokens=1))
     assert (outs[1].device_hit_tokens, outs[1].host_hit_tokens) == (16, 16)
-    assert engine.stats()["load_back_ops"] == 1
+    assert engine.stats().load_back_ops == 1
     assert_idle_and_consistent(engine)
 
 

@@ -157,7 +157,7 @@ def test_a_failed_call_drops_its_requests_and_keeps_the_cache(where: str, error:
     assert_serves_with_cache_intact(engine)
     # Only the new call's tokens were computed: nothing of the failed call was left to finish.
     after = engine.stats()
-    assert after["decode_tokens"] - before["decode_tokens"] == GREEDY.max_new_tokens - 1
+    assert after.decode_tokens - before.decode_tokens == GREEDY.max_new_tokens - 1
 
 
 def test_threads_share_one_engine_one_call_at_a_time() -> None:

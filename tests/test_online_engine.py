@@ -49,7 +49,7 @@ def test_lock_step_loop_matches_the_overlapped_reference(mode: str, policy: str,
     assert run_chats(engine) == reference_histories()
     if mode == "hierarchical":
         stats = engine.stats()
-        assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0
+        assert stats.write_back_ops > 0 and stats.load_back_ops > 0
     assert_idle_and_consistent(engine)
 
 
@@ -146,7 +146,7 @@ def _host_hit_engine(overlap: bool) -> tuple[Engine, list[int]]:
     prefix = list(range(100, 164))
     engine.generate([prefix], SamplingParams(max_new_tokens=1))
     engine.generate([list(range(200, 290))], SamplingParams(max_new_tokens=1))  # pushes the prefix out
-    assert engine.stats()["evicted_device_tokens"] >= 48
+    assert engine.stats().evicted_device_tokens >= 48
     return engine, prefix
 
 
@@ -160,7 +160,7 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
         engine, prefix = _host_hit_engine(overlap)
         rid = engine.add_request(prefix + [1, 2, 3], SamplingParams(max_new_tokens=20))
         engine.step()  # admitted: its load-back launched with this step
-        assert engine.stats()["load_back_ops"] >= 1
+        assert engine.stats().load_back_ops >= 1
     else:
         engine = make_engine(chunked_prefill_tokens=32, overlap_schedule=overlap)
         rid = engine.add_request(list(range(10, 110)), SamplingParams(max_new_tokens=20))
