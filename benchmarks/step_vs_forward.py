@@ -1,0 +1,92 @@
+"""How much of an engine step is GPU time? An engine step, timed end to end, against the same
+step's jitted programs dispatched back to back on the same inputs (the host hidden behind them).
+
+    PYTHONPATH=. python3 benchmarks/step_vs_forward.py --preset qwen2-7b [--out FILE.json]
+
+Rows, each with overlap scheduling on and off:
+- decode: 8 requests of 512 prompt tokens decoding (context ~550 tokens); engine time per step.
+- device hit: a 64-token turn over an 8192-token (--prefix) prefix cached on device; engine TTFT (median).
+"Forward alone" reaches into the engine (scheduler, runner, model_inputs): a measurement, not
+an API. It runs the model programs only; the engine step also samples and reads the tokens back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jhicache import Engine, EngineConfig, SamplingParams
+from jhicache.batch import model_inputs
+
+
+def forward_alone_ms(engine: Engine, n: int) -> float:
+    """Plans one more batch and dispatches its forward `n` times back to back."""
+    batch = engine.scheduler.schedule()
+    assert batch is not None
+    inputs = model_inputs(batch, engine.config.page_size)
+    run = lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index, ()).logits  # noqa: E731
+    jax.block_until_ready(run())
+    start = time.perf_counter()
+    out = [run() for _ in range(n)]
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def decode_row(preset: str, overlap: bool, batch: int, rng: np.random.Generator) -> dict:
+    engine = Engine.from_preset(preset, EngineConfig(cache_mode="device", device_kv_tokens=65536,
+                                                     page_size=64, overlap_schedule=overlap))
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, 512).tolist(), SamplingParams(max_new_tokens=400))
+    for _ in range(40):  # prefill, compiles, and decode to ~550 tokens of context
+        engine.step()
+    n = 50
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / n * 1e3
+    return {"engine_step_ms": step_ms, "forward_alone_ms": forward_alone_ms(engine, n)}
+
+
+def device_hit_row(preset: str, overlap: bool, prefix_len: int, rng: np.random.Generator) -> dict:
+    engine = Engine.from_preset(preset, EngineConfig(cache_mode="device", device_kv_tokens=65536,
+                                                     page_size=64, overlap_schedule=overlap))
+    vocab = engine.model_config.vocab_size
+    prefix = rng.integers(0, vocab, prefix_len).tolist()
+    turn = lambda: prefix + rng.integers(0, vocab, 64).tolist()  # noqa: E731
+    engine.generate([turn()], SamplingParams(max_new_tokens=1))
+    ttfts = [engine.generate([turn()], SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3 for _ in range(8)]
+    engine.add_request(turn(), SamplingParams(max_new_tokens=1))
+    return {"engine_ttft_ms": statistics.median(ttfts[1:]), "forward_alone_ms": forward_alone_ms(engine, 10)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen2-7b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prefix", type=int, default=8192, help="device-hit prefix tokens")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    result: dict = {"preset": args.preset, "device": jax.devices()[0].device_kind}
+    for overlap in (True, False):
+        key = "overlap" if overlap else "lock_step"
+        result[key] = {"decode": decode_row(args.preset, overlap, args.batch, rng),
+                       "device_hit": device_hit_row(args.preset, overlap, args.prefix, rng)}
+        d, h = result[key]["decode"], result[key]["device_hit"]
+        print(f"{args.preset} {key}: decode batch {args.batch} step {d['engine_step_ms']:.2f} ms vs "
+              f"forward alone {d['forward_alone_ms']:.2f} ms ({d['engine_step_ms'] / d['forward_alone_ms']:.2f}x); "
+              f"device hit {args.prefix}+64 TTFT {h['engine_ttft_ms']:.2f} ms vs forward alone "
+              f"{h['forward_alone_ms']:.2f} ms ({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
