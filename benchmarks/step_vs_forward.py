@@ -61,8 +61,31 @@ def device_hit_row(preset: str, overlap: bool, prefix_len: int, rng: np.random.G
     turn = lambda: prefix + rng.integers(0, vocab, 64).tolist()  # noqa: E731
     engine.generate([turn()], SamplingParams(max_new_tokens=1))
     ttfts = [engine.generate([turn()], SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3 for _ in range(8)]
+    phases = [ttft_phases_ms(engine, turn()) for _ in range(5)]
     engine.add_request(turn(), SamplingParams(max_new_tokens=1))
-    return {"engine_ttft_ms": statistics.median(ttfts[1:]), "forward_alone_ms": forward_alone_ms(engine, 10)}
+    return {"engine_ttft_ms": statistics.median(ttfts[1:]), "forward_alone_ms": forward_alone_ms(engine, 10),
+            "host_phases_ms": {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}}
+
+
+def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
+    """One device-hit request's first step by hand, as Engine._step runs it, timed per phase."""
+    marks = [time.perf_counter()]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+    marks.append(time.perf_counter())
+    batch = engine.scheduler.schedule()
+    engine.cache.launch()
+    marks.append(time.perf_counter())
+    inputs = model_inputs(batch, engine.config.page_size)
+    marks.append(time.perf_counter())
+    logits = engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index, batch.tickets).logits
+    marks.append(time.perf_counter())
+    sampled = engine._sample(logits, batch.chunks)
+    marks.append(time.perf_counter())
+    np.asarray(sampled)
+    marks.append(time.perf_counter())
+    engine.abort(rid)
+    names = ("submit", "schedule", "model_inputs", "forward_dispatch", "sample_dispatch", "device_wait")
+    return {name: (b - a) * 1e3 for name, a, b in zip(names, marks, marks[1:])}
 
 
 def main() -> None:
@@ -70,19 +93,24 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2-7b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prefix", type=int, default=8192, help="device-hit prefix tokens")
+    p.add_argument("--no-decode", action="store_true", help="only the device-hit rows")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rng = np.random.default_rng(0)
     result: dict = {"preset": args.preset, "device": jax.devices()[0].device_kind}
     for overlap in (True, False):
         key = "overlap" if overlap else "lock_step"
-        result[key] = {"decode": decode_row(args.preset, overlap, args.batch, rng),
-                       "device_hit": device_hit_row(args.preset, overlap, args.prefix, rng)}
-        d, h = result[key]["decode"], result[key]["device_hit"]
-        print(f"{args.preset} {key}: decode batch {args.batch} step {d['engine_step_ms']:.2f} ms vs "
-              f"forward alone {d['forward_alone_ms']:.2f} ms ({d['engine_step_ms'] / d['forward_alone_ms']:.2f}x); "
-              f"device hit {args.prefix}+64 TTFT {h['engine_ttft_ms']:.2f} ms vs forward alone "
+        result[key] = {"device_hit": device_hit_row(args.preset, overlap, args.prefix, rng)}
+        if not args.no_decode:
+            d = result[key]["decode"] = decode_row(args.preset, overlap, args.batch, rng)
+            print(f"{args.preset} {key}: decode batch {args.batch} step {d['engine_step_ms']:.2f} ms vs "
+                  f"forward alone {d['forward_alone_ms']:.2f} ms "
+                  f"({d['engine_step_ms'] / d['forward_alone_ms']:.2f}x)", flush=True)
+        h = result[key]["device_hit"]
+        print(f"{args.preset} {key}: device hit {args.prefix}+64 TTFT {h['engine_ttft_ms']:.2f} ms vs forward alone "
               f"{h['forward_alone_ms']:.2f} ms ({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
+        print("  device-hit first step by phase (ms, median): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in h["host_phases_ms"].items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
