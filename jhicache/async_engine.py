@@ -177,7 +177,8 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request submitted here; its stream then ends with a finished output whose
-        `finish_reason` is "abort". False if unknown, already finished, or the loop stopped."""
+        `finish_reason` is "abort" (as in vLLM). False if unknown, already finished, or the
+        loop stopped."""
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
         if not self._enqueue(_Abort(request_id, future), raise_if_stopped=False):
             return False
