@@ -12,6 +12,7 @@ if all((_ROOT / f).is_file() for f in ("pyproject.toml", "models/__init__.py", "
 # The public names load on first use, so that `import jhicache.config` (settings, enums) needs
 # no JAX, and importing one submodule does not build the whole engine.
 _EXPORTS = {
+    "AsyncEngine": "jhicache.async_engine",
     "CacheMode": "jhicache.config",
     "Engine": "jhicache.engine",
     "EngineConfig": "jhicache.config",

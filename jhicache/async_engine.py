@@ -1,0 +1,428 @@
+"""AsyncEngine: an asyncio face on `Engine`, whose loop runs in one background thread it owns."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from jhicache.config import EngineConfig
+from jhicache.engine import Engine, _prompt_list
+from jhicache.request import RequestOutput
+from jhicache.sampling import SamplingParams
+
+_DRAIN_STEPS = 2  # idle steps after work: the first ends the step in flight, the second the copies
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; raised (from the original exception) to every waiting caller and
+    to every later submission. The `AsyncEngine` serves no more; `close()` still works."""
+
+
+class EngineClosedError(RuntimeError):
+    """The `AsyncEngine` was closed: raised to streams still waiting and to later submissions."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Sink:
+    """Where one request's outputs go: its caller's event loop and queue.
+
+    `last` is the loop thread's (the newest output it posted); `done` is the caller's (it has
+    taken the final item, so there is nothing left to abort)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    request_id: str
+    prompt_len: int
+    final_only: bool  # generate(): only the finished output is posted
+    last: RequestOutput | None = None
+    done: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Add:
+    """Submit these requests together (all or none); `future` gets their ids or the error."""
+
+    sinks: list[_Sink]
+    prompts: list[object]
+    params: list[SamplingParams]
+    future: concurrent.futures.Future[list[str]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Abort:
+    """Abort by id (the public `abort`): the request's stream ends with an "abort" output."""
+
+    request_id: str
+    future: concurrent.futures.Future[bool]
+
+
+@dataclasses.dataclass(eq=False)
+class _Cancel:
+    """Abort `sink`'s request because its consumer went away; a no-op if the request already
+    ended or its submission failed (the id may be someone else's by then)."""
+
+    sink: _Sink
+
+
+_Command = _Add | _Abort | _Cancel
+
+
+class AsyncEngine:
+    """Serves `Engine` requests to asyncio callers; one background thread owns the engine.
+
+    The thread sleeps until there is work, then calls `engine.step()` while any request is
+    unfinished, posting each output to its request's asyncio queue on the caller's event loop
+    (`call_soon_threadsafe`), and after the last one steps twice more so that the step in flight
+    and the copies end. Callers never touch the engine: `stream`, `generate` and `abort` enqueue
+    a command that the thread applies between steps, so the event loop never blocks on a step
+    (only the sync `close()` does). A submission is validated there by `Engine.add_request`
+    itself, and its outcome comes back through a `concurrent.futures.Future` awaited with
+    `asyncio.wrap_future`: a bad prompt or bad params raise `ValueError` to the caller and
+    change nothing. A consumer that stops early aborts its request: on cancel or `aclose()` at
+    once, on `break` once the generator is finalised (`contextlib.aclosing` makes that
+    immediate too). Any event loop may call in (each request keeps its own); requests added to
+    the engine directly while this owns it are stepped, but their outputs dropped.
+
+    If `engine.step()` raises, the loop stops: each waiting caller and each later submission
+    gets a fresh `EngineDeadError` (a `RuntimeError`, "engine loop failed") raised from the
+    original exception, as vLLM's AsyncLLM raises its EngineDeadError. `close()` / `aclose()` /
+    `async with` stop the thread: requests still in flight are aborted and their callers get
+    `EngineClosedError` (a `RuntimeError`, "AsyncEngine closed").
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._commands: collections.deque[_Command] = collections.deque()  # under _cond
+        self._closing = False  # under _cond
+        self._error: BaseException | None = None  # set (under _cond) once the thread stops
+        self._sinks: dict[str, _Sink] = {}  # the loop thread's: unfinished requests by id
+        self._drain_steps = 0  # the loop thread's
+        self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name="jhicache-async-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> AsyncEngine:
+        """Over `Engine.from_pretrained(path, config)` (built here, synchronously)."""
+        return cls(Engine.from_pretrained(path, config))
+
+    @classmethod
+    def from_preset(cls, name: str, config: EngineConfig = EngineConfig(),
+                    seed: int = 0) -> AsyncEngine:
+        """Over `Engine.from_preset(name, config, seed)` (built here, synchronously)."""
+        return cls(Engine.from_preset(name, config, seed))
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; its loop thread owns it: read it (stats), do not drive it."""
+        return self._engine
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The loop thread; it ends once the engine is closed or has failed."""
+        return self._thread
+
+    @property
+    def is_running(self) -> bool:
+        """False once closed or failed."""
+        with self._cond:
+            return not self._closing and self._error is None
+
+    # ---- public API ----------------------------------------------------------------------
+
+    async def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submits one prompt and yields its outputs as tokens appear (`new_token_ids` each
+        time, `token_ids` so far); the last has `finished=True`. The request is submitted at
+        the first iteration; leaving the loop early, or cancelling the consuming task, aborts it.
+        Raises `ValueError` for bad input (at the first iteration), `EngineDeadError` or
+        `EngineClosedError` as described above."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        [sink] = self._sinks_for([rid], [prompt], final_only=False)
+        try:
+            await self._submit([sink], [prompt], [params])
+            while True:
+                out = await self._next(sink)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._cancel(sink)
+
+    async def generate(self, prompts: Sequence[Sequence[int]],
+                       params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                       ) -> list[RequestOutput]:
+        """Runs `prompts` concurrently with every other request; returns their final outputs in
+        order, `new_token_ids` holding every generated token (as `Engine.generate`). All are
+        validated together: a bad one raises `ValueError` and none is queued. Cancelling the
+        call aborts its requests. Only final outputs cross threads (vLLM's FINAL_ONLY)."""
+        tokens = _prompt_list(prompts)
+        per_prompt = Engine._per_prompt_params(tokens, params)
+        if not tokens:
+            return []
+        ids = [uuid.uuid4().hex for _ in tokens]
+        sinks = self._sinks_for(ids, tokens, final_only=True)
+        try:
+            await self._submit(sinks, list(tokens), per_prompt)
+            finals = [await self._next(sink) for sink in sinks]
+        finally:
+            for sink in sinks:
+                self._cancel(sink)
+        return [dataclasses.replace(out, new_token_ids=list(out.token_ids)) for out in finals]
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request submitted here; its stream then ends with a finished output whose
+        `finish_reason` is "abort" (as in vLLM). False if unknown, already finished, or the
+        loop stopped."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        if not self._enqueue(_Abort(request_id, future), raise_if_stopped=False):
+            return False
+        return await asyncio.wrap_future(future)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops the loop thread (waiting for the step that runs to end), aborting the requests
+        still in flight: their callers get `EngineClosedError`. Idempotent; works after a
+        failure too."""
+        self._request_close()
+        self._thread.join(timeout)
+
+    async def aclose(self) -> None:
+        """`close()` without blocking the event loop."""
+        self._request_close()
+        await asyncio.wrap_future(self._stopped)
+        self._thread.join()
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ---- the callers' side ---------------------------------------------------------------
+
+    @staticmethod
+    def _sinks_for(ids: list[str], prompts: Sequence[object], final_only: bool) -> list[_Sink]:
+        loop = asyncio.get_running_loop()
+        return [_Sink(loop, asyncio.Queue(), rid, _length(p), final_only)
+                for rid, p in zip(ids, prompts)]
+
+    async def _submit(self, sinks: list[_Sink], prompts: list[object],
+                      params: list[SamplingParams]) -> None:
+        """Queues the requests and waits until the loop thread has added them (or refused)."""
+        future: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+        try:
+            self._enqueue(_Add(sinks, prompts, params, future), raise_if_stopped=True)
+            await asyncio.wrap_future(future)  # a cancel here cancels it too, if not yet applied
+        except Exception:
+            for sink in sinks:  # refused: nothing to abort
+                sink.done = True
+            raise
+
+    @staticmethod
+    async def _next(sink: _Sink) -> RequestOutput:
+        item = await sink.queue.get()
+        if isinstance(item, BaseException):
+            sink.done = True
+            raise item
+        sink.done = item.finished
+        return item
+
+    def _cancel(self, sink: _Sink) -> None:
+        """The consumer is gone: abort the request unless it already ended. Never raises, never
+        waits (safe in a `finally` of a generator being closed)."""
+        if not sink.done:
+            sink.done = True
+            self._enqueue(_Cancel(sink), raise_if_stopped=False)
+
+    def _enqueue(self, command: _Command, raise_if_stopped: bool) -> bool:
+        with self._cond:
+            if self._closing or self._error is not None:
+                if raise_if_stopped:
+                    raise self._stopped_error()
+                return False
+            self._commands.append(command)
+            self._cond.notify()
+            return True
+
+    def _request_close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _stopped_error(self) -> RuntimeError:
+        """A fresh error for one caller (each raises its own; the cause is shared)."""
+        if self._error is not None:
+            error = EngineDeadError("engine loop failed")
+            error.__cause__ = self._error
+            return error
+        return EngineClosedError("AsyncEngine closed")
+
+    # ---- the loop thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while (commands := self._wait_for_work()) is not None:
+                for command in commands:
+                    self._apply(command)
+                self._advance()
+            self._abort_all()
+        except BaseException as e:  # noqa: BLE001 (reported to every caller, not swallowed)
+            with self._cond:
+                self._error = e
+        finally:
+            self._stop()
+
+    def _wait_for_work(self) -> list[_Command] | None:
+        """The commands queued, once there is work; None once closing."""
+        with self._cond:
+            while not (self._commands or self._closing or self._engine_busy()):
+                self._cond.wait()
+            if self._closing:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _engine_busy(self) -> bool:
+        return self._engine.has_unfinished() or self._drain_steps > 0
+
+    def _advance(self) -> None:
+        """One step while there is work; after it, `_DRAIN_STEPS` steps that end what is in
+        flight (`Engine.step` with nothing left to run returns []). Only a step that had work
+        arms them: the engine counts steps with nothing to do, and refuses too many in a row."""
+        if self._engine.has_unfinished():
+            self._drain_steps = _DRAIN_STEPS
+        elif self._drain_steps > 0:
+            self._drain_steps -= 1
+        else:
+            return
+        for out in self._engine.step():
+            self._deliver(out)
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            command.future.set_result(self._abort(command.request_id))
+        else:
+            sink = command.sink
+            if self._sinks.get(sink.request_id) is sink:
+                self._drop(sink)
+
+    def _add(self, command: _Add) -> None:
+        """Adds every request of the command, or (the first refusal raised) none of them."""
+        if not command.future.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the thread got to it
+        added: list[str] = []
+        try:
+            for i, (sink, prompt, params) in enumerate(zip(command.sinks, command.prompts,
+                                                           command.params)):
+                try:
+                    added.append(self._engine.add_request(prompt, params, sink.request_id))
+                except ValueError as e:
+                    if len(command.sinks) == 1:
+                        raise
+                    # add_request names its prompt "prompt"; name it as Engine.generate does
+                    raise ValueError(str(e).replace("prompt", f"prompt {i}", 1)) from None
+        except Exception as e:  # noqa: BLE001 (the caller's: it raises there)
+            for rid in added:
+                self._engine.abort(rid)
+            command.future.set_exception(e)
+            return
+        for sink in command.sinks:
+            self._sinks[sink.request_id] = sink
+        command.future.set_result(added)
+
+    def _abort(self, request_id: str) -> bool:
+        sink = self._sinks.pop(request_id, None)
+        if sink is None:
+            return False  # not ours, or already finished
+        self._engine.abort(request_id)
+        self._post(sink, _abort_output(sink))
+        return True
+
+    def _drop(self, sink: _Sink) -> None:
+        """Aborts `sink`'s request; its consumer is gone."""
+        del self._sinks[sink.request_id]
+        self._engine.abort(sink.request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return  # not ours, or its consumer is gone
+        sink.last = out
+        if out.finished:
+            del self._sinks[out.request_id]
+        if (out.finished or not sink.final_only) and not self._post(sink, out):
+            if not out.finished:  # its event loop is closed: nobody will read it
+                self._drop(sink)
+
+    @staticmethod
+    def _post(sink: _Sink, item: RequestOutput | BaseException) -> bool:
+        """Puts `item` on the sink's queue from this thread; False if its event loop closed."""
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
+
+    def _abort_all(self) -> None:
+        """On close: aborts the requests in flight (their callers get `EngineClosedError`), then
+        ends the steps and copies in flight."""
+        for sink in list(self._sinks.values()):
+            self._post(sink, self._stopped_error())
+            self._drop(sink)
+        while self._drain_steps > 0:
+            self._drain_steps -= 1
+            self._engine.step()
+
+    def _stop(self) -> None:
+        """Last act of the loop thread: every caller still waiting gets the error."""
+        with self._cond:
+            self._closing = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for sink in self._sinks.values():  # left only by a failure
+            self._post(sink, self._stopped_error())
+        self._abandon_requests()
+        self._sinks.clear()
+        for command in commands:
+            self._refuse(command)
+        self._stopped.set_result(None)
+
+    def _abandon_requests(self) -> None:
+        """After a failure: best effort to leave the engine with nothing of ours queued."""
+        for rid in list(self._sinks):
+            try:
+                self._engine.abort(rid)
+            except Exception:  # noqa: BLE001 (the engine already failed; its error is reported)
+                pass
+
+    def _refuse(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(self._stopped_error())
+        elif isinstance(command, _Abort):
+            command.future.set_result(False)
+
+
+def _length(prompt: object) -> int:
+    try:
+        return len(prompt)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def _abort_output(sink: _Sink) -> RequestOutput:
+    """The final output of a request aborted by id: what it had, finished, reason "abort"."""
+    if sink.last is not None:
+        return dataclasses.replace(sink.last, new_token_ids=[], finished=True,
+                                   finish_reason="abort")
+    return RequestOutput(request_id=sink.request_id, token_ids=[], new_token_ids=[], finished=True,
+                         prompt_len=sink.prompt_len, device_hit_tokens=0, host_hit_tokens=0,
+                         ttft_s=None, finish_reason="abort")
