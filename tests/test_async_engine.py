@@ -373,3 +373,27 @@ def test_close_of_an_idle_engine_is_prompt_and_idempotent() -> None:
     aengine.close()
     with pytest.raises(EngineClosedError):
         run(lambda: aengine.generate(PROMPTS[:1]))
+
+
+def test_together_applies_the_submissions_made_inside_before_any_step(aengine) -> None:
+    calls: list[str] = []
+    add, step = aengine.engine.add_request, aengine.engine.step
+    aengine.engine.add_request = lambda *a, **k: calls.append("add") or add(*a, **k)
+    aengine.engine.step = lambda: calls.append("step") or step()
+
+    async def drain(prompt: list[int]) -> list[int]:
+        async for out in aengine.stream(prompt, SamplingParams(max_new_tokens=2)):
+            pass
+        return out.token_ids
+
+    async def main() -> list[list[int]]:
+        with aengine.together():
+            tasks = [asyncio.create_task(drain(p)) for p in PROMPTS[:4]]
+            await asyncio.sleep(0.2)  # time enough for the thread to step, were it not held
+            assert calls == []
+        return await asyncio.gather(*tasks)
+
+    outputs = run(main)
+    assert calls[:5] == ["add"] * 4 + ["step"] and "add" not in calls[5:]
+    assert [tuple(o) for o in outputs] == [tuple(make_engine().generate(
+        PROMPTS[:4], SamplingParams(max_new_tokens=2))[i].token_ids) for i in range(4)]
