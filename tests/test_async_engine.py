@@ -106,7 +106,7 @@ def test_concurrent_streams_equal_synchronous_generate(aengine: AsyncEngine) -> 
     streams = run(main)
     for outs, tokens in zip(streams, expected()):
         assert_streamed(outs, tokens)
-    assert aengine.engine.stats()["finished_requests"] == len(PROMPTS)
+    assert aengine.engine.stats().finished_requests == len(PROMPTS)
 
 
 def test_generate_equals_synchronous_generate_from_successive_event_loops(
@@ -135,7 +135,7 @@ def test_many_coroutines_submitting_at_once(aengine: AsyncEngine) -> None:
     assert [tuple(g[0].token_ids) for g in gens] == [expected()[i % 8] for i in range(20)]
     for i, outs in enumerate(streams):
         assert_streamed(outs, expected()[i % 8])
-    assert aengine.engine.stats()["finished_requests"] == 32
+    assert aengine.engine.stats().finished_requests == 32
 
 
 # ---- a consumer that leaves aborts its request --------------------------------------------
@@ -209,7 +209,7 @@ def test_cancelling_generate_aborts_all_its_requests(aengine: AsyncEngine) -> No
 
     async def main() -> None:
         task = asyncio.create_task(aengine.generate(PROMPTS[:3], LONG))
-        await until(lambda: aengine.engine.stats()["decode_steps"] >= 2)  # under way
+        await until(lambda: aengine.engine.stats().decode_steps >= 2)  # under way
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
