@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine, _prompt_list
 from jhicache.request import RequestOutput
@@ -99,6 +100,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: collections.deque[_Command] = collections.deque()  # under _cond
         self._closing = False  # under _cond
+        self._holds = 0  # under _cond: open together() blocks; the thread waits while > 0
         self._error: BaseException | None = None  # set (under _cond) once the thread stops
         self._sinks: dict[str, _Sink] = {}  # the loop thread's: unfinished requests by id
         self._drain_steps = 0  # the loop thread's
@@ -183,6 +185,22 @@ class AsyncEngine:
         if not self._enqueue(_Abort(request_id, future), raise_if_stopped=False):
             return False
         return await asyncio.wrap_future(future)
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Submissions made inside are applied together, between two steps, as one
+        `Engine.generate` call adds its prompts (so that requests sent at the same moment are
+        scheduled as one batch, whatever the thread was doing). The loop thread takes no step
+        while the block is open. A stream submits at its first iteration: let each reach it
+        (create its task, then `await asyncio.sleep(0)`) before the block ends."""
+        with self._cond:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """Stops the loop thread (waiting for the step that runs to end), aborting the requests
@@ -280,7 +298,8 @@ class AsyncEngine:
     def _wait_for_work(self) -> list[_Command] | None:
         """The commands queued, once there is work; None once closing."""
         with self._cond:
-            while not (self._commands or self._closing or self._engine_busy()):
+            while not self._closing and (self._holds or not (self._commands
+                                                             or self._engine_busy())):
                 self._cond.wait()
             if self._closing:
                 return None

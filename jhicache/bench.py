@@ -7,6 +7,7 @@ minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench_ker
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import datetime
 import enum
@@ -22,13 +23,15 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jhicache import bench_clients as clients
 from jhicache import bench_report as report
+from jhicache.async_engine import AsyncEngine
 from jhicache.config import EngineConfig, KVDtype, TransferPath, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
 from jhicache.sampling import SamplingParams
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
+from jhicache.workload import MultiTurnSpec, user_turns
 
 MODES = ("off", "device", "hierarchical", "unbounded")  # unbounded: the device cache holding the whole working set
 
@@ -54,6 +57,14 @@ def positive_float(text: str) -> float:
     value = _parsed(float, text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
+    return value
+
+
+def request_rate(text: str) -> float:
+    """argparse type: requests/s, a number > 0 or `inf` (every ready request at once)."""
+    value = _parsed(float, text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0, or inf")
     return value
 
 
@@ -141,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: device pool tokens; unset, from --working-set-ratio")
     p.add_argument("--modes", type=mode_list, metavar="LIST", default=",".join(MODES),
                    help="multiturn cache modes, comma separated")
+    p.add_argument("--request-rate", type=request_rate, metavar="R", default=math.inf,
+                   help="multiturn: Poisson arrivals, requests/s (inf: no gap between sends)")
+    p.add_argument("--max-parallel", **count, default=None,
+                   help="multiturn: most requests in flight; unset, --clients")
+    p.add_argument("--ready-queue-policy", default="fifo", choices=clients.POLICIES,
+                   help="multiturn: which ready client sends next: the oldest, or one at random")
+    p.add_argument("--round-barrier", default="on", choices=("on", "off"),
+                   help="multiturn: on, every client ends round r before any starts r + 1; "
+                        "off, a client's next turn is ready once its answer arrives")
     p.add_argument("--write-policy", default=WritePolicy.WRITE_BACK.value, choices=_values(WritePolicy),
                    help="when device pages are copied to the host tier")
     p.add_argument("--transfer-path", default=TransferPath.SEGMENTS.value,
@@ -254,19 +274,32 @@ def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     for seed in (args.seed + 1000, args.seed):
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
         run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
-        chats, params = MultiTurnChats(run_spec), SamplingParams(max_new_tokens=spec.output_length)
-        rounds, start = [], time.perf_counter()
-        for _ in range(spec.num_rounds):
-            outputs = engine.generate(chats.prompts(), params)
-            chats.extend([o.token_ids for o in outputs])
-            rounds.append(round_summary(outputs))
-            progress.update(1)
-        elapsed = time.perf_counter() - start
+        run = asyncio.run(drive_clients(engine, run_spec, clients_config(args, seed), progress))
     engine.check_invariants()
     stats = engine.stats().as_dict()
-    return {"rounds": rounds, "elapsed_s": elapsed, "stats": stats,
-            "throughput_tokens_per_s": sum(r["prompt_tokens"] + r["output_tokens"] for r in rounds) / elapsed,
-            "device_kv_tokens": device_tokens, **load_summary(stats)}
+    rounds = [clients.round_summary([t for t in run.turns if t.round == r])
+              for r in range(spec.num_rounds)]
+    tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in rounds)
+    return {"rounds": rounds, "elapsed_s": run.elapsed_s, "stats": stats,
+            "throughput_tokens_per_s": tokens / run.elapsed_s, "device_kv_tokens": device_tokens,
+            **clients.latency_summary(run.turns), "max_in_flight": run.max_in_flight,
+            "send_order": [[t.client, t.round] for t in run.turns], **load_summary(stats)}
+
+
+def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig:
+    return clients.ClientsConfig(request_rate=args.request_rate, max_parallel=args.max_parallel,
+                                 ready_queue_policy=args.ready_queue_policy,
+                                 round_barrier=args.round_barrier == "on", seed=seed)
+
+
+async def drive_clients(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
+                        progress: tqdm) -> clients.ClientsRun:
+    """The clients' conversations through an AsyncEngine over `engine`, as a server drives it;
+    closed at the end (its thread then lets go of the engine, whose stats the caller reads)."""
+    params = SamplingParams(max_new_tokens=spec.output_length)
+    async with AsyncEngine(engine) as served:
+        return await clients.run_clients(served, user_turns(spec), params, config,
+                                         on_turn=lambda turn: progress.update(1))
 
 
 def load_summary(stats: dict) -> dict:
@@ -280,25 +313,15 @@ def load_summary(stats: dict) -> dict:
             "load_hidden_fraction": 1.0 - stats["load_exposed_s"] / stats["load_back_s"], **write}
 
 
-def round_summary(outputs) -> dict:
-    prompt_tokens = sum(o.prompt_len for o in outputs)
-    return {
-        "mean_ttft_s": float(np.mean([o.ttft_s for o in outputs])),
-        "device_hit_rate": sum(o.device_hit_tokens for o in outputs) / prompt_tokens,
-        "host_hit_rate": sum(o.host_hit_tokens for o in outputs) / prompt_tokens,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": sum(len(o.token_ids) for o in outputs),
-    }
-
-
 def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
     """Runs each mode in turn; `save` gets the result so far after every mode (a long GPU run cut
     short by a time limit keeps the modes it finished)."""
     modes = args.modes  # a tuple: mode_list parsed it
     spec = multiturn_spec(args, vocab)
     args._device_tokens = device_tokens_for(args, spec)
-    result: dict = {"spec": dataclasses.asdict(spec), "modes": {}}
-    with tqdm(total=2 * len(modes) * spec.num_rounds, desc="multiturn", unit="round", file=sys.stderr,
+    result: dict = {"spec": {**dataclasses.asdict(spec), **sending(args)}, "modes": {}}
+    requests = spec.num_clients * spec.num_rounds
+    with tqdm(total=2 * len(modes) * requests, desc="multiturn", unit="request", file=sys.stderr,
               disable=None) as progress:  # None: no bar unless stderr is a terminal (no fragments in logs)
         for mode in modes:
             result["modes"][mode] = run_multiturn_mode(args, spec, mode, progress)
@@ -306,6 +329,14 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
             ttfts = " ".join(f"{r['mean_ttft_s']:.3f}" for r in result["modes"][mode]["rounds"])
             progress.write(f"{mode}: mean TTFT per round (s) {ttfts}")
     return result
+
+
+def sending(args: argparse.Namespace) -> dict:
+    """How the requests were sent, for the JSON (`inf` spelt as on the command line: JSON has
+    no infinity)."""
+    rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
+    return {"request_rate": rate, "max_parallel": args.max_parallel or args.clients,
+            "ready_queue_policy": args.ready_queue_policy, "round_barrier": args.round_barrier}
 
 
 # ---- isolated host hit ---------------------------------------------------------------------

@@ -36,27 +36,60 @@ def multiturn_table(result: dict) -> str:
              f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
              f"device pool {min(m['device_kv_tokens'] for m in modes.values())} tokens, "
              f"working set {spec['num_clients'] * spec['num_rounds'] * (spec['request_length'] + spec['output_length'])}"]
-    header = "round " + "".join(f"| {m:^30} " for m in modes)
-    lines += [header, "      " + "".join(f"| {'ttft s':>9} {'dev hit':>9} {'host hit':>9} " for _ in modes)]
-    for r in range(spec["num_rounds"]):
-        cells = "".join(
-            f"| {m['rounds'][r]['mean_ttft_s']:9.4f} {m['rounds'][r]['device_hit_rate']:9.3f} "
-            f"{m['rounds'][r]['host_hit_rate']:9.3f} " for m in modes.values())
-        lines.append(f"{r + 1:5d} {cells}")  # rounds count from 1, as in the plot
+    if "request_rate" in spec:  # results from before the clients went through AsyncEngine lack it
+        lines.append(f"  sent at {spec['request_rate']} req/s, at most {spec['max_parallel']} in "
+                     f"flight, {spec['ready_queue_policy']} ready queue, "
+                     f"round barrier {spec['round_barrier']}")
+    lines += _round_rows(modes, spec["num_rounds"])
     for name, m in modes.items():
-        s = m["stats"]
-        lines.append(f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
-                     f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
-                     f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
-                     f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens")
-        if m.get("write_back_gbps"):
-            lines.append(f"{'':>14}write-back >= {format_rate(m['write_back_gbps'])} "
-                         "(launch to seen done)")
-        if s["load_back_s"] > 0:
-            lines.append(f"{'':>14}load-back >= {format_rate(m['load_back_gbps'])} "
-                         f"({format_bytes(s['load_back_moved_bytes'])} moved, launch to landed), "
-                         f"{m['load_hidden_fraction']:.0%} of load time hidden under compute")
+        lines += _mode_lines(name, m)
     return "\n".join(lines)
+
+
+def _round_rows(modes: dict, num_rounds: int) -> list[str]:
+    """Per round and mode: mean and p99 TTFT (s, client side), device and host hit rates."""
+    header = "round " + "".join(f"| {m:^40} " for m in modes)
+    names = f"| {'ttft s':>9} {'p99 s':>9} {'dev hit':>9} {'host hit':>9} "
+    lines = [header, "      " + names * len(modes)]
+    for r in range(num_rounds):
+        cells = "".join(_round_cells(m["rounds"][r]) for m in modes.values())
+        lines.append(f"{r + 1:5d} {cells}")  # rounds count from 1, as in the plot
+    return lines
+
+
+def _round_cells(r: dict) -> str:
+    p99 = r.get("ttft_p99_s")
+    p99_text = f"{p99:9.4f}" if p99 is not None else f"{'-':>9}"
+    return (f"| {r['mean_ttft_s']:9.4f} {p99_text} {r['device_hit_rate']:9.3f} "
+            f"{r['host_hit_rate']:9.3f} ")
+
+
+def _mode_lines(name: str, m: dict) -> list[str]:
+    s = m["stats"]
+    lines = [f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
+             f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
+             f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
+             f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens"]
+    if "ttft" in m:
+        lines.append(f"{'':>14}{latency_text(m['ttft'], m['itl'])}")
+    if m.get("write_back_gbps"):
+        lines.append(f"{'':>14}write-back >= {format_rate(m['write_back_gbps'])} "
+                     "(launch to seen done)")
+    if s["load_back_s"] > 0:
+        lines.append(f"{'':>14}load-back >= {format_rate(m['load_back_gbps'])} "
+                     f"({format_bytes(s['load_back_moved_bytes'])} moved, launch to landed), "
+                     f"{m['load_hidden_fraction']:.0%} of load time hidden under compute")
+    return lines
+
+
+def latency_text(ttft: dict, itl: dict) -> str:
+    """TTFT mean/p50/p90/p99 and ITL p50/p99, in ms."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.2f}"
+
+    spread = "/".join(ms(ttft[k]) for k in ("mean_s", "p50_s", "p90_s", "p99_s"))
+    return (f"TTFT mean/p50/p90/p99 {spread} ms; "
+            f"ITL p50/p99 {ms(itl['p50_s'])}/{ms(itl['p99_s'])} ms")
 
 
 def host_hit_table(result: dict) -> str:
@@ -104,7 +137,8 @@ def save_plot(result: dict, path: str) -> bool:
 
 
 def make_figure(result: dict):
-    """Mean TTFT per round (a line per mode) beside hit rate per round split by tier (a bar per
+    """Mean TTFT per round (a line per mode, over a p50-p99 band where the result has them)
+    beside hit rate per round split by tier (a bar per
     mode: device hits solid, host hits hatched on top), under plot_title's title."""
     import matplotlib.pyplot as plt
 
@@ -121,11 +155,19 @@ def _plot_ttft(ax, modes: dict, colors: dict) -> None:
     from matplotlib.ticker import MaxNLocator
 
     styles = _cycle(_LINE_STYLES, len(modes))
+    banded = False
     for (name, mode), (marker, dashes, size) in zip(modes.items(), styles):
+        rounds = range(1, len(mode["rounds"]) + 1)
         ttfts = [r["mean_ttft_s"] * 1e3 for r in mode["rounds"]]
-        ax.plot(range(1, len(ttfts) + 1), ttfts, color=colors[name], marker=marker,
+        ax.plot(rounds, ttfts, color=colors[name], marker=marker,
                 linestyle=dashes, markersize=size, alpha=0.8, label=name)
-    ax.set(xlabel="round", ylabel="mean TTFT (ms)", title="TTFT per round")
+        if all(r.get("ttft_p99_s") is not None for r in mode["rounds"]):
+            low = [r["ttft_p50_s"] * 1e3 for r in mode["rounds"]]
+            high = [r["ttft_p99_s"] * 1e3 for r in mode["rounds"]]
+            ax.fill_between(rounds, low, high, color=colors[name], alpha=0.15, linewidth=0)
+            banded = True
+    title = "TTFT per round" + (" (line: mean; band: p50 to p99)" if banded else "")
+    ax.set(xlabel="round", ylabel="TTFT (ms)", title=title)
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(title="cache mode", fontsize="small")

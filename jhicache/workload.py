@@ -33,18 +33,29 @@ class MultiTurnSpec:
         return self.num_clients * self.final_context_tokens
 
 
+def user_turns(spec: MultiTurnSpec) -> list[list[list[int]]]:
+    """Every seeded user turn up front, `[round][client]`, drawn in MultiTurnChats' order, so
+    that a client can advance on its own (prompts do not depend on timing)."""
+    rng = np.random.default_rng(spec.seed)
+    return [[[int(t) for t in rng.integers(0, spec.vocab_size, spec.request_length)]
+             for _ in range(spec.num_clients)] for _ in range(spec.num_rounds)]
+
+
 class MultiTurnChats:
     """Conversation histories; `prompts()` gives this round's prompts, `extend()` records outputs."""
 
     def __init__(self, spec: MultiTurnSpec) -> None:
         self.spec = spec
-        self._rng = np.random.default_rng(spec.seed)
+        self._turns = user_turns(spec)
+        self._round = 0
         self.histories: list[list[int]] = [[] for _ in range(spec.num_clients)]
 
     def prompts(self) -> list[list[int]]:
-        """Appends a fresh user turn to each history and returns the histories as prompts."""
-        for history in self.histories:
-            history.extend(int(t) for t in self._rng.integers(0, self.spec.vocab_size, self.spec.request_length))
+        """Appends the next round's user turn to each history and returns the histories as
+        prompts; IndexError past the spec's last round."""
+        turns, self._round = self._turns[self._round], self._round + 1
+        for history, turn in zip(self.histories, turns):
+            history.extend(turn)
         return [list(h) for h in self.histories]
 
     def extend(self, outputs: list[list[int]]) -> None:

@@ -12,5 +12,5 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 JHICACHE_GPU_TESTS=1 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -25
 if [ "$#" -gt 0 ]; then
-  python3 -m jhicache.bench "$@" --out "$out/bench.json" 2> >(grep -v "it/s\]\|round/s\]" >&2)
+  python3 -m jhicache.bench "$@" --out "$out/bench.json" 2> >(grep -v "it/s\]\|round/s\]\|request/s\]" >&2)
 fi

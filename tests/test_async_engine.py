@@ -106,7 +106,7 @@ def test_concurrent_streams_equal_synchronous_generate(aengine: AsyncEngine) -> 
     streams = run(main)
     for outs, tokens in zip(streams, expected()):
         assert_streamed(outs, tokens)
-    assert aengine.engine.stats()["finished_requests"] == len(PROMPTS)
+    assert aengine.engine.stats().finished_requests == len(PROMPTS)
 
 
 def test_generate_equals_synchronous_generate_from_successive_event_loops(
@@ -135,7 +135,7 @@ def test_many_coroutines_submitting_at_once(aengine: AsyncEngine) -> None:
     assert [tuple(g[0].token_ids) for g in gens] == [expected()[i % 8] for i in range(20)]
     for i, outs in enumerate(streams):
         assert_streamed(outs, expected()[i % 8])
-    assert aengine.engine.stats()["finished_requests"] == 32
+    assert aengine.engine.stats().finished_requests == 32
 
 
 # ---- a consumer that leaves aborts its request --------------------------------------------
@@ -209,7 +209,7 @@ def test_cancelling_generate_aborts_all_its_requests(aengine: AsyncEngine) -> No
 
     async def main() -> None:
         task = asyncio.create_task(aengine.generate(PROMPTS[:3], LONG))
-        await until(lambda: aengine.engine.stats()["decode_steps"] >= 2)  # under way
+        await until(lambda: aengine.engine.stats().decode_steps >= 2)  # under way
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -373,3 +373,27 @@ def test_close_of_an_idle_engine_is_prompt_and_idempotent() -> None:
     aengine.close()
     with pytest.raises(EngineClosedError):
         run(lambda: aengine.generate(PROMPTS[:1]))
+
+
+def test_together_applies_the_submissions_made_inside_before_any_step(aengine) -> None:
+    calls: list[str] = []
+    add, step = aengine.engine.add_request, aengine.engine.step
+    aengine.engine.add_request = lambda *a, **k: calls.append("add") or add(*a, **k)
+    aengine.engine.step = lambda: calls.append("step") or step()
+
+    async def drain(prompt: list[int]) -> list[int]:
+        async for out in aengine.stream(prompt, SamplingParams(max_new_tokens=2)):
+            pass
+        return out.token_ids
+
+    async def main() -> list[list[int]]:
+        with aengine.together():
+            tasks = [asyncio.create_task(drain(p)) for p in PROMPTS[:4]]
+            await asyncio.sleep(0.2)  # time enough for the thread to step, were it not held
+            assert calls == []
+        return await asyncio.gather(*tasks)
+
+    outputs = run(main)
+    assert calls[:5] == ["add"] * 4 + ["step"] and "add" not in calls[5:]
+    assert [tuple(o) for o in outputs] == [tuple(make_engine().generate(
+        PROMPTS[:4], SamplingParams(max_new_tokens=2))[i].token_ids) for i in range(4)]

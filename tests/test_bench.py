@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from jhicache import bench
+from jhicache import bench, bench_clients
+from jhicache.async_engine import AsyncEngine
+from jhicache.sampling import SamplingParams
+from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
 TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24", "--output-length", "2",
         "--page-size", "8", "--dtype", "float32"]
@@ -27,6 +31,14 @@ def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, ca
         for r in mode["rounds"]:
             assert {"mean_ttft_s", "device_hit_rate", "host_hit_rate"} <= set(r)
             assert r["mean_ttft_s"] > 0 and 0 <= r["device_hit_rate"] + r["host_hit_rate"] <= 1
+        assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] and r["requests"] == 3
+        ttft = mode["ttft"]
+        assert 0 < ttft["p50_s"] <= ttft["p90_s"] <= ttft["p99_s"] and ttft["mean_s"] > 0
+        assert 0 < mode["itl"]["p50_s"] <= mode["itl"]["p99_s"] and mode["requests"] == 6
+        assert mode["max_in_flight"] == 3 and len(mode["send_order"]) == 6
+    assert {"request_rate": "inf", "max_parallel": 3, "ready_queue_policy": "fifo",
+            "round_barrier": "on"}.items() <= result["spec"].items()
+    assert "TTFT mean/p50/p90/p99" in printed.out and "ITL p50/p99" in printed.out
     off, unbounded = result["modes"]["off"], result["modes"]["unbounded"]
     assert all(r["device_hit_rate"] == 0 for r in off["rounds"])
     assert unbounded["rounds"][1]["device_hit_rate"] > 0  # round 2 reuses round 1's conversation
@@ -60,3 +72,97 @@ def test_multiturn_saves_finished_modes_when_a_later_one_fails(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         bench.main(["multiturn", *TINY, "--modes", "off,device", "--out", str(out)])
     assert json.loads(out.read_text())["modes"] == {"off": {"rounds": [], "mode": "off"}}
+
+
+# A workload that evicts and loads back (hierarchical), so that equal hit rates mean something.
+EVICTING = ["--preset", "tiny", "--clients", "3", "--rounds", "3", "--request-length", "24",
+            "--output-length", "3", "--page-size", "8", "--dtype", "float32"]
+
+
+def engine_for(args, spec: MultiTurnSpec):
+    return bench.make_engine(args, cache_mode="hierarchical",
+                             device_kv_tokens=bench.device_tokens_for(args, spec))
+
+
+def generate_rounds(args, spec: MultiTurnSpec) -> tuple[list[tuple[float, float]], list]:
+    """The bench's path before AsyncEngine: one `Engine.generate` of all prompts per round."""
+    engine, chats = engine_for(args, spec), MultiTurnChats(spec)
+    rates = []
+    for _ in range(spec.num_rounds):
+        params = SamplingParams(max_new_tokens=spec.output_length)
+        outputs = engine.generate(chats.prompts(), params)
+        chats.extend([o.token_ids for o in outputs])
+        prompt = sum(o.prompt_len for o in outputs)
+        rates.append((sum(o.device_hit_tokens for o in outputs) / prompt,
+                      sum(o.host_hit_tokens for o in outputs) / prompt))
+    return rates, [tuple(h) for h in chats.histories]
+
+
+class CountingAsyncEngine(AsyncEngine):
+    """Records how many of its streams are open (submitted, final output not yet taken)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.open = self.most_open = 0
+
+    async def stream(self, prompt, params=SamplingParams(), request_id=None):
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        try:
+            async for out in super().stream(prompt, params, request_id):
+                yield out
+        finally:
+            self.open -= 1
+
+
+def run_clients(argv: list[str], monkeypatch) -> tuple[bench_clients.ClientsRun, int]:
+    """bench.drive_clients on a fresh hierarchical engine; also the most streams open at once."""
+    args = bench.parse_args(["multiturn", *EVICTING, *argv])
+    spec = bench.multiturn_spec(args, 512)
+    served: list[CountingAsyncEngine] = []
+    monkeypatch.setattr(bench, "AsyncEngine",
+                        lambda e: served.append(CountingAsyncEngine(e)) or served[-1])
+    progress = bench.tqdm(disable=True)
+    run = asyncio.run(bench.drive_clients(engine_for(args, spec), spec,
+                                          bench.clients_config(args, args.seed), progress))
+    return run, served[0].most_open
+
+
+def test_round_barrier_on_gives_the_old_generate_paths_hits_and_tokens(monkeypatch) -> None:
+    args = bench.parse_args(["multiturn", *EVICTING])
+    spec = bench.multiturn_spec(args, 512)
+    rates, histories = generate_rounds(args, spec)
+    assert any(host > 0 for _, host in rates)  # the workload does load back
+    run, _ = run_clients([], monkeypatch)
+    summaries = [bench_clients.round_summary([t for t in run.turns if t.round == r])
+                 for r in range(3)]
+    assert [(s["device_hit_rate"], s["host_hit_rate"]) for s in summaries] == rates
+    assert list(run.histories) == histories
+    assert [(t.client, t.round) for t in run.turns] == [(c, r) for r in range(3) for c in range(3)]
+
+
+def test_no_barrier_keeps_max_parallel_and_the_same_conversations(monkeypatch) -> None:
+    args = bench.parse_args(["multiturn", *EVICTING])
+    _, histories = generate_rounds(args, bench.multiturn_spec(args, 512))
+    argv = ["--round-barrier", "off", "--request-rate", "50", "--max-parallel", "2"]
+    run, most_open = run_clients(argv, monkeypatch)
+    assert most_open == 2 and run.max_in_flight == 2
+    assert list(run.histories) == histories
+    sent = sorted((t.client, t.round) for t in run.turns)
+    assert sent == [(c, r) for c in range(3) for r in range(3)]
+    gaps = sorted(b.sent_s - a.sent_s for a, b in zip(run.turns, run.turns[1:]))
+    assert gaps[len(gaps) // 2] > 0.002  # Poisson gaps of mean 20 ms between sends, not a burst
+
+
+def test_random_ready_queue_is_reproducible_by_seed(monkeypatch) -> None:
+    def order(seed: str, policy: str = "random") -> list[tuple[int, int]]:
+        argv = ["--clients", "5", "--rounds", "2", "--round-barrier", "off", "--max-parallel", "1",
+                "--ready-queue-policy", policy, "--seed", seed]
+        run, _ = run_clients(argv, monkeypatch)
+        return [(t.client, t.round) for t in run.turns]
+
+    first = order("3")
+    assert order("3") == first
+    assert first != order("4") and first != order("3", "fifo")
+    # fifo: an answered client queues behind those already waiting
+    assert order("3", "fifo") == [(c, r) for r in range(2) for c in range(5)]

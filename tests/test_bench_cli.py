@@ -23,7 +23,7 @@ def usage_error(capsys, argv: list[str]) -> str:
 
 @pytest.mark.parametrize("option", ["--page-size", "--clients", "--rounds", "--request-length",
                                     "--output-length", "--device-kv-tokens", "--host-hit-prefix",
-                                    "--host-hit-turn"])
+                                    "--host-hit-turn", "--max-parallel"])
 @pytest.mark.parametrize("value", ["0", "-3", "two"])
 def test_sizes_must_be_positive_integers(capsys, option: str, value: str) -> None:
     assert f"argument {option}:" in usage_error(capsys, ["multiturn", option, value])
@@ -32,6 +32,26 @@ def test_sizes_must_be_positive_integers(capsys, option: str, value: str) -> Non
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x"])
 def test_working_set_ratio_must_be_a_positive_number(capsys, value: str) -> None:
     assert "argument --working-set-ratio:" in usage_error(capsys, ["--working-set-ratio", value])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "-inf", "x"])
+def test_request_rate_must_be_positive_or_inf(capsys, value: str) -> None:
+    assert "argument --request-rate:" in usage_error(capsys, ["--request-rate", value])
+
+
+def test_sending_options_parse_and_default_to_todays_behaviour() -> None:
+    args = bench.parse_args([])
+    assert args.request_rate == float("inf") and args.max_parallel is None
+    assert (args.ready_queue_policy, args.round_barrier) == ("fifo", "on")
+    args = bench.parse_args(["--request-rate", "16", "--max-parallel", "8",
+                             "--ready-queue-policy", "random", "--round-barrier", "off"])
+    assert (args.request_rate, args.max_parallel) == (16.0, 8)
+    assert bench.parse_args(["--request-rate", "inf"]).request_rate == float("inf")
+
+
+@pytest.mark.parametrize("option", ["--ready-queue-policy", "--round-barrier"])
+def test_sending_choices(capsys, option: str) -> None:
+    assert f"argument {option}: invalid choice" in usage_error(capsys, [option, "lifo"])
 
 
 def test_seed_may_be_zero_but_not_negative(capsys) -> None:
@@ -126,6 +146,8 @@ def test_help_gives_every_option_a_help_text_and_one_default(monkeypatch, backen
         if name != "-h":
             assert help_text.count("default") == 1, f"{name}: {help_text!r}"
     assert "(default: write_back)" in entries["--write-policy"]
+    assert "(default: inf)" in entries["--request-rate"]
+    assert "(default: on)" in entries["--round-barrier"]
     expected_page_size = "64" if backend == "gpu" else "16"
     assert f"(default: {expected_page_size})" in entries["--page-size"]
 

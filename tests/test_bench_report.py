@@ -79,3 +79,37 @@ def test_figure_draws_each_tier_a_legend_per_panel_and_whole_rounds() -> None:
         assert "tiny on cpu" in fig.get_suptitle()
     finally:
         plt.close(fig)
+
+
+def with_latencies(result: dict) -> dict:
+    """`result` with the client-side TTFT percentiles and ITL that AsyncEngine runs report."""
+    for mode in result["modes"].values():
+        for r in mode["rounds"]:
+            r.update(ttft_p50_s=r["mean_ttft_s"] * 0.9, ttft_p90_s=r["mean_ttft_s"] * 1.5,
+                     ttft_p99_s=r["mean_ttft_s"] * 2)
+        mode.update(ttft={"mean_s": 0.01, "p50_s": 0.009, "p90_s": 0.015, "p99_s": 0.02},
+                    itl={"p50_s": 0.001, "p99_s": 0.004})
+    result["spec"].update(request_rate=16.0, max_parallel=8, ready_queue_policy="random",
+                          round_barrier="off")
+    return result
+
+
+def test_table_gives_ttft_percentiles_and_itl_and_how_requests_were_sent() -> None:
+    table = report.multiturn_table(with_latencies(multiturn_result({"device": [(0.0, 0.0)] * 2})))
+    assert "TTFT mean/p50/p90/p99 10.00/9.00/15.00/20.00 ms; ITL p50/p99 1.00/4.00 ms" in table
+    assert "16.0 req/s, at most 8 in flight, random ready queue, round barrier off" in table
+    row = next(line for line in table.splitlines() if line.startswith("    2 |"))
+    assert row.split()[2:4] == ["0.0200", "0.0400"]  # round 2's mean and p99 TTFT
+
+
+def test_figure_shades_p50_to_p99_when_the_result_has_them() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    for result, bands in ((multiturn_result(ONE_ROUND), 0),
+                          (with_latencies(multiturn_result(ONE_ROUND)), 1)):
+        fig = report.make_figure(result)
+        try:
+            assert len(fig.axes[0].collections) == bands
+        finally:
+            plt.close(fig)
