@@ -153,7 +153,8 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
 
     def _step(self) -> list[RequestOutput]:
-        """Retire finished copies, schedule, launch queued transfers, forward, end a step, commit."""
+        """Retire finished copies, schedule (and prefetch the next step's loads), launch queued
+        transfers, forward, end a step, commit."""
         self.cache.poll()
         in_flight = self._in_flight is not None
         batch = self.scheduler.schedule(may_retract=not in_flight)
@@ -163,6 +164,7 @@ class Engine:
             outputs = self._end(self._take_in_flight())
             self.cache.poll()
             batch = self.scheduler.schedule(may_retract=True)
+        self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
         self.cache.launch()  # write-backs and load-backs queued by the scheduler start now
         launched = self._launch(batch) if batch is not None else None
         self.cache.drive_loads()  # loads of requests that were not admitted: none stays half-loaded

@@ -66,6 +66,7 @@ class Request:
     host_hit_tokens: int = 0
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
+    prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
 
     @property
     def tokens(self) -> list[int]:

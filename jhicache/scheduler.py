@@ -120,6 +120,7 @@ class Scheduler:
         if chunk is None:
             self._release(req)
             return None
+        hits = self._count_prefetched(req, hits)
         self.counters["device_hit_tokens"] += hits[0]
         self.counters["host_hit_tokens"] += hits[1]
         if req.first_token_s is None:  # a re-admission after retraction keeps its first report
@@ -154,6 +155,41 @@ class Scheduler:
         req.device_pages = pages
         req.shared_len = req.cached_len = len(pages) * self.page_size
         return match.device_len, host_len
+
+    @staticmethod
+    def _count_prefetched(req: Request, hits: tuple[int, int]) -> tuple[int, int]:
+        """Device hits that `prefetch` brought back from host for `req` count as host hits."""
+        if req.prefetched is None:
+            return hits
+        device_before, loaded = req.prefetched
+        req.prefetched = None
+        moved = min(max(hits[0] - device_before, 0), loaded)
+        return hits[0] - moved, hits[1] + moved
+
+    def prefetch(self) -> int:
+        """Starts the load-backs of waiting requests that the next step may admit, so that their
+        copies are queued before this step's forward and overlap it; that step then finds their
+        prefixes on device and needs no layer split. Admits nothing: a request whose prefetched
+        pages are evicted again before it is admitted just matches less. Returns the loads
+        started."""
+        if self.config.cache_mode is not CacheMode.HIERARCHICAL:
+            return 0
+        budget, started = self.config.chunked_prefill_tokens, 0
+        for req in self.waiting:
+            if budget <= 0 or req.pending:
+                break
+            match = self.cache.match(req.tokens, leave_last=True)
+            budget -= req.num_tokens - match.device_len - match.host_len
+            if match.host_len < max(self.config.load_back_threshold, self.page_size):
+                continue
+            self.cache.lock(match.last_device_node)  # the quota must not count this prefix
+            quota = self._load_quota(req, match, max(budget, 1))
+            ticket = self.cache.load_back(match, quota_pages=quota)
+            self.cache.unlock(match.last_device_node)
+            if ticket is not None:
+                req.prefetched = (match.device_len, len(ticket.device_pages) * self.page_size)
+                started += 1
+        return started
 
     def _load_quota(self, req: Request, match: MatchResult, budget: int) -> int:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left

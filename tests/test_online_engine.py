@@ -140,9 +140,10 @@ def _step_until(engine: Engine, request_id: str, condition) -> None:
     raise AssertionError("condition never held")
 
 
-def _host_hit_engine(overlap: bool) -> tuple[Engine, list[int]]:
+def _host_hit_engine(overlap: bool, **overrides: object) -> tuple[Engine, list[int]]:
     """An engine whose 64-token prefix lives only on host."""
-    engine = make_engine(page_size=16, device_kv_tokens=128, host_kv_tokens=1024, overlap_schedule=overlap)
+    engine = make_engine(page_size=16, device_kv_tokens=128, host_kv_tokens=1024, overlap_schedule=overlap,
+                         **overrides)
     prefix = list(range(100, 164))
     engine.generate([prefix], SamplingParams(max_new_tokens=1))
     engine.generate([list(range(200, 290))], SamplingParams(max_new_tokens=1))  # pushes the prefix out
@@ -213,3 +214,24 @@ def test_overlap_feeds_decode_tokens_from_the_device(overlap: bool, monkeypatch:
     engine = make_engine(overlap_schedule=overlap)
     engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=6))
     assert (len(calls) > 0) == overlap
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loads_of_waiting_requests_start_a_step_ahead(overlap: bool) -> None:
+    """A host-hit request that must wait (the running limit is reached) has its load started
+    while it waits; admitted a step later, its prefix is on device: no layer-split step, and its
+    loaded tokens still count as host hits."""
+    # One running slot: the second request waits while the first decodes.
+    engine, prefix = _host_hit_engine(overlap, max_running_requests=1)
+    first = engine.add_request([7, 8, 9], SamplingParams(max_new_tokens=4))
+    engine.step()
+    before = engine.stats()
+    second = engine.add_request(prefix + [1, 2, 3], GREEDY)
+    outs = {o.request_id: o for o in settle(engine) if o.finished}
+    after = engine.stats()
+    assert outs[second].host_hit_tokens == 64 and outs[second].device_hit_tokens == 0
+    assert after.load_back_ops - before.load_back_ops == 1
+    assert after.layered_steps == before.layered_steps  # the prefetched load needed no layer split
+    expected = make_engine().generate([prefix + [1, 2, 3]], GREEDY)[0].token_ids
+    assert outs[second].token_ids == expected and outs[first].finished
+    assert_idle_and_consistent(engine)
