@@ -16,6 +16,7 @@ bench: $(STAMP)
 	$(PY) -m jhicache.bench
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests
 
 # On the GPU machine (preinstalled packages, no venv): the gpu-marked tests, then the bench.

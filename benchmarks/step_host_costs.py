@@ -27,13 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from jhicache.models import init_random, preset_config
 
 from jhicache.batch import Batch, model_inputs
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
 from jhicache.request import Request
 from jhicache.sampling import SamplingParams
-from jhicache.models import init_random, preset_config
 
 PAGE_SIZE = 64
 PREFIX, TURN = 8192, 64

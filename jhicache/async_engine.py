@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine, _prompt_list
 from jhicache.request import RequestOutput

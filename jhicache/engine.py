@@ -17,9 +17,9 @@ import numpy as np
 from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
 from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
 from jhicache.config import CacheMode, EngineConfig, KVDtype
+from jhicache.load_timing import LoadTimeline
 from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 from jhicache.request import Request, RequestOutput
-from jhicache.load_timing import LoadTimeline
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
 from jhicache.stats import EngineStats, StepCounters

@@ -184,7 +184,9 @@ class Scheduler:
                 continue
             self.cache.lock(match.last_device_node)  # the quota must not count this prefix
             quota = self._load_quota(req, match, max(budget, 1))
-            ticket = self.cache.load_back(match, quota_pages=quota)
+            # A prefetch that does not fit now is not tried (nor counted as refused): the
+            # admission that follows decides as before.
+            ticket = self.cache.load_back(match, quota) if match.host_len // self.page_size <= quota else None
             self.cache.unlock(match.last_device_node)
             if ticket is not None:
                 req.prefetched = (match.device_len, len(ticket.device_pages) * self.page_size)

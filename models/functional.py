@@ -30,7 +30,6 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 from jax.tree_util import PyTreeDef
-
 from jhicache.models.metadata import AttentionMetadata
 from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jhicache.models.config import Qwen2Config
 from jhicache.models.metadata import AttentionMetadata
 from jhicache.pallas_kernels.kv_write import write_kv

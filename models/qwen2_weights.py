@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
-
 from jhicache.models.config import Qwen2Config
 from jhicache.models.qwen2 import Qwen2ForCausalLM
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jhicache.pallas_kernels._common import check, check_pages_pair
 from jhicache.pallas_kernels.backend import use_interpreter
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jhicache.pallas_kernels._attention import attend, check_pages_in_range, combine_splits, validate_common
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter

@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jhicache.pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
-
 
 # Path: the Pallas kernel below (method="pallas", the default), because it measured 4-5x faster than an XLA
 # scatter on the donated flat buffer (method="xla", kept as the alternative). H200, jax 0.11.2, 65,536 tokens,
@@ -129,7 +127,7 @@ def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) 
     t = k_new.shape[0]
     check(k_new.shape == (t, *k_pages.shape[2:]), f"k_new shape {k_new.shape} != [T, {k_pages.shape[2:]}]")
     check(v_new.shape == k_new.shape, f"v_new shape {v_new.shape} != k_new shape {k_new.shape}")
-    check(page_table.ndim == 2 and page_table.dtype == np.int32, f"page_table must be int32 [B, max_pages]")
+    check(page_table.ndim == 2 and page_table.dtype == np.int32, "page_table must be int32 [B, max_pages]")
     for name, x in (("token_req", token_req), ("positions", positions)):
         check(x.shape == (t,) and x.dtype == np.int32, f"{name} must be int32 [{t}], got {x.dtype} {x.shape}")
     if all(is_concrete(x) for x in (page_table, token_req, positions)):

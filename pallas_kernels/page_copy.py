@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-
 from jhicache.pallas_kernels._common import check, check_copy_pairs, check_ids, check_pages_pair, is_concrete, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
 

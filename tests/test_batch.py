@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from jhicache.models import metadata_arrays, put_int32
 
 from jhicache.batch import Batch, Chunk, model_inputs
 from jhicache.request import Request
 from jhicache.sampling import SamplingParams
-from jhicache.models import metadata_arrays, put_int32
 
 
 def reference_layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages) -> dict[str, np.ndarray]:

@@ -6,10 +6,10 @@ import dataclasses
 import functools
 
 import pytest
+from jhicache.models import init_random, preset_config
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
-from jhicache.models import init_random, preset_config
 
 SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3, vocab_size=512, seed=7)
 POOL_TOKENS = 384  # working set is 657 tokens: eviction, write-back and load-back must all happen

@@ -7,7 +7,7 @@ import pytest
 from jhicache import Engine, RequestOutput, SamplingParams
 from jhicache.request import RequestStatus
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
-from tests.test_engine import SPEC, assert_idle_and_consistent, make_engine, reference_histories
+from tests.test_engine import assert_idle_and_consistent, make_engine, reference_histories
 
 GREEDY = SamplingParams(max_new_tokens=5)
 

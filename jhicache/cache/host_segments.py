@@ -19,8 +19,8 @@ import numpy as np
 
 from jhicache.cache.device_pool import PoolLayout
 from jhicache.cache.host_pool import HostPool
-from jhicache.config import TransferPath
 from jhicache.cache.invariants import InvariantError
+from jhicache.config import TransferPath
 
 
 class Segment:

@@ -54,7 +54,6 @@ from jhicache.cache.ticket import LayerCopies, LoadMarks, array_ready, block_on,
 from jhicache.cache.transfer import ControllerBase, CopyFns, TransferController, TransferOp, pad_to, pow2_bucket
 from jhicache.pallas_kernels.page_copy import gather_pages_layers, scatter_rows_layers
 
-
 # How many bytes of a load's host->device DMAs are dispatched at launch, before the forward (an
 # 8k-token Qwen2-7B prefix is 470 MB). The rest go out as the forward's waits reach them, behind
 # queued compute (which they then wait for). This bounds what is queued ahead, not device memory:

@@ -34,11 +34,10 @@ from jhicache.cache.host_tier import HostTier
 from jhicache.cache.invariants import check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
-from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.segment_transfer import make_controller
+from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.transfer import CopyFns, TransferKind, TransferOp
 from jhicache.config import WritePolicy
-
 
 _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",
           "evicted_device_tokens", "evicted_host_tokens", "dropped_nodes", "dropped_tokens",

@@ -8,10 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jhicache.cache import InvariantError, TieredCache
-from jhicache.config import TransferPath
-from jhicache.cache import layer_groups
+from jhicache.cache import InvariantError, TieredCache, layer_groups
 from jhicache.cache.segment_transfer import STAGING_BYTES, SegmentLoad, segment_chunks, segment_rows
+from jhicache.config import TransferPath
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 

@@ -15,7 +15,6 @@ from jhicache.cache import Node, TieredCache
 from jhicache.config import TransferPath, WritePolicy
 from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, write_kv
 
-
 BASES = [[b * 100 + i for i in range(12)] for b in range(3)]
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jhicache.cache import TransferController
-from jhicache.config import WritePolicy
 from jhicache.cache.transfer import default_copy_fns
+from jhicache.config import WritePolicy
 from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from jhicache.pallas_kernels.kv_write import write_kv, write_kv_reference
+
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import poisoned, rand, same
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from jhicache.pallas_kernels import page_copy as pc
+
 from tests.kernels.helpers import pinned, poisoned, rand, same
 
 DTYPES = [np.float32, jnp.bfloat16]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import chex
 import jax.numpy as jnp
@@ -11,10 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import importlib
-
 pa = importlib.import_module("jhicache.pallas_kernels.paged_attention")  # the package re-exports a function of that name
 from jhicache.pallas_kernels._attention import NEG
+
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import rand
 

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from jhicache.pallas_kernels.slots import (
     alloc_decode_reference,
     alloc_decode_slots,

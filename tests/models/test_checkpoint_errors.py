@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jhicache.models import load_pretrained
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from jhicache.models import load_pretrained
 from tests.models.numpy_reference import random_hf_weights, small_hf_config, write_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from jhicache.models import Qwen2Config
+
 from tests.models.numpy_reference import small_hf_config
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -10,10 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from jhicache.models import (
-    ModelPrograms, build_metadata, forward_apply, init_kv_pages, load_pretrained, pack_tokens,
+    ModelPrograms,
+    build_metadata,
+    forward_apply,
+    init_kv_pages,
+    load_pretrained,
+    pack_tokens,
 )
+
 from tests.models.numpy_reference import random_hf_weights, reference_logits, small_hf_config, write_hf_checkpoint
 
 PAGE_SIZE = 4

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jhicache.models import Qwen2Config, init_random, load_pretrained, preset_config, save_checkpoint
 from safetensors.numpy import load_file, save_file
 
-from jhicache.models import Qwen2Config, init_random, load_pretrained, preset_config, save_checkpoint
 from tests.models.numpy_reference import random_hf_weights, small_hf_config, write_hf_checkpoint
 
 
