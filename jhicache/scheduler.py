@@ -180,13 +180,16 @@ class Scheduler:
                 break
             match = self.cache.match(req.tokens, leave_last=True)
             budget -= req.num_tokens - match.device_len - match.host_len
-            if match.host_len < max(self.config.load_back_threshold, self.page_size):
+            # Once per request: pages evicted again before it is admitted are not reloaded.
+            small = match.host_len < max(self.config.load_back_threshold, self.page_size)
+            if req.prefetched is not None or small:
                 continue
             self.cache.lock(match.last_device_node)  # the quota must not count this prefix
             quota = self._load_quota(req, match, max(budget, 1))
             # A prefetch that does not fit now is not tried (nor counted as refused): the
             # admission that follows decides as before.
-            ticket = self.cache.load_back(match, quota) if match.host_len // self.page_size <= quota else None
+            fits = match.host_len // self.page_size <= quota
+            ticket = self.cache.load_back(match, quota) if fits else None
             self.cache.unlock(match.last_device_node)
             if ticket is not None:
                 req.prefetched = (match.device_len, len(ticket.device_pages) * self.page_size)
