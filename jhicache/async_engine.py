@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 from jhicache.config import EngineConfig
-from jhicache.engine import Engine, _prompt_list
+from jhicache.engine import Engine, prompt_arrays
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
 
@@ -164,7 +164,7 @@ class AsyncEngine:
         order, `new_token_ids` holding every generated token (as `Engine.generate`). All are
         validated together: a bad one raises `ValueError` and none is queued. Cancelling the
         call aborts its requests. Only final outputs cross threads (vLLM's FINAL_ONLY)."""
-        tokens = _prompt_list(prompts)
+        tokens = prompt_arrays(prompts)
         per_prompt = Engine._per_prompt_params(tokens, params)
         if not tokens:
             return []

@@ -124,7 +124,7 @@ class Engine:
         (their pages freed, nothing left queued) and the cache stays intact. Calls from several
         threads are serialised: one runs at a time."""
         with self._lock:
-            prompts = _prompt_list(prompts)
+            prompts = prompt_arrays(prompts)
             per_prompt = self._per_prompt_params(prompts, params)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
                 self._validate(f"prompt {i}", prompt, p)
@@ -320,7 +320,7 @@ def _default_device_tokens(token_bytes: int, fraction: float) -> int:
     return max(int(free * fraction) // token_bytes, 1024)
 
 
-def _prompt_list(prompts: object) -> list[np.ndarray]:
+def prompt_arrays(prompts: object) -> list[np.ndarray]:
     """`prompts` as a list of 1-D int64 token arrays; a clear error for anything else, above
     all a single flat prompt where a list of prompts is expected."""
     flat_hint = "; for one prompt, pass [prompt]"
