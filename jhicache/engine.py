@@ -159,7 +159,8 @@ class Engine:
         in_flight = self._in_flight is not None
         batch = self.scheduler.schedule(may_retract=not in_flight)
         outputs: list[RequestOutput] = []
-        if batch is None and in_flight:
+        ended_early = batch is None and in_flight
+        if ended_early:
             # The step in flight may finish requests and free their pages: commit it first.
             outputs = self._end(self._take_in_flight())
             self.cache.poll()
@@ -174,7 +175,7 @@ class Engine:
             ending = launched
         if ending is not None:
             outputs += self._end(ending)
-        self._note_progress(launched is not None or ending is not None or bool(outputs))
+        self._note_progress(launched is not None or ending is not None or ended_early)
         return outputs
 
     def _launch(self, batch: Batch) -> _Launched:
