@@ -53,8 +53,8 @@ class Scheduler:
         another being retracted."""
         batch = self._prefill_batch() or self._decode_batch(may_retract)
         if batch is None:
-            blocked = [r for r in self.running if not self._last_token_dispatched(r)]
-            if blocked and may_retract:
+            blocked = [r for r in self.running if not self._last_token_dispatched(r)] if may_retract else []
+            if blocked:
                 # Nothing could run (prefills without pages, or decoders that retracted
                 # themselves): free the newest running request's pages so the others can move.
                 self.retract(blocked[-1])
@@ -308,12 +308,12 @@ class Scheduler:
 
     def _settle(self, req: Request, kv_len: int) -> None:
         """Inserts the full pages of `req`'s first `kv_len` tokens into the cache, frees the
-        rest and unlocks its prefix."""
+        rest and unlocks its prefix (`kv_len` >= `shared_len`: the shared prefix is computed)."""
         full_pages = kv_len // self.page_size
         known = self.cache.insert(req.tokens[: full_pages * self.page_size], req.device_pages[:full_pages])
         shared_pages = req.shared_len // self.page_size
-        duplicates = req.device_pages[shared_pages: max(shared_pages, known // self.page_size)]
-        self.cache.free_device(duplicates + req.device_pages[max(full_pages, shared_pages):])
+        duplicates = req.device_pages[shared_pages: known // self.page_size]
+        self.cache.free_device(duplicates + req.device_pages[full_pages:])
         self.cache.unlock(req.cache_handle)
         req.device_pages, req.cache_handle = [], None
 
