@@ -1,0 +1,209 @@
+"""CudaDriver: the CUDA driver calls the host tier's copies need (streams, events, batched async
+copies, pinned host memory), reached through ctypes, so nothing is compiled and the package
+installs where there is no CUDA at all.
+
+Why the driver and not XLA: a pinned_host-to-device `device_put` waits for the compute queued
+before it and spreads whole-array copies over four streams, so layer copies land out of order
+and late; copies issued here run on a stream of our own, in the order issued, beside XLA's
+compute. The price is that JAX does not see them: the caller must fence every page it copies
+into or out of (see `jhicache.cache.native_transfer`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+_STREAM_NON_BLOCKING = 0x1
+_EVENT_DISABLE_TIMING = 0x2
+_HOST_REGISTER_PORTABLE = 0x1
+_ACCESS_ORDER_STREAM = 0x1  # CUmemcpySrcAccessOrder: the source may change once the stream moves on
+_LOCATION_DEVICE, _LOCATION_HOST = 1, 2
+_PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CUmemcpyFlags: use a copy engine, not the SMs
+_BATCH_ABI = 13000  # cuMemcpyBatchAsync as of CUDA 13 (no failIdx argument)
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error string."""
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CopyAttributes(ctypes.Structure):
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_hint", _Location),
+                ("dst_loc_hint", _Location), ("flags", ctypes.c_uint)]
+
+
+def load_library() -> ctypes.CDLL | None:
+    """libcuda, or None where there is no NVIDIA driver (the CPU machines)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+class CudaDriver:
+    """One device's primary context (the one XLA uses, so its buffer addresses are valid here),
+    with typed wrappers over the calls this package makes."""
+
+    def __init__(self, lib: ctypes.CDLL, device_ordinal: int = 0) -> None:
+        self._lib = lib
+        self._check("cuInit", lib.cuInit(0))
+        device = ctypes.c_int()
+        self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_ordinal))
+        self._ctx = ctypes.c_void_p()
+        self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), device))
+        self._bound = threading.local()  # a context is current per thread: bind it once in each
+        self._batch = self._batch_function()
+        self._bind()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _check(self, call: str, result: int) -> None:
+        if result != CUDA_SUCCESS:
+            text = ctypes.c_char_p()
+            self._lib.cuGetErrorString(result, ctypes.byref(text))
+            name = text.value.decode() if text.value else "unknown error"
+            raise CudaError(f"{call} failed: {name} ({result})")
+
+    def _bind(self) -> None:
+        if not getattr(self._bound, "done", False):
+            self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(self._ctx))
+            self._bound.done = True
+
+    def _batch_function(self) -> ctypes._CFuncPtr | None:
+        """cuMemcpyBatchAsync at the CUDA 13 ABI, or None if this driver is older."""
+        pfn, status = ctypes.c_void_p(), ctypes.c_int()
+        get = getattr(self._lib, "cuGetProcAddress_v2", None)
+        if get is None or get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), _BATCH_ABI, 0,
+                              ctypes.byref(status)) != CUDA_SUCCESS or not pfn.value:
+            return None
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                 ctypes.c_void_p)
+        return proto(pfn.value)
+
+    @property
+    def has_batch_copy(self) -> bool:
+        return self._batch is not None
+
+    # -- streams and events --------------------------------------------------------------------
+
+    def stream(self, priority: int = 0) -> int:
+        """A non-blocking stream (it never syncs with the legacy default stream)."""
+        self._bind()
+        handle = ctypes.c_void_p()
+        self._check("cuStreamCreateWithPriority", self._lib.cuStreamCreateWithPriority(
+            ctypes.byref(handle), _STREAM_NON_BLOCKING, priority))
+        return handle.value or 0
+
+    def priority_range(self) -> tuple[int, int]:
+        """(least, greatest) stream priority; a greater priority is a smaller number."""
+        least, greatest = ctypes.c_int(), ctypes.c_int()
+        self._check("cuCtxGetStreamPriorityRange", self._lib.cuCtxGetStreamPriorityRange(
+            ctypes.byref(least), ctypes.byref(greatest)))
+        return least.value, greatest.value
+
+    def event(self, timing: bool = False) -> int:
+        self._bind()
+        handle = ctypes.c_void_p()
+        flags = 0 if timing else _EVENT_DISABLE_TIMING
+        self._check("cuEventCreate", self._lib.cuEventCreate(ctypes.byref(handle), flags))
+        return handle.value or 0
+
+    def record(self, event: int, stream: int) -> None:
+        self._bind()
+        self._check("cuEventRecord", self._lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)))
+
+    def query(self, event: int) -> bool:
+        """Non-blocking: has everything before the event's record finished?"""
+        self._bind()
+        result = self._lib.cuEventQuery(ctypes.c_void_p(event))
+        if result == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuEventQuery", result)
+        return True
+
+    def synchronize(self, event: int) -> None:
+        self._bind()
+        self._check("cuEventSynchronize", self._lib.cuEventSynchronize(ctypes.c_void_p(event)))
+
+    def stream_wait(self, stream: int, event: int) -> None:
+        """Work queued on `stream` from now on starts after `event` (another stream's) completes."""
+        self._bind()
+        self._check("cuStreamWaitEvent", self._lib.cuStreamWaitEvent(
+            ctypes.c_void_p(stream), ctypes.c_void_p(event), 0))
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds between two completed timing events."""
+        ms = ctypes.c_float()
+        fn = getattr(self._lib, "cuEventElapsedTime_v2", None) or self._lib.cuEventElapsedTime
+        self._check("cuEventElapsedTime", fn(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)))
+        return ms.value
+
+    def destroy_event(self, event: int) -> None:
+        self._check("cuEventDestroy", self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)))
+
+    # -- copies --------------------------------------------------------------------------------
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+             to_device: bool) -> None:
+        """Queues copies `srcs[i] -> dsts[i]` of `sizes[i]` bytes on `stream`, in order.
+
+        One batched call where the driver has it (CUDA 12.8+), else one call per copy."""
+        self._bind()
+        count = len(sizes)
+        if count == 0:
+            return
+        if self._batch is not None:
+            self._copy_batch(dsts, srcs, sizes, stream, to_device)
+            return
+        fn = self._lib.cuMemcpyHtoDAsync_v2 if to_device else self._lib.cuMemcpyDtoHAsync_v2
+        for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            self._check("cuMemcpyAsync", fn(ctypes.c_uint64(dst), ctypes.c_uint64(src),
+                                            ctypes.c_size_t(size), ctypes.c_void_p(stream)))
+
+    def _copy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+                    to_device: bool) -> None:
+        src_type, dst_type = (_LOCATION_HOST, _LOCATION_DEVICE) if to_device else (_LOCATION_DEVICE, _LOCATION_HOST)
+        attrs = _CopyAttributes(_ACCESS_ORDER_STREAM, _Location(src_type, 0), _Location(dst_type, 0),
+                                _PREFER_OVERLAP_WITH_COMPUTE)
+        dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
+        index = (ctypes.c_size_t * 1)(0)  # one attribute set for the whole batch, from copy 0 on
+        self._check("cuMemcpyBatchAsync", self._batch(
+            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+            ctypes.byref(attrs), index, 1, ctypes.c_void_p(stream)))
+
+    # -- pinned host memory --------------------------------------------------------------------
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Pins (page-locks) an existing host allocation and maps it for the device."""
+        self._bind()
+        self._check("cuMemHostRegister", self._lib.cuMemHostRegister_v2(
+            ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _HOST_REGISTER_PORTABLE))
+
+    def unregister(self, address: int) -> None:
+        self._bind()
+        self._check("cuMemHostUnregister", self._lib.cuMemHostUnregister(ctypes.c_void_p(address)))
+
+    def host_alloc(self, nbytes: int) -> int:
+        """cuMemHostAlloc: pinned memory allocated by the driver (compared against register)."""
+        self._bind()
+        ptr = ctypes.c_void_p()
+        self._check("cuMemHostAlloc", self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                                                               _HOST_REGISTER_PORTABLE))
+        return ptr.value or 0
+
+    def free_host(self, address: int) -> None:
+        self._check("cuMemFreeHost", self._lib.cuMemFreeHost(ctypes.c_void_p(address)))
+
+
+def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.uint64)
