@@ -20,7 +20,6 @@ _EXPORTS = {
     "KVDtype": "jhicache.config",
     "RequestOutput": "jhicache.request",
     "SamplingParams": "jhicache.sampling",
-    "TransferPath": "jhicache.config",
     "WritePolicy": "jhicache.config",
 }
 __all__ = sorted(_EXPORTS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jhicache.pallas_kernels as pk
-from jhicache.pallas_kernels import page_copy as pc
+from jhicache.cache import DevicePool, HostPool, PoolLayout, TransferController, make_copier
 
 SHAPES = {"qwen2-0.5b": dict(layers=24, kv_heads=2, dim=64, heads=14),
           "qwen2-7b": dict(layers=28, kv_heads=4, dim=128, heads=28)}
@@ -61,70 +62,35 @@ def ceilings(res: dict) -> None:
 
 
 def transfers(res: dict, layers=24, kv_heads=2, dim=64, n=512, host_pages=2048, dev_pages=1024) -> None:
-    dev, host = _shardings()
-    shape = (PAGE, kv_heads, dim)
-    hk = [_rand(l, (host_pages, *shape), sharding=host) for l in range(layers)]
-    hv = [_rand(100 + l, (host_pages, *shape), sharding=host) for l in range(layers)]
-    dk = [jnp.zeros((dev_pages, *shape), DT) for _ in range(layers)]
-    dv = [jnp.zeros((dev_pages, *shape), DT) for _ in range(layers)]
+    """The host tier's own copies (TransferController over the platform's copier): write-back
+    (gather + device->host) and load-back (host->device, layer by layer) of `n` scattered pages."""
+    layout = PoolLayout(layers, dev_pages + 1, PAGE, kv_heads, dim, DT)
+    device = DevicePool(layout)
+    for l in range(layers):
+        device.set_layer(l, _rand(l, layout.page_shape), _rand(100 + l, layout.page_shape))
+    copier, driver = make_copier(jax.default_backend())
+    host = HostPool(dataclasses.replace(layout, num_pages=host_pages), driver)
+    ctl = TransferController(device, host, copier)
     rng = np.random.default_rng(0)
-    hid = jnp.asarray(rng.permutation(host_pages)[:n].astype(np.int32))
-    did = jnp.asarray(rng.permutation(dev_pages)[:n].astype(np.int32))
-    nbytes = 2 * layers * n * PAGE * kv_heads * dim * 2
+    hid = rng.permutation(host_pages)[:n].tolist()
+    did = (rng.permutation(dev_pages)[:n] + 1).tolist()
+    nbytes = n * layout.page_bytes
     res["transfer_bytes"] = nbytes
-    box = {"dk": dk, "dv": dv, "hk": hk, "hv": hv}
 
-    def load_per_layer(num_programs=64):
-        for l in range(layers):
-            box["dk"][l], box["dv"][l] = pc.load_pages(hk[l], hv[l], box["dk"][l], box["dv"][l], hid, did,
-                                                       num_programs=num_programs)
-        return box["dk"] + box["dv"]
+    def write_back():
+        ctl.queue_write_back(did, hid)
+        ctl.flush()
 
-    def load_all(num_programs=64):
-        box["dk"], box["dv"] = map(list, pc.load_pages_layers(hk, hv, box["dk"], box["dv"], hid, did,
-                                                               num_programs=num_programs))
-        return box["dk"] + box["dv"]
+    def load_back():
+        ticket = ctl.queue_load_back(hid, did)
+        ctl.launch()
+        ticket.wait_all()
+        ctl.poll()
 
-    stage = [_rand(200 + l, (2, n, *shape), sharding=host) for l in range(layers)]
-
-    def load_staging():
-        for l in range(layers):
-            on_dev = jax.device_put(stage[l], dev)
-            box["dk"][l], box["dv"][l] = pc.scatter_pages_layers([box["dk"][l], box["dv"][l]], on_dev, did)
-        return box["dk"] + box["dv"]
-
-    def put_only():
-        return [jax.device_put(s, dev) for s in stage]
-
-    paths = {"zero_copy_per_layer_p64": load_per_layer, "zero_copy_per_layer_p16": lambda: load_per_layer(16),
-             "zero_copy_per_layer_p256": lambda: load_per_layer(256), "zero_copy_all_layers_p64": load_all,
-             "zero_copy_all_layers_p256": lambda: load_all(256),
-             "staging_device_put_plus_scatter": load_staging, "staging_device_put_only": put_only}
-    res["load_paths_gbps"] = {k: _safe(lambda f=f: nbytes / timeit(f) / GB) for k, f in paths.items()}
-
-    def wb_per_layer(num_programs=64):
-        for l in range(layers):
-            box["hk"][l], box["hv"][l] = pc.write_back_pages(box["dk"][l], box["dv"][l],
-                                                             box["hk"][l], box["hv"][l], did, hid,
-                                                             num_programs=num_programs)
-        return box["hk"] + box["hv"]
-
-    def wb_all(num_programs=64):
-        box["hk"], box["hv"] = map(list, pc.write_back_pages_layers(box["dk"], box["dv"], box["hk"], box["hv"],
-                                                                     did, hid, num_programs=num_programs))
-        return box["hk"] + box["hv"]
-
-    def wb_staging():
-        return [jax.device_put(pc.gather_pages_layers([box["dk"][l], box["dv"][l]], did), host)
-                for l in range(layers)]
-
-    paths = {"zero_copy_per_layer_p64": wb_per_layer, "zero_copy_per_layer_p256": lambda: wb_per_layer(256),
-             "zero_copy_all_layers_p64": wb_all, "zero_copy_all_layers_p256": lambda: wb_all(256),
-             "staging_gather_plus_device_put": wb_staging}
-    res["writeback_paths_gbps"] = {k: _safe(lambda f=f: nbytes / timeit(f) / GB) for k, f in paths.items()}
-    res["load_gbps"] = max(v for k, v in res["load_paths_gbps"].items() if isinstance(v, float)
-                           and k != "staging_device_put_only")  # a load must place the pages
-    res["writeback_gbps"] = max(v for v in res["writeback_paths_gbps"].values() if isinstance(v, float))
+    res["writeback_gbps"] = nbytes / timeit(write_back) / GB
+    res["load_gbps"] = nbytes / timeit(load_back) / GB
+    res["transfer_note"] = "end to end, scattered pages; compare pcie_h2d_gbps / pcie_d2h_gbps"
+    host.close()
 
 
 def _safe(fn):

@@ -24,17 +24,6 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
 
 
-class TransferPath(enum.Enum):
-    """How the host tier is laid out and how pages move between the tiers."""
-
-    # One preallocated [pages, S, H, D] pinned_host array per layer and K/V; Pallas kernels read
-    # and write it in place (zero-copy) on the compute stream: simple, but loads are not hidden.
-    PAGES = "pages"
-    # Per write-back launch, one [2, n, S, H, D] pinned_host array per layer (a "segment"); loads
-    # are copy-engine DMAs of whole segments plus an on-device scatter, overlapping the forward.
-    SEGMENTS = "segments"
-
-
 class KVDtype(enum.Enum):
     """Storage dtype of weights and KV pages."""
 
@@ -94,13 +83,10 @@ class EngineConfig:
       chunked_prefill_tokens: most new prompt tokens computed in one prefill step.
       load_back_threshold: host runs shorter than this many tokens are recomputed, not loaded.
       host_to_device_ratio: host pool size as a multiple (> 1) of the device pool's, when
-        host_kv_tokens is None.
+        host_kv_tokens is None; capped at 80% of the host memory available, since the whole
+        host pool is allocated and pinned when the engine starts.
       device_memory_fraction: share of free device memory the default device pool takes.
       check_invariants_every_step: debug flag: page accounting is verified after each step.
-      transfer_path: host tier layout and copy path: "pages" (zero-copy Pallas kernels over a
-        paged host pool; compute stream) or "segments" (host segments moved by copy-engine DMA
-        one layer ahead of the forward, see jhicache/cache/segment_transfer.py; the default:
-        it loaded an 8k-token prefix faster on the H200, see BENCHMARKS.md).
       overlap_schedule: plan and dispatch step N+1 while step N runs on the device, feeding
         its sampled tokens on the device (False: the lock-step loop, for debugging).
     """
@@ -118,7 +104,6 @@ class EngineConfig:
     host_to_device_ratio: float = 4.0
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
-    transfer_path: TransferPath | str = TransferPath.SEGMENTS
     overlap_schedule: bool = True
 
     def __post_init__(self) -> None:
@@ -126,7 +111,6 @@ class EngineConfig:
         fix("cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))
         fix("write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
         fix("dtype", _as_enum(KVDtype, self.dtype, "dtype"))
-        fix("transfer_path", _as_enum(TransferPath, self.transfer_path, "transfer_path"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens"):
             fix(field, _int(field, getattr(self, field), 1))

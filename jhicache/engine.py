@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
-from jhicache.cache import RESERVED_PAGES, DevicePool, PoolLayout, TieredCache, make_host_pool
+from jhicache.cache import RESERVED_PAGES, DevicePool, HostPool, PoolLayout, TieredCache, make_copier
+from jhicache.cache.host_memory import available_bytes
 from jhicache.config import CacheMode, EngineConfig, KVDtype
-from jhicache.load_timing import LoadTimeline
 from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
@@ -39,13 +39,14 @@ class Engine:
         self.config = config
         layout = self._device_layout(model.config, config)
         self.device_pool = DevicePool(layout)
-        host_pool = None
+        host_pool, copier = None, None
         if config.cache_mode is CacheMode.HIERARCHICAL:
-            host_tokens = config.host_tokens_for((layout.num_pages - RESERVED_PAGES) * config.page_size)
-            host_layout = PoolLayout(**{**layout.__dict__, "num_pages": host_tokens // config.page_size})
-            host_pool = make_host_pool(host_layout, config.transfer_path)
+            host_tokens = self._host_tokens(layout, config)
+            host_layout = dataclasses.replace(layout, num_pages=host_tokens // config.page_size)
+            copier, driver = make_copier(self.device_pool.device.platform)
+            host_pool = HostPool(host_layout, driver)  # pinned once, for its whole size
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
-                                 config.load_back_threshold, config.write_through_threshold)
+                                 config.load_back_threshold, config.write_through_threshold, copier)
         from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
 
         self.scheduler = Scheduler(config, self.cache)
@@ -75,6 +76,17 @@ class Engine:
         return PoolLayout(num_layers=model.num_hidden_layers, num_pages=tokens // config.page_size + 1,
                           page_size=config.page_size, num_kv_heads=model.num_key_value_heads,
                           head_dim=model.head_dim, dtype=dtype)
+
+    @staticmethod
+    def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
+        """The host pool's tokens: `host_kv_tokens`, or the ratio's share capped at 80% of the host
+        memory available now (the whole pool is pinned at start)."""
+        device_tokens = (layout.num_pages - RESERVED_PAGES) * config.page_size
+        available = available_bytes()
+        if config.host_kv_tokens is None and available is not None:
+            cap = int(0.8 * available) // layout.page_bytes * config.page_size
+            config = dataclasses.replace(config, host_kv_tokens=min(config.host_tokens_for(device_tokens), cap))
+        return config.host_tokens_for(device_tokens)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -168,7 +180,6 @@ class Engine:
         self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
         self.cache.launch()  # write-backs and load-backs queued by the scheduler start now
         launched = self._launch(batch) if batch is not None else None
-        self.cache.drive_loads()  # loads of requests that were not admitted: none stays half-loaded
         if self.config.overlap_schedule:
             ending, self._in_flight = self._take_in_flight(), launched
         else:
@@ -186,19 +197,19 @@ class Engine:
             assert self._in_flight is not None
             tokens = patch_tokens(tokens, *inputs.patches, self._in_flight.sampled)
         start = time.perf_counter()
-        logits, load_wait_s, timeline = self.runner.run(tokens, inputs.meta, inputs.last_index, batch.tickets)
+        forward = self.runner.run(tokens, inputs.meta, inputs.last_index, batch.tickets)
+        logits = forward.logits
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples:
                 chunk.request.pending_row = row
-        return _Launched(batch, sampled, start, load_wait_s, timeline)
+        return _Launched(batch, sampled, start, forward.load_wait_s, forward.layered)
 
     def _end(self, step: _Launched) -> list[RequestOutput]:
         """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
         ids = np.asarray(step.sampled)
-        timing = step.timeline.measure() if step.timeline else None
         now = time.perf_counter()
-        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s, timing)
+        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s, step.layered)
         gained = self.scheduler.commit(step.batch, ids, now)
         finished = [r for r in gained if r.finished]
         self.counters.record_finished(finished)
@@ -310,7 +321,7 @@ class _Launched(NamedTuple):
     sampled: jax.Array  # [B] int32, on the device
     dispatched_s: float
     load_wait_s: float
-    timeline: LoadTimeline | None
+    layered: bool  # run layer group by layer group, waiting for loads
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:

@@ -1,16 +1,13 @@
 """ModelRunner: runs one batch through the model over the device KV pages, fused or layer by layer.
 
-Without a load-back in flight the whole model runs as one jitted program (one dispatch per step).
-With one, the forward runs in layer groups (`layer_groups`: 1, 2, then 4 layers per program) and
-syncs with a group's pages at exactly one place, `ticket.wait(layer)` in `_layered`, before
-dispatching the group. On the pages path that blocks the host until the (already dispatched) copy
-is done; on the segments path the DMAs were queued at launch (as far as the staging budget allows)
-and it dispatches this group's on-device scatter without blocking, so the copies overlap the
-compute of earlier groups and the scatter's outputs are this group's inputs
-(`jhicache.cache.segment_transfer`). The KV
-arrays are donated to each program and the pool is given the returned arrays at once, so the pool
-always holds the newest version (the transfer controllers rely on that for ordering, see
-`jhicache.cache.transfer`).
+When every page the batch reads is on device the whole model runs as one jitted program (one
+dispatch per step). While a load-back into its pages is still landing, the forward runs in layer
+groups (`layer_groups`: 1, 2, then 4 layers per program) and waits for a group's pages at
+exactly one place, `ticket.wait(layer)` in `_layered`, before dispatching the group: the host
+blocks until the copies of that layer (issued in layer order on a copy stream of their own)
+have landed, while the device computes the groups already dispatched. The KV arrays are donated
+to each program and the pool is given the returned arrays at once, so the pool always holds the
+newest version (the transfer controller relies on that, see `jhicache.cache.transfer`).
 """
 
 from __future__ import annotations
@@ -21,15 +18,13 @@ from typing import NamedTuple
 import jax
 
 from jhicache.cache import DevicePool, LoadTicket, layer_groups
-from jhicache.cache.ticket import LoadMarks
-from jhicache.load_timing import LoadTimeline
 from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 
 
 class ForwardResult(NamedTuple):
     logits: jax.Array  # [B, vocab] float32
-    load_wait_s: float  # host time spent in ticket.wait (blocked, or dispatching on the segments path)
-    timeline: LoadTimeline | None  # layer-split steps: `measure()` once the step is dispatched
+    load_wait_s: float  # host time blocked in ticket.wait
+    layered: bool  # run layer group by layer group around loads still landing
 
 
 class ModelRunner:
@@ -39,41 +34,37 @@ class ModelRunner:
         self.programs = ModelPrograms(model)
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
-        self.groups = layer_groups(self.num_layers)  # the granularity segment loads are dispatched at too
+        self.groups = layer_groups(self.num_layers)
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
             tickets: tuple[LoadTicket, ...]) -> ForwardResult:
         """Logits of the rows `last_index`; KV pages updated in the pool."""
-        if not tickets:
-            return ForwardResult(self._fused(tokens, meta, last_index), 0.0, None)
-        return self._layered(tokens, meta, last_index, tickets)
+        landing = tuple(t for t in tickets if not t.done())
+        if not landing:
+            logits, waited = self._fused(tokens, meta, last_index), 0.0
+        else:
+            logits, waited = self._layered(tokens, meta, last_index, landing)
+        self.pool.last_compute = logits  # pages freed from now on are fenced on this forward
+        return ForwardResult(logits, waited, bool(landing))
 
     def _fused(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
-        logits, new_k, new_v = self.programs.fused(tuple(self.pool.k), tuple(self.pool.v), tokens, meta, last_index)
+        logits, new_k, new_v = self.programs.fused(tuple(self.pool.k), tuple(self.pool.v), tokens, meta,
+                                                   last_index)
         for layer in range(self.num_layers):
             self.pool.set_layer(layer, new_k[layer], new_v[layer])
         return logits
 
     def _layered(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
-                 tickets: tuple[LoadTicket, ...]) -> ForwardResult:
+                 tickets: tuple[LoadTicket, ...]) -> tuple[jax.Array, float]:
         hidden = self.programs.embed(tokens)
-        timeline = LoadTimeline(min((t.launched_at for t in tickets), default=time.perf_counter()), hidden)
         waited = 0.0
         for group in self.groups:
             start = time.perf_counter()
             for ticket in tickets:
-                for layer in group:
-                    ticket.wait(layer)  # the one place a forward syncs with loaded pages
+                ticket.wait(group[-1])  # the one place a forward syncs with loaded pages
             waited += time.perf_counter() - start
             hidden, ks, vs = self.programs.layers(group, hidden, tuple(self.pool.k[i] for i in group),
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)
-            timeline.add_group(_marks(tickets, group), hidden)
-        return ForwardResult(self.programs.head(hidden, last_index), waited, timeline)
-
-
-def _marks(tickets: tuple[LoadTicket, ...], group: range) -> list[LoadMarks]:
-    """What times `group`'s loads, once per load (tickets may share one)."""
-    marks = {id(m.placed): m for m in (t.marks(layer) for t in tickets for layer in group) if m is not None}
-    return list(marks.values())
+        return self.programs.head(hidden, last_index), waited

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 from jhicache.batch import Batch
-from jhicache.load_timing import LoadTiming
 from jhicache.request import Request
 
 
@@ -24,11 +23,9 @@ class StepCounters:
     prefill_forward_s: float = 0.0
     decode_forward_s: float = 0.0
     layered_forward_s: float = 0.0
-    load_wait_s: float = 0.0  # host time in ticket.wait: blocked (pages path) or dispatching (segments)
-    load_back_s: float = 0.0  # per layer-split step: first load launched -> last copy landed (segments)
-    load_exposed_s: float = 0.0  # compute stream waiting for or placing loaded pages (a lower bound, see LoadTimeline)
+    load_wait_s: float = 0.0  # host time blocked in ticket.wait, waiting for loaded layers to land
 
-    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float, timing: LoadTiming | None) -> None:
+    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float, layered: bool) -> None:
         if batch.is_decode:
             self.decode_forward_s += seconds
             self.decode_steps += 1
@@ -37,13 +34,10 @@ class StepCounters:
         self.prefill_forward_s += seconds
         self.prefill_steps += 1
         self.computed_prompt_tokens += batch.num_tokens
-        if batch.tickets:
+        if layered:
             self.layered_steps += 1
             self.layered_forward_s += seconds
             self.load_wait_s += load_wait_s
-        if timing is not None:
-            self.load_back_s += timing.load_s
-            self.load_exposed_s += timing.exposed_s
 
     def record_finished(self, finished: list[Request]) -> None:
         self.finished_requests += len(finished)
@@ -69,19 +63,15 @@ class EngineStats:
     decode_forward_s: float = 0.0
     layered_forward_s: float = 0.0
     load_wait_s: float = 0.0
-    load_back_s: float = 0.0
-    load_exposed_s: float = 0.0
     # scheduler: prompt tokens served by each tier, requests retracted under page pressure
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     retracted_requests: int = 0
-    # transfers between the tiers (bytes: pages moved; moved_bytes: with padding)
+    # transfers between the tiers (bytes of the pages copied; timing is the benchmarks' job)
     write_back_ops: int = 0
     write_back_bytes: int = 0
-    write_back_s: float = 0.0  # launch to first seen done, summed (a lower bound on copy speed)
     load_back_ops: int = 0
     load_back_bytes: int = 0
-    load_back_moved_bytes: int = 0
     # evictions and what they cost
     evicted_device_tokens: int = 0
     evicted_host_tokens: int = 0
@@ -100,7 +90,6 @@ class EngineStats:
     protected_tokens: int = 0
     host_free_pages: int = 0
     loads_in_flight: int = 0
-    host_segments: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -1,16 +1,7 @@
-"""Pallas kernels for paged KV: attention, KV write, slot allocation and page transfers between tiers."""
+"""Pallas kernels for paged KV: attention, KV write, slot allocation and the page gather."""
 
 from jhicache.pallas_kernels.kv_write import write_kv
-from jhicache.pallas_kernels.page_copy import (
-    gather_pages,
-    gather_pages_layers,
-    load_pages,
-    load_pages_layers,
-    scatter_pages,
-    scatter_pages_layers,
-    write_back_pages,
-    write_back_pages_layers,
-)
+from jhicache.pallas_kernels.page_copy import gather_pages, gather_pages_layers
 from jhicache.pallas_kernels.paged_attention import paged_attention, paged_decode_attention
 from jhicache.pallas_kernels.slots import alloc_decode_slots, alloc_extend_slots
 
@@ -19,13 +10,7 @@ __all__ = [
     "alloc_extend_slots",
     "gather_pages",
     "gather_pages_layers",
-    "load_pages",
-    "load_pages_layers",
     "paged_attention",
     "paged_decode_attention",
-    "scatter_pages",
-    "scatter_pages_layers",
-    "write_back_pages",
-    "write_back_pages_layers",
     "write_kv",
 ]

@@ -42,16 +42,3 @@ def check_ids(name: str, ids: jax.Array, limit: int, *, length: int | None = Non
     bad = values[(values < 0) | (values >= limit)]
     check(bad.size == 0, f"{name}: page ids out of range [0, {limit}): {bad[:8].tolist()}")
     check(not unique or np.unique(values).size == values.size, f"{name}: repeated destination page ids")
-
-
-def check_copy_pairs(src_ids: jax.Array, dst_ids: jax.Array) -> None:
-    """Each destination page must receive one source page; an identical pair may repeat (padding).
-
-    O(n) with no sort: it runs for every layer of every transfer, on the dispatch path."""
-    if not (is_concrete(src_ids) and is_concrete(dst_ids)) or dst_ids.shape[0] == 0:
-        return
-    src, dst = np.asarray(src_ids), np.asarray(dst_ids)
-    source_of = np.empty(int(dst.max()) + 1, src.dtype)
-    source_of[dst] = src  # with repeats, one of the sources wins; any other differs from it
-    check(bool((source_of[dst] == src).all()),
-          "destination page ids: a page is the destination of two different source pages")

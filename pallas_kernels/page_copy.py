@@ -1,4 +1,4 @@
-"""Page transfers between tiers (host <-> device) and on-device page gather/scatter, K and V."""
+"""On-device page gather: the staging copy a write-back reads, in one launch for K and V."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jhicache.pallas_kernels._common import check, check_copy_pairs, check_ids, check_pages_pair, is_concrete, row_chunk
+from jhicache.pallas_kernels._common import check, check_ids, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
 
 Arrays = tuple[jax.Array, ...]
@@ -70,97 +70,7 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1)
 
 
-def _to_device(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """Interpreter only: interpret-mode kernels refuse host-memory operands. On GPU this would be a copy."""
-    if not use_interpreter():
-        return list(xs)
-    return [jax.device_put(x, jax.memory.Space.Device) for x in xs]
-
-
-def _to_host(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """Interpreter only: returns the kernel's device-memory results to host memory."""
-    if not use_interpreter():
-        return list(xs)
-    return [jax.device_put(x, jax.memory.Space.Host) for x in xs]
-
-
-# ---------------------------------------------------------------- traced bodies
-def _transfer_impl(srcs: Arrays, dsts: Arrays, src_ids, dst_ids, *, to_host: bool, num_programs: int) -> Arrays:
-    """Copies pages src_ids -> dst_ids from every srcs[i] into dsts[i] (aliased)."""
-    if to_host:
-        dsts = tuple(_to_device(dsts))
-    else:
-        srcs = tuple(_to_device(srcs))
-    outs = _copy_call([_rows(s) for s in srcs], [_rows(d) for d in dsts], src_ids, dst_ids,
-                      num_arrays=len(srcs), num_programs=num_programs)
-    outs = [o.reshape(d.shape) for o, d in zip(outs, dsts)]
-    return tuple(_to_host(outs) if to_host else outs)
-
-
-@functools.lru_cache(maxsize=64)
-def _jitted_transfer(src_sharding, dst_sharding, ids_sharding, num_arrays: int, to_host: bool, num_programs: int):
-    """One compiled transfer per (placement, arity): explicit shardings keep pinned_host operands zero-copy."""
-    body = functools.partial(_transfer_impl, to_host=to_host, num_programs=num_programs)
-    srcs, dsts = (src_sharding,) * num_arrays, (dst_sharding,) * num_arrays
-    return jax.jit(body, in_shardings=(srcs, dsts, ids_sharding, ids_sharding), out_shardings=dsts,
-                   donate_argnums=(1,))
-
-
-def _transfer(srcs: Arrays, dsts: Arrays, src_ids, dst_ids, *, to_host: bool, num_programs: int) -> Arrays:
-    """Validates, then runs the transfer jitted (concrete inputs) or inline (inside a caller's jit)."""
-    for i in range(0, len(srcs), 2):
-        check_pages_pair("source", srcs[i], srcs[i + 1])
-        check_pages_pair("destination", dsts[i], dsts[i + 1])
-        check(srcs[i].shape[1:] == dsts[i].shape[1:], f"page shape {srcs[i].shape[1:]} != {dsts[i].shape[1:]}")
-        check(srcs[i].dtype == dsts[i].dtype, f"dtype {srcs[i].dtype} != {dsts[i].dtype}")
-    check_ids("source page ids", src_ids, srcs[0].shape[0])
-    check_ids("destination page ids", dst_ids, dsts[0].shape[0], length=src_ids.shape[0])
-    check_copy_pairs(src_ids, dst_ids)
-    if src_ids.shape[0] == 0:
-        return dsts
-    if not all(is_concrete(x) for x in (*srcs, *dsts)):
-        return _transfer_impl(srcs, dsts, src_ids, dst_ids, to_host=to_host, num_programs=num_programs)
-    ids_sharding = jax.sharding.SingleDeviceSharding(list(dsts[0].devices())[0], memory_kind="device")
-    fn = _jitted_transfer(srcs[0].sharding, dsts[0].sharding, ids_sharding, len(srcs), to_host, num_programs)
-    return fn(srcs, dsts, jnp.asarray(src_ids), jnp.asarray(dst_ids))
-
-
-# ---------------------------------------------------------------- public: one layer and all layers
-def load_pages(host_k, host_v, device_k, device_v, host_page_ids, device_page_ids, *, num_programs: int = 64):
-    """Host pages -> device pages of one layer. host_*: [Ph, S, H, D] pinned_host; device_*: [Pd, S, H, D],
-    donated; page ids: int32 [n]. Returns (device_k, device_v)."""
-    return _transfer((host_k, host_v), (device_k, device_v), host_page_ids, device_page_ids,
-                     to_host=False, num_programs=num_programs)
-
-
-def write_back_pages(device_k, device_v, host_k, host_v, device_page_ids, host_page_ids, *, num_programs: int = 64):
-    """Device pages -> host pages of one layer; host_* [Ph, S, H, D] pinned_host, donated. Returns (host_k, host_v)."""
-    return _transfer((device_k, device_v), (host_k, host_v), device_page_ids, host_page_ids,
-                     to_host=True, num_programs=num_programs)
-
-
-def _interleave(ks: Sequence[jax.Array], vs: Sequence[jax.Array]) -> Arrays:
-    check(len(ks) == len(vs) and len(ks) > 0, f"need as many K as V layers (>0), got {len(ks)} and {len(vs)}")
-    return tuple(x for pair in zip(ks, vs) for x in pair)
-
-
-def load_pages_layers(host_ks, host_vs, device_ks, device_vs, host_page_ids, device_page_ids, *,
-                      num_programs: int = 64) -> tuple[Arrays, Arrays]:
-    """All layers in one kernel launch (same page ids per layer); sequences of per-layer arrays."""
-    out = _transfer(_interleave(host_ks, host_vs), _interleave(device_ks, device_vs), host_page_ids,
-                    device_page_ids, to_host=False, num_programs=num_programs)
-    return tuple(out[0::2]), tuple(out[1::2])
-
-
-def write_back_pages_layers(device_ks, device_vs, host_ks, host_vs, device_page_ids, host_page_ids, *,
-                            num_programs: int = 64) -> tuple[Arrays, Arrays]:
-    """All layers' write-back in one kernel launch; host arrays donated. Returns (host_ks, host_vs)."""
-    out = _transfer(_interleave(device_ks, device_vs), _interleave(host_ks, host_vs), device_page_ids,
-                    host_page_ids, to_host=True, num_programs=num_programs)
-    return tuple(out[0::2]), tuple(out[1::2])
-
-
-# ---------------------------------------------------------------- public: on-device staging
+# ---------------------------------------------------------------- public
 @functools.partial(jax.jit, static_argnames=("num_programs",))
 def _gather(arrays: Arrays, page_ids, *, num_programs: int) -> jax.Array:
     n, first = page_ids.shape[0], arrays[0]
@@ -168,14 +78,6 @@ def _gather(arrays: Arrays, page_ids, *, num_programs: int) -> jax.Array:
     (out,) = _copy_call([_rows(a) for a in arrays], [dst], page_ids, jnp.arange(n, dtype=jnp.int32),
                         num_arrays=len(arrays), num_programs=num_programs)
     return out.reshape(len(arrays), n, *first.shape[1:])
-
-
-@functools.partial(jax.jit, static_argnames=("num_programs",), donate_argnums=(0,))
-def _scatter(arrays: Arrays, staging: jax.Array, rows, page_ids, *, num_programs: int) -> Arrays:
-    flat = staging.reshape(len(arrays), staging.shape[1], -1)
-    outs = _copy_call([flat], [_rows(a) for a in arrays], rows, page_ids,
-                      num_arrays=len(arrays), num_programs=num_programs)
-    return tuple(o.reshape(a.shape) for o, a in zip(outs, arrays))
 
 
 def _check_staging_arrays(arrays: Sequence[jax.Array]) -> None:
@@ -194,48 +96,12 @@ def gather_pages_layers(arrays: Sequence[jax.Array], page_ids, *, num_programs: 
     return _gather(tuple(arrays), page_ids, num_programs=num_programs)
 
 
-def scatter_pages_layers(arrays: Sequence[jax.Array], staging: jax.Array, page_ids, *,
-                         num_programs: int = 64) -> Arrays:
-    """staging [len(arrays), n, S, H, D] -> pages `page_ids` of each array (arrays donated)."""
-    _check_staging_arrays(arrays)
-    n = page_ids.shape[0]
-    want = (len(arrays), n, *arrays[0].shape[1:])
-    check(staging.shape == want, f"staging shape {staging.shape} != {want}")
-    check(staging.dtype == arrays[0].dtype, f"staging dtype {staging.dtype} != {arrays[0].dtype}")
-    check_ids("page ids", page_ids, arrays[0].shape[0], unique=True)
-    if n == 0:
-        return tuple(arrays)
-    return _scatter(tuple(arrays), staging, jnp.arange(n, dtype=jnp.int32), page_ids, num_programs=num_programs)
-
-
-def scatter_rows_layers(arrays: Sequence[jax.Array], staging: jax.Array, rows, page_ids, *,
-                        num_programs: int = 64) -> Arrays:
-    """Rows `rows` of staging [len(arrays), m, S, H, D] -> pages `page_ids` of each array (donated;
-    int32 [n] each). An identical (row, page) pair may repeat (padding); inside a caller's jit the
-    ids are not value-checked. The segments path's load-back placement."""
-    _check_staging_arrays(arrays)
-    check(staging.ndim == 5 and staging.shape[0] == len(arrays) and staging.shape[2:] == arrays[0].shape[1:],
-          f"staging shape {staging.shape} does not hold [{len(arrays)}, m, *{arrays[0].shape[1:]}] rows")
-    check(staging.dtype == arrays[0].dtype, f"staging dtype {staging.dtype} != {arrays[0].dtype}")
-    check_ids("rows", rows, staging.shape[1])
-    check_ids("page ids", page_ids, arrays[0].shape[0], length=rows.shape[0])
-    check_copy_pairs(rows, page_ids)
-    if rows.shape[0] == 0:
-        return tuple(arrays)
-    return _scatter(tuple(arrays), staging, rows, page_ids, num_programs=num_programs)
-
-
 def gather_pages(device_k: jax.Array, page_ids, *, num_programs: int = 64) -> jax.Array:
     """[P, S, H, D] -> staging [n, S, H, D] holding pages `page_ids` in order."""
     return gather_pages_layers([device_k], page_ids, num_programs=num_programs)[0]
 
 
-def scatter_pages(device_k: jax.Array, staging: jax.Array, page_ids, *, num_programs: int = 64) -> jax.Array:
-    """staging [n, S, H, D] -> pages `page_ids` of device_k (donated)."""
-    return scatter_pages_layers([device_k], staging[None], page_ids, num_programs=num_programs)[0]
-
-
 # ---------------------------------------------------------------- reference
 def copy_pages_reference(src: jax.Array, dst: jax.Array, src_ids, dst_ids) -> jax.Array:
-    """Pure-jnp reference for every transfer above: dst with pages dst_ids replaced by src[src_ids]."""
+    """Pure-jnp reference for the copy kernel: dst with pages dst_ids replaced by src[src_ids]."""
     return jnp.asarray(dst).at[jnp.asarray(dst_ids)].set(jnp.asarray(src)[jnp.asarray(src_ids)])

@@ -12,16 +12,15 @@ from jhicache import bench_report as report
 def multiturn_result(modes: dict[str, list[tuple[float, float]]], **stats) -> dict:
     """A multiturn result of bench.run's shape; `modes` maps a mode to its rounds' (device hit
     rate, host hit rate)."""
-    base = {"load_back_ops": 5, "load_back_bytes": 204_800, "load_back_moved_bytes": 204_800,
-            "write_back_ops": 1, "write_back_bytes": 4096, "load_back_s": 0.01,
+    base = {"load_back_ops": 5, "load_back_bytes": 204_800,
+            "write_back_ops": 1, "write_back_bytes": 4096,
             "evicted_device_tokens": 0, "evicted_host_tokens": 0}
 
     def mode(rates: list[tuple[float, float]]) -> dict:
         rounds = [{"mean_ttft_s": 0.01 * (i + 1), "device_hit_rate": dev, "host_hit_rate": host,
                    "prompt_tokens": 10, "output_tokens": 2} for i, (dev, host) in enumerate(rates)]
         return {"rounds": rounds, "stats": {**base, **stats}, "throughput_tokens_per_s": 1.0,
-                "elapsed_s": 1.0, "device_kv_tokens": 64, "write_back_gbps": 0.5,
-                "load_back_gbps": 0.02, "load_hidden_fraction": 0.5}
+                "elapsed_s": 1.0, "device_kv_tokens": 64}
 
     rounds = len(next(iter(modes.values())))
     spec = {"num_clients": 2, "num_rounds": rounds, "request_length": 8, "output_length": 2}

@@ -22,7 +22,7 @@ def test_stats_record_holds_each_source_counter_once() -> None:
 
 
 def test_engine_config_and_its_enums_import_no_jax() -> None:
-    code = ("import sys\nfrom jhicache.config import EngineConfig, CacheMode, WritePolicy, TransferPath\n"
+    code = ("import sys\nfrom jhicache.config import EngineConfig, CacheMode, WritePolicy\n"
             "EngineConfig(cache_mode='device', write_policy='write_through')\n"
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

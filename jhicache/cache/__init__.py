@@ -1,19 +1,18 @@
 """jhicache.cache: the two-tier (device + pinned host) radix KV cache and its page transfers."""
 
+from jhicache.cache.copier import Copier, CudaCopier, HostCopier, make_copier
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool, PagePool, PoolLayout
 from jhicache.cache.host_pool import HostPool
-from jhicache.cache.host_segments import HostSegmentPool, make_host_pool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
-from jhicache.cache.segment_transfer import SegmentTransferController
 from jhicache.cache.ticket import LoadTicket, layer_groups
 from jhicache.cache.tiered_cache import TieredCache
-from jhicache.cache.transfer import CopyFns, TransferController, TransferKind, TransferOp
+from jhicache.cache.transfer import TransferController, TransferKind, TransferOp
 
 __all__ = [
-    "RESERVED_PAGES", "CopyFns", "DevicePool", "HostPool", "HostSegmentPool", "InsertResult",
+    "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool", "InsertResult",
     "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator", "PagePool", "PoolLayout",
-    "RadixTree", "SegmentTransferController", "TieredCache", "TransferController", "TransferKind",
-    "TransferOp", "check_invariants", "layer_groups", "make_host_pool",
+    "RadixTree", "TieredCache", "TransferController", "TransferKind", "TransferOp",
+    "check_invariants", "layer_groups", "make_copier",
 ]

@@ -59,6 +59,9 @@ class PagePool:
         zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype), out_shardings=self.sharding)
         self.k: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
         self.v: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
+        # An output (never donated) of the newest program that wrote the pool, set by whoever
+        # runs it: ready once that program has finished (copies JAX does not see fence on it).
+        self.last_compute: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:

@@ -15,6 +15,18 @@ from jhicache.cache.cuda_driver import CudaDriver
 _TOUCH_CHUNK = 1 << 28  # 256 MiB per first-touch task
 
 
+def available_bytes() -> int | None:
+    """The host memory the kernel reports as available (MemAvailable), None if it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class HostMemory:
     """`nbytes` of page-aligned host memory, pinned if `driver` is given; `close()` releases it.
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import heapq
 
 from jhicache.cache.host_pool import HostPool
-from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import Node, RadixTree
-from jhicache.cache.transfer import ControllerBase
+from jhicache.cache.transfer import TransferController
 
 
 class HostTier:
     """Host pages of a TieredCache. The tree says which node owns each page; this tier hands pages
     out, takes them back, and evicts host-only leaves (LRU) when an allocation would fail."""
 
-    def __init__(self, pool: HostPool | HostSegmentPool, tree: RadixTree, controller: ControllerBase,
+    def __init__(self, pool: HostPool, tree: RadixTree, controller: TransferController,
                  stats: dict[str, int]) -> None:
         self.pool, self.tree, self.controller, self._stats = pool, tree, controller, stats
         self.alloc = PageAllocator(pool.layout.num_pages)
@@ -56,6 +55,5 @@ class HostTier:
         """Returns pages that left the tree to the free list."""
         if not pages:
             return
-        self.controller.launch_writes()  # no merged launch may write one host page twice
-        self.pool.release(pages)  # segments path: unmaps the pages, drops emptied segments
+        self.controller.launch_writes()  # a queued write into a page must not outlive its node
         self.alloc.free(pages)

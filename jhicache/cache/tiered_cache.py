@@ -12,14 +12,9 @@ Host tier: free, or host copy of a tree node (device+host or host-only); only ho
 are host-evicted, and only when a host allocation would otherwise fail.
 
 Rule that keeps copies correct: before any page leaves the tree, queued write-backs are launched
-(`TransferController.launch_writes`), so every copy reading a page is dispatched before the page
-can be reused, and JAX orders it before any later kernel that writes that page (transfer.py).
-
-The host tier is either a paged `HostPool` (zero-copy kernels) or a `HostSegmentPool` (DMA of
-whole segments, see segment_transfer.py); `make_host_pool(layout, TransferPath)` builds either
-and the cache picks the matching controller. On the segments path a launched load-back is only
-dispatched layer by layer as its ticket is waited on, so `drive_loads()` (also done by `poll`
-and `flush`) must run before any forward that does not hold the ticket.
+(their gather is dispatched), so compute that reuses a page is ordered after the gather read it;
+loads are copies JAX does not see, so every device page freed while compute that may touch it is
+in flight is fenced until that compute is done (`TransferController.fence_device_pages`).
 """
 
 from __future__ import annotations
@@ -27,16 +22,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
+from jhicache.cache.copier import Copier, HostCopier
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
 from jhicache.cache.host_pool import HostPool
-from jhicache.cache.host_segments import HostSegmentPool
 from jhicache.cache.host_tier import HostTier
 from jhicache.cache.invariants import check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
-from jhicache.cache.segment_transfer import make_controller
 from jhicache.cache.ticket import LoadTicket
-from jhicache.cache.transfer import CopyFns, TransferKind, TransferOp
+from jhicache.cache.transfer import TransferController, TransferKind, TransferOp
 from jhicache.config import WritePolicy
 
 _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",
@@ -48,10 +42,9 @@ _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_byte
 class TieredCache:
     """Prefix cache over device pages with an optional pinned-host tier (None: device only)."""
 
-    def __init__(self, page_size: int, device_pool: DevicePool,
-                 host_pool: HostPool | HostSegmentPool | None = None,
+    def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
-                 write_through_threshold: int = 2, copy_fns: CopyFns | None = None) -> None:
+                 write_through_threshold: int = 2, copier: Copier | None = None) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's {device_pool.layout.page_size}")
         if write_through_threshold < 1 or load_back_threshold < 0:
@@ -63,9 +56,11 @@ class TieredCache:
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
         self._stats = dict.fromkeys(_STATS, 0)
-        self.controller = make_controller(device_pool, host_pool, copy_fns) if host_pool else None
+        self.controller = (TransferController(device_pool, host_pool, copier or HostCopier())
+                           if host_pool is not None else None)
         self.host = HostTier(host_pool, self.tree, self.controller, self._stats) if self.controller else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
+        self._loading_nodes: dict[Node, LoadTicket] = {}  # every node of a load in flight
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -121,8 +116,13 @@ class TieredCache:
         return self.device_alloc.alloc(n_pages)
 
     def free_device(self, pages: Iterable[int]) -> None:
-        """Returns pages the caller holds (never pages the tree owns) to the free list."""
-        self.device_alloc.free(list(pages))
+        """Returns pages the caller holds (never pages the tree owns) to the free list. The newest
+        dispatched step may still write them (a request's step beyond its end), so no load
+        copies into them before that step is done."""
+        pages = list(pages)
+        self.device_alloc.free(pages)
+        if self.controller is not None and pages and self.device_pool.last_compute is not None:
+            self.controller.fence_device_pages(pages, self.device_pool.last_compute)
 
     def evict_device(self, n_pages: int) -> int:
         """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable;
@@ -166,7 +166,9 @@ class TieredCache:
 
     def _release_device(self, pages: list[int]) -> None:
         if self.controller is not None:
-            self.controller.launch_writes()  # every copy reading these pages is dispatched first
+            staging = self.controller.launch_writes()  # every gather reading these pages first
+            if staging is not None:  # ... and no load copies into them before it ran
+                self.controller.fence_device_pages(pages, staging)
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------
@@ -238,24 +240,25 @@ class TieredCache:
         self.tree.lock(run[-1])
         ticket = self.controller.queue_load_back(host, device)
         self._loading[ticket.op_id] = run[-1]
+        self._loading_nodes.update(dict.fromkeys(run, ticket))
         return ticket
+
+    def loads_under(self, node: Node) -> list[LoadTicket]:
+        """Tickets of the loads in flight into `node` and its ancestors: a forward reading that
+        prefix waits on them (a prefix loaded ahead, or by another request, may not have landed)."""
+        tickets: dict[int, LoadTicket] = {}
+        while node is not None and self._loading_nodes:
+            ticket = self._loading_nodes.get(node)
+            if ticket is not None:
+                tickets[ticket.op_id] = ticket
+            node = node.parent
+        return list(tickets.values())
 
     # -- stepping ------------------------------------------------------------------------
     def launch(self) -> None:
         """Dispatches all queued transfers (write-backs, then load-backs); call before the forward."""
         if self.controller is not None:
             self.controller.launch()
-
-    def drive_loads(self) -> None:
-        """Dispatches (never blocks) every launched load-back's remaining layers; call after a
-        forward so that no later forward can read a half-loaded page (segments path)."""
-        if self.controller is not None:
-            self.controller.drive_loads()
-
-    def time_writes(self) -> None:
-        """Non-blocking: notes write-backs that finished (see TransferController.time_writes)."""
-        if self.controller is not None:
-            self.controller.time_writes()
 
     def poll(self) -> int:
         """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
@@ -278,23 +281,22 @@ class TieredCache:
         for op in ops:
             if op.kind is TransferKind.LOAD_BACK:
                 self.tree.unlock(self._loading.pop(op.op_id))
+                self._loading_nodes = {n: t for n, t in self._loading_nodes.items() if t.op_id != op.op_id}
         return len(ops)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        stats = {**self._stats, "load_back_moved_bytes": 0, "write_back_s": 0.0}
+        stats = dict(self._stats)
         if self.controller is not None:
             c, page_bytes = self.controller.counters, self.device_pool.layout.page_bytes
             stats.update(write_back_ops=c["write_back_ops"], load_back_ops=c["load_back_ops"],
                          write_back_bytes=c["write_back_pages"] * page_bytes,
-                         load_back_bytes=c["load_back_pages"] * page_bytes,
-                         load_back_moved_bytes=c["load_back_moved_bytes"], write_back_s=c["write_back_s"])
+                         load_back_bytes=c["load_back_pages"] * page_bytes)
         stats.update(device_free_pages=self.device_alloc.num_free,
                      evictable_tokens=self.tree.evictable_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,
                      host_free_pages=self.host_alloc.num_free if self.host_alloc else 0,
-                     loads_in_flight=len(self._loading),
-                     host_segments=getattr(self.host_pool, "num_segments", 0))
+                     loads_in_flight=len(self._loading))
         return stats
 
     def check_invariants(self, extra_owned_device_pages: Iterable[int] = (),
@@ -302,6 +304,3 @@ class TieredCache:
         """Raises InvariantError; pass the device pages held by running requests."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
                          extra_owned_device_pages, extra_owned_host_pages)
-        if self.host_pool is not None and self.host_alloc is not None and self.controller is not None:
-            allocated = set(range(self.host_alloc.num_pages)) - set(self.host_alloc.free_pages())
-            self.host_pool.check_invariants(allocated, self.controller.queued_write_host_pages())

@@ -1,68 +1,45 @@
-"""TransferController: queues write-backs (device->host) and load-backs (host->device), merges each
-kind into one launch, and reports completion per operation. This module owns the queueing shared
-by both transfer paths and the pages path (zero-copy kernels over a paged host pool); the
-segments path (DMA of whole host arrays) is `segment_transfer.SegmentTransferController`.
+"""TransferController: queues write-backs (device->host) and load-backs (host->device) of page
+pairs, launches each kind merged, and fences them against the computations that touch the
+same pages.
 
-Who does what, in which order (pages path)
-------------------------------------------
-| phase            | thread           | device work                                   |
-|------------------|------------------|-----------------------------------------------|
-| queue_*          | scheduler thread | none (page id lists only)                     |
-| launch_writes    | scheduler thread | per layer: write_back_pages(device -> host),  |
-|                  |                  | host arrays donated, dispatched asynchronously |
-| launch_loads     | scheduler thread | per layer: load_pages(host -> device), device |
-|                  |                  | arrays donated, dispatched asynchronously     |
-| forward          | scheduler thread | kernels that read / donate the device arrays  |
-| poll             | scheduler thread | none: non-blocking `is_ready` on the outputs  |
-`launch()` always dispatches writes before loads. On GPU the copies are Pallas kernels that
-access pinned host memory directly; they run on the compute stream, like the forward, so a load
-is not hidden behind compute (the segments path exists for that).
-
-Why this is safe with donated device buffers
---------------------------------------------
-Everything is dispatched from one thread, and the pools always hold the newest array of each
-layer (each kernel's outputs are put back with `set_layer`). JAX keeps program order for
-dispatched work: a computation that donates (or otherwise overwrites) a buffer is held back by
-the runtime until every earlier-dispatched computation reading that buffer has finished (PjRt
-records a usage event per read and the donating execution waits on them; on GPU they also share
-the stream). Hence a write-back dispatched before the pages are freed reads the old contents even
-if the very next kernel reuses those pages; `TieredCache` frees evicted device pages right after
-`launch_writes()` instead of waiting for the copy ("ordered before any reuse"). The same holds
-for host pages (a later write-back into a host page is ordered after an earlier load reading it)
-and for loads (the forward consuming layer l takes the load's output array as input). What the
-runtime cannot order is a write-back that is still only *queued*, so the cache launches pending
-writes before any page leaves the tree. Completion is still reported, for statistics and for
-releasing load-back locks: an op is complete when its outputs (or the pool's newer versions of
-them) are ready.
+How pages move
+--------------
+| phase          | what runs where                                                          |
+|----------------|--------------------------------------------------------------------------|
+| queue_*        | nothing (page id lists)                                                  |
+| launch_writes  | one jitted gather of the pages into a staging array per layer (compute   |
+|                | stream, so ordered after the compute that wrote them and before any      |
+|                | compute that reuses them); its device->host copies are queued once the   |
+|                | staging is ready (`poll`), on the copier's low-priority stream           |
+| launch_loads   | per layer in order, K and V copies straight from host pages into the     |
+|                | donated pool buffers, and a mark after each layer (high-priority stream) |
+| ticket.wait(l) | the host blocks until layer l's mark (the runner's one sync point)       |
+Copies run on streams of their own (`jhicache.cache.copier`), beside the forward; JAX does not
+see them, so this module orders them by hand:
+- A device page freed while dispatched compute may still write it (the in-flight step of a
+  request that just finished, or a write-back's gather not yet run) is *fenced* with an array
+  of that compute (`fence_device_pages`): no load copies into it until the array is ready.
+- A load reading host pages whose write-back is still staged waits for that write to be
+  queued, then starts after it (`order_after`); a write-back into host pages starts after every
+  load already queued (a freed host page may still be read by one).
+- The pool arrays keep their buffers (every program donates them, in place): loads copy into
+  addresses read once, and `flush` checks that they are still the pool's.
 """
 
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from jhicache.cache.device_pool import PagePool, PoolLayout
-from jhicache.cache.ticket import DispatchedCopies, LayerCopies, LoadTicket
-
-PageCopy = Callable[..., tuple[jax.Array, jax.Array]]
-
-
-class CopyFns(NamedTuple):
-    """The page-transfer functions (one layer each, see pallas_kernels/page_copy.py)."""
-
-    load: PageCopy  # (host_k, host_v, device_k, device_v, host_ids, device_ids) -> device k, v
-    write_back: PageCopy  # (device_k, device_v, host_k, host_v, device_ids, host_ids) -> host k, v
-
-
-def default_copy_fns() -> CopyFns:
-    from jhicache.pallas_kernels.page_copy import load_pages, write_back_pages  # imported late: optional
-
-    return CopyFns(load_pages, write_back_pages)
+from jhicache.cache.copier import Copier, Direction, Mark
+from jhicache.cache.device_pool import PagePool
+from jhicache.cache.host_pool import HostPool
+from jhicache.cache.ticket import LoadTicket
+from jhicache.pallas_kernels.page_copy import gather_pages_layers
 
 
 class TransferKind(enum.Enum):
@@ -80,33 +57,77 @@ class TransferOp(NamedTuple):
     ticket: LoadTicket | None
 
 
-class _Launch(NamedTuple):
-    ops: list[TransferOp]
-    copies: LayerCopies  # per-layer readiness of the launch's outputs
-    started: float  # perf_counter() before its copies were dispatched
+@jax.jit
+def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array."""
+    return tuple(gather_pages_layers((k, v), ids) for k, v in zip(ks, vs))
 
 
-class ControllerBase:
-    """Queues, merges and retires copies; subclasses dispatch one merged launch of each kind."""
+def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page pairs coalesced where both ids step by one: (src starts, dst starts, lengths)."""
+    if len(src) == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], cut])
+    lengths = np.diff(np.concatenate([starts, [len(src)]]))
+    return src[starts], dst[starts], lengths
 
-    def __init__(self, device_pool: PagePool, host_layout: PoolLayout) -> None:
-        if not device_pool.layout.same_page_shape(host_layout):
-            raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_layout}")
-        self.device_pool = device_pool
+
+def pow2_bucket(n: int, smallest: int = 16) -> int:
+    """The power of two >= max(n, smallest): padded id lists compile one gather per bucket."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+class _Write:
+    """One merged write-back launch: staged on device, then copied to host."""
+
+    def __init__(self, ops: list[TransferOp], staging: tuple[jax.Array, ...], host_ids: np.ndarray) -> None:
+        self.ops, self.staging, self.host_ids = ops, staging, host_ids
+        self.mark: Mark | None = None  # set once its host copies are queued
+
+
+class _Load:
+    """One merged load-back launch (the `LayerCopies` its tickets wait on)."""
+
+    def __init__(self, controller: TransferController, ops: list[TransferOp], device_ids: np.ndarray,
+                 host_ids: np.ndarray) -> None:
+        self.controller, self.ops = controller, ops
+        self.device_ids, self.host_ids = device_ids, host_ids
+        self.marks: list[Mark] = []  # per layer, once issued
+
+    def wait(self, layer: int) -> None:
+        if not self.marks:
+            self.controller.force_issue(self)
+        self.controller.copier.wait(self.marks[layer])
+
+    def is_ready(self, layer: int) -> bool:
+        return bool(self.marks) and self.controller.copier.is_done(self.marks[layer])
+
+
+class TransferController:
+    """Merges, launches, fences and retires the copies between a device pool and a host pool."""
+
+    def __init__(self, device_pool: PagePool, host_pool: HostPool, copier: Copier) -> None:
+        if not device_pool.layout.same_page_shape(host_pool.layout):
+            raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
+        self.device_pool, self.host_pool, self.copier = device_pool, host_pool, copier
+        self.layer_bytes = host_pool.layer_page_bytes
         self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
-        self._in_flight: list[_Launch] = []
-        self._writes_to_time: list[_Launch] = []
+        self._writes: list[_Write] = []  # launched, not retired
+        self._loads: list[_Load] = []  # launched, not retired
+        self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
+        self._fences: dict[int, jax.Array] = {}  # device page -> compute that may still touch it
+        self._last_load: Mark | None = None
+        self._buffers: list[tuple[int, int]] | None = None  # per layer (K, V) addresses
         self._next_id = 0
         self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
-                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0,
-                         "load_back_moved_bytes": 0,  # what loads moved over PCIe (segments: whole arrays)
-                         "write_back_s": 0.0}  # launch -> seen done, summed over write-back launches
+                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0}
 
-    def _write(self, ops: list[TransferOp]) -> LayerCopies:
-        raise NotImplementedError
-
-    def _load(self, ops: list[TransferOp]) -> LayerCopies:
-        raise NotImplementedError
+    # -- queueing ------------------------------------------------------------------------------
 
     def _op(self, kind: TransferKind, device_pages: Sequence[int], host_pages: Sequence[int],
             ticket: LoadTicket | None = None) -> TransferOp:
@@ -130,130 +151,189 @@ class ControllerBase:
     def num_queued(self) -> int:
         return sum(len(q) for q in self._queued.values())
 
-    def queued_write_host_pages(self) -> list[int]:
-        """Host pages of write-backs not launched yet (their data does not exist on host yet)."""
-        return [p for op in self._queued[TransferKind.WRITE_BACK] for p in op.host_pages]
+    def fence_device_pages(self, pages: Sequence[int], compute: jax.Array) -> None:
+        """No load copies into `pages` before `compute` (an output of the newest dispatched
+        program that may touch them) is ready."""
+        for page in pages:
+            self._fences[page] = compute
+
+    # -- launching -----------------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Dispatches everything queued: write-backs first, then load-backs."""
+        """Starts everything queued: write-backs first, then load-backs."""
         self.launch_writes()
         self.launch_loads()
 
-    def launch_writes(self) -> None:
-        ops = self._take(TransferKind.WRITE_BACK)
+    def _take(self, kind: TransferKind) -> tuple[list[TransferOp], np.ndarray, np.ndarray]:
+        ops, self._queued[kind] = self._queued[kind], []
+        device = np.asarray([p for op in ops for p in op.device_pages], np.int64)
+        host = np.asarray([p for op in ops for p in op.host_pages], np.int64)
         if ops:
-            started = time.perf_counter()
-            launch = _Launch(ops, self._write(ops), started)
-            self._in_flight.append(launch)
-            self._writes_to_time.append(launch)
+            self.counters[f"{kind.value}_ops"] += len(ops)
+            self.counters[f"{kind.value}_pages"] += len(device)
+            self.counters[f"{kind.value}_launches"] += 1
+        return ops, device, host
+
+    def launch_writes(self) -> jax.Array | None:
+        """Dispatches the gather of every queued write-back (its host copies follow in `poll`);
+        returns an array of the gather (ready once it has read the pages), None if none queued."""
+        ops, device, host = self._take(TransferKind.WRITE_BACK)
+        if not ops:
+            return None
+        ids = np.concatenate([device, np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
+        pool = self.device_pool
+        write = _Write(ops, _gather_kv(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
+        self._writes.append(write)
+        for page in host.tolist():
+            self._writing[page] = write
+        # The gather reads the pages before any later compute can overwrite them, but a load's
+        # copy is not compute: it must wait for the gather (fence_device_pages by the cache).
+        if write.staging[-1].is_ready():
+            self._issue_write(write)
+        return write.staging[-1]
+
+    def _issue_write(self, write: _Write) -> None:
+        """Queues a staged write's host copies (its staging is ready)."""
+        if self._last_load is not None:
+            self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
+        rows = np.arange(len(write.host_ids))
+        src_rows, dst_pages, lengths = runs(rows, write.host_ids)
+        padded = write.staging[0].shape[1]
+        for layer, staged in enumerate(write.staging):
+            base = staged.unsafe_buffer_pointer()
+            for kv in (0, 1):
+                srcs = base + (kv * padded + src_rows).astype(np.uint64) * np.uint64(self.layer_bytes)
+                self.copier.copy(Direction.TO_HOST, self.host_pool.addresses(layer, kv, dst_pages), srcs,
+                                 lengths.astype(np.uint64) * np.uint64(self.layer_bytes))
+        write.mark = self.copier.mark(Direction.TO_HOST)
 
     def launch_loads(self) -> None:
-        ops = self._take(TransferKind.LOAD_BACK)
-        if ops:
-            started = time.perf_counter()
-            copies = self._load(ops)
-            for op in ops:
-                assert op.ticket is not None
-                op.ticket.bind(copies, started)
-            self._in_flight.append(_Launch(ops, copies, started))
-
-    def _take(self, kind: TransferKind) -> list[TransferOp]:
-        ops, self._queued[kind] = self._queued[kind], []
-        if ops:
-            pages = sum(len(op.device_pages) for op in ops)
-            self.counters[f"{kind.value}_ops"] += len(ops)
-            self.counters[f"{kind.value}_pages"] += pages
-            self.counters[f"{kind.value}_launches"] += 1
-        return ops
-
-    def drive_loads(self) -> None:
-        """Dispatches every launched load's remaining copies (no-op where launch dispatches all)."""
-
-    def time_writes(self) -> None:
-        """Non-blocking: adds the launch-to-now time of every write-back launch first seen done to
-        `write_back_s`. Called while the host waits on a forward; a launch that finished earlier
-        reads long, so bytes / `write_back_s` is a lower bound on the write-back rate."""
-        if not self._writes_to_time:  # the common case, polled in a spin loop
+        """Starts every queued load-back whose pages are free of fences; the rest start once
+        they are (`poll`), or when a forward waits on them."""
+        ops, device, host = self._take(TransferKind.LOAD_BACK)
+        if not ops:
             return
-        now, layers = time.perf_counter(), range(self.device_pool.num_layers)
-        pending = []
-        for launch in self._writes_to_time:
-            if all(launch.copies.is_ready(i) for i in layers):
-                self.counters["write_back_s"] += now - launch.started
-            else:
-                pending.append(launch)
-        self._writes_to_time = pending
+        load = _Load(self, ops, device, host)
+        for op in ops:
+            assert op.ticket is not None
+            op.ticket.bind(load)
+        self._loads.append(load)
+        self._try_issue(load)
+
+    def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
+        """What holds `load` back: unready fences on its device pages, unqueued writes of its host pages."""
+        self._prune_fences()
+        fences = {id(f): f for p in load.device_ids.tolist() if (f := self._fences.get(p)) is not None}
+        writes = {id(w): w for p in load.host_ids.tolist() if (w := self._writing.get(p)) is not None}
+        return list(fences.values()), [w for w in writes.values() if w.mark is None]
+
+    def _try_issue(self, load: _Load) -> None:
+        self._advance_writes()
+        fences, staged = self._blockers(load)
+        if not fences and not staged:
+            self._issue_load(load)
+
+    def force_issue(self, load: _Load) -> None:
+        """Blocks on whatever holds `load` back, then issues it (a forward is waiting for it)."""
+        fences, staged = self._blockers(load)
+        for compute in fences + [w.staging[-1] for w in staged]:
+            compute.block_until_ready()
+        self._advance_writes()
+        self._issue_load(load)
+
+    def _issue_load(self, load: _Load) -> None:
+        for write in {id(w): w for p in load.host_ids.tolist() if (w := self._writing.get(p))}.values():
+            assert write.mark is not None
+            self.copier.order_after(Direction.TO_DEVICE, write.mark)
+        pool, size = self.device_pool, np.uint64(self.layer_bytes)
+        src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
+        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
+        offsets = dst_pages.astype(np.uint64) * size
+        if self.copier.synchronous:  # copies at once: must not race the compute producing the pool
+            jax.block_until_ready((pool.k, pool.v))
+            self.check_buffers()
+        for layer, (k, v) in enumerate(self._pool_buffers()):
+            dsts = np.concatenate([k + offsets, v + offsets])
+            srcs = np.concatenate([self.host_pool.addresses(layer, 0, src_pages),
+                                   self.host_pool.addresses(layer, 1, src_pages)])
+            self.copier.copy(Direction.TO_DEVICE, dsts, srcs, sizes)
+            load.marks.append(self.copier.mark(Direction.TO_DEVICE))
+        self._last_load = load.marks[-1]
+
+    def _pool_buffers(self) -> list[tuple[int, int]]:
+        """Each layer's (K, V) buffer addresses, read once: the programs donate the pool arrays
+        in place, so they never move (`check_buffers`). Read once because the pool's newest
+        arrays are usually still being computed when a load is issued."""
+        if self._buffers is None:
+            jax.block_until_ready((self.device_pool.k, self.device_pool.v))
+            self._buffers = self._current_buffers()
+        return self._buffers
+
+    def _current_buffers(self) -> list[tuple[int, int]]:
+        pool = self.device_pool
+        return [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in zip(pool.k, pool.v)]
+
+    def check_buffers(self) -> None:
+        """Raises if a pool array left its buffer (a program that did not donate it in place):
+        copies issued into the old buffer would be lost."""
+        if self._buffers is not None and self._current_buffers() != self._buffers:
+            raise RuntimeError("a device pool array moved to another buffer; loads need the pool "
+                               "donated in place by every program that updates it")
+
+    # -- completion ----------------------------------------------------------------------------
+
+    def _prune_fences(self) -> None:
+        ready: dict[int, bool] = {}
+        for page, compute in list(self._fences.items()):
+            if ready.setdefault(id(compute), compute.is_ready()):
+                del self._fences[page]
+
+    def _advance_writes(self) -> None:
+        for write in self._writes:
+            if write.mark is None and write.staging[-1].is_ready():
+                self._issue_write(write)
 
     def poll(self) -> list[TransferOp]:
-        """Non-blocking: ops whose launch has completed, in launch order."""
-        self.time_writes()
-        self.drive_loads()
+        """Non-blocking: starts what is no longer held back; returns ops now complete."""
+        self._advance_writes()
+        for load in self._loads:
+            if not load.marks:
+                self._try_issue(load)
         done: list[TransferOp] = []
-        layers = range(self.device_pool.num_layers)
-        while self._in_flight and all(self._in_flight[0].copies.is_ready(i) for i in layers):
-            done += self._in_flight.pop(0).ops
+        for write in [w for w in self._writes if w.mark is not None and self.copier.is_done(w.mark)]:
+            self._retire_write(write)
+            done += write.ops
+        for load in [ld for ld in self._loads if ld.marks and self.copier.is_done(ld.marks[-1])]:
+            self._retire_load(load)
+            done += load.ops
         return done
 
+    def _retire_write(self, write: _Write) -> None:
+        self._writes.remove(write)
+        for page in write.host_ids.tolist():
+            if self._writing.get(page) is write:
+                del self._writing[page]
+
+    def _retire_load(self, load: _Load) -> None:
+        self._loads.remove(load)
+
     def flush(self) -> list[TransferOp]:
-        """Launches everything queued and blocks until all launched copies complete."""
+        """Launches everything queued and blocks until every copy has finished."""
         self.launch()
-        self.drive_loads()
-        for launch in self._in_flight:
-            for layer in range(self.device_pool.num_layers):
-                launch.copies.block(layer)
+        for write in self._writes:
+            if write.mark is None:
+                jax.block_until_ready(write.staging)
+                self._issue_write(write)
+        for load in self._loads:
+            load.wait(self.device_pool.num_layers - 1)
+        for write in self._writes:
+            assert write.mark is not None
+            self.copier.wait(write.mark)
+        jax.block_until_ready((self.device_pool.k, self.device_pool.v))
+        self.check_buffers()
         return self.poll()
 
+    def busy_host_pages(self) -> list[int]:
+        """Host pages whose write-back has not finished (their data is not on host yet)."""
+        return list(self._writing)
 
-class TransferController(ControllerBase):
-    """Pages path: merges and launches page copies between a DevicePool and a paged HostPool."""
-
-    def __init__(self, device_pool: PagePool, host_pool: PagePool, copy_fns: CopyFns | None = None) -> None:
-        super().__init__(device_pool, host_pool.layout)
-        self.host_pool = host_pool
-        self.copy_fns = copy_fns if copy_fns is not None else default_copy_fns()
-
-    def _write(self, ops: list[TransferOp]) -> LayerCopies:
-        dev, host = _merged_ids(ops)
-        dst = self.host_pool
-        outputs = self._copy_layers(self.copy_fns.write_back, self.device_pool, dst, dev, host)
-        return DispatchedCopies(outputs, lambda layer: dst.k[layer])
-
-    def _load(self, ops: list[TransferOp]) -> LayerCopies:
-        dev, host = _merged_ids(ops)
-        dst = self.device_pool
-        self.counters["load_back_moved_bytes"] += len(dev) * dst.layout.page_bytes  # padding repeats pages
-        outputs = self._copy_layers(self.copy_fns.load, self.host_pool, dst, host, dev)
-        return DispatchedCopies(outputs, lambda layer: dst.k[layer])
-
-    def _copy_layers(self, fn: PageCopy, src: PagePool, dst: PagePool,
-                     src_ids: np.ndarray, dst_ids: np.ndarray) -> list[jax.Array]:
-        outputs = []
-        for layer in range(src.num_layers):
-            k, v = fn(src.k[layer], src.v[layer], dst.k[layer], dst.v[layer], src_ids, dst_ids)
-            dst.set_layer(layer, k, v)
-            outputs.append(k)  # K and V come from one kernel call: K's readiness stands for both
-        return outputs
-
-
-def pow2_bucket(n: int, smallest: int = 16) -> int:
-    """The power of two >= max(n, smallest): padded id lists compile one kernel per bucket."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
-
-
-def pad_to(ids: Sequence[int], size: int) -> np.ndarray:
-    """`ids` as int32, padded to `size` by repeating the last id."""
-    ids = list(ids)
-    return np.asarray(ids + ids[-1:] * (size - len(ids)), np.int32)
-
-
-def _merged_ids(ops: list[TransferOp]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated (device ids, host ids) of `ops` as int32 numpy (validated without a device
-    sync), padded to a power of two by repeating the last pair, so the copy kernels compile once
-    per bucket; copying the same page pair twice writes the same bytes."""
-    dev = [p for op in ops for p in op.device_pages]
-    host = [p for op in ops for p in op.host_pages]
-    size = pow2_bucket(len(dev))
-    return pad_to(dev, size), pad_to(host, size)

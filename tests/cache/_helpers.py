@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -9,38 +10,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache import CopyFns, DevicePool, PoolLayout, TieredCache, make_host_pool
-from jhicache.config import TransferPath, WritePolicy
+from jhicache.cache import Copier, DevicePool, HostPool, PoolLayout, TieredCache
+from jhicache.cache.copier import Direction, Mark
+from jhicache.config import WritePolicy
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
-PATHS = list(TransferPath)
 
 
-@functools.partial(jax.jit, donate_argnums=(2, 3))
-def _jnp_load(hk, hv, dk, dv, host_ids, device_ids):
-    hk, hv = (jax.device_put(x, jax.memory.Space.Device) for x in (hk, hv))
-    return dk.at[device_ids].set(hk[host_ids]), dv.at[device_ids].set(hv[host_ids])
+class DeferredCopier(Copier):
+    """Two in-order queues whose copies run as late as they may: only when a mark is waited
+    for (or a queue ordered after it runs). A reader that skips its wait sees stale bytes."""
 
+    synchronous = False
 
-@functools.partial(jax.jit, donate_argnums=(2, 3))
-def _jnp_write_back(dk, dv, hk, hv, device_ids, host_ids):
-    hk, hv = (jax.device_put(x, jax.memory.Space.Device) for x in (hk, hv))
-    out = hk.at[host_ids].set(dk[device_ids]), hv.at[host_ids].set(dv[device_ids])
-    return tuple(jax.device_put(x, jax.memory.Space.Host) for x in out)
+    def __init__(self) -> None:
+        self.queues: dict[Direction, list[tuple]] = {d: [] for d in Direction}
+        self.copies = 0
 
+    def copy(self, direction: Direction, dsts, srcs, sizes) -> None:
+        self.queues[direction].append(("copy", dsts.tolist(), srcs.tolist(), sizes.tolist()))
 
-JNP_COPY = CopyFns(_jnp_load, _jnp_write_back)
+    def mark(self, direction: Direction) -> Mark:
+        mark = Mark(0)
+        self.queues[direction].append(("mark", mark))
+        return mark
+
+    def wait(self, mark: Mark) -> None:
+        for direction, queue in self.queues.items():
+            if any(item[0] == "mark" and item[1] is mark for item in queue):
+                self._run(direction, mark)
+
+    def order_after(self, direction: Direction, mark: Mark) -> None:
+        if not mark.done:
+            self.queues[direction].append(("after", mark))
+
+    def _run(self, direction: Direction, until: Mark) -> None:
+        queue = self.queues[direction]
+        while not until.done:
+            item = queue.pop(0)
+            if item[0] == "copy":
+                for dst, src, size in zip(*item[1:]):
+                    ctypes.memmove(dst, src, size)
+                self.copies += 1
+            elif item[0] == "mark":
+                item[1].done = True
+            else:
+                self.wait(item[1])
 
 
 def make_cache(page_size: int, device_pages: int, host_pages: int | None,
-               policy: WritePolicy = WritePolicy.WRITE_BACK, copy_fns: CopyFns | None = JNP_COPY,
-               path: TransferPath = TransferPath.PAGES, layers: int = LAYERS, **kwargs: object) -> TieredCache:
+               policy: WritePolicy = WritePolicy.WRITE_BACK, copier: Copier | None = None,
+               layers: int = LAYERS, **kwargs: object) -> TieredCache:
     """A cache over real pools; device_pages/host_pages are usable pages (device page 0 extra);
-    `path` picks the host layout (`copy_fns` only matter on the pages path)."""
+    `copier` None copies at once (the CPU's HostCopier)."""
     layout = PoolLayout(layers, device_pages + 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host_layout = PoolLayout(layers, host_pages or 1, page_size, HEADS, HEAD_DIM, jnp.float32)
-    host = make_host_pool(host_layout, path) if host_pages else None
-    return TieredCache(page_size, DevicePool(layout), host, policy, copy_fns=copy_fns, **kwargs)
+    host = HostPool(host_layout) if host_pages else None
+    return TieredCache(page_size, DevicePool(layout), host, policy, copier=copier, **kwargs)
 
 
 def expected_kv(tokens: Sequence[int], layer: int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +87,13 @@ def write_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], st
     ids = jnp.asarray(np.asarray(pages[start // p:], np.int32))
     for layer in range(pool.num_layers):
         k, v = expected_kv(tokens, layer, p)
-        pool.set_layer(layer, pool.k[layer].at[ids].set(k[start // p:]), pool.v[layer].at[ids].set(v[start // p:]))
+        pool.set_layer(layer, *_set_pages(pool.k[layer], pool.v[layer], ids, k[start // p:], v[start // p:]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _set_pages(k_pages, v_pages, ids, k, v):
+    """In place, as the model's kernels write (copies in flight target the pool's buffers)."""
+    return k_pages.at[ids].set(k), v_pages.at[ids].set(v)
 
 
 def assert_device_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int]) -> None:

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jhicache.cache import Node, TieredCache
-from jhicache.config import TransferPath, WritePolicy
-from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, write_kv
+from jhicache.config import WritePolicy
+from tests.cache._helpers import DeferredCopier, assert_device_kv, expected_kv, make_cache, write_kv
 
 BASES = [[b * 100 + i for i in range(12)] for b in range(3)]
 
@@ -46,11 +46,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.prefills = 0
 
     @initialize(page=st.sampled_from([1, 4]), policy=st.sampled_from(list(WritePolicy)),
-                host=st.sampled_from([None, 6, 12]), path=st.sampled_from(PATHS))
-    def setup(self, page: int, policy: WritePolicy, host: int | None, path: TransferPath) -> None:
+                host=st.sampled_from([None, 6, 12]), deferred=st.booleans())
+    def setup(self, page: int, policy: WritePolicy, host: int | None, deferred: bool) -> None:
         self.page = page
         self.cache = make_cache(page, device_pages=16 // page, host_pages=host and host * 4 // page,
-                                policy=policy, load_back_threshold=2 * page, path=path)
+                                policy=policy, load_back_threshold=2 * page,
+                                copier=DeferredCopier() if deferred else None)
 
     def _aligned(self, tokens: list[int]) -> list[int]:
         return tokens[:len(tokens) - len(tokens) % self.page]
@@ -74,7 +75,7 @@ class CacheMachine(RuleBasedStateMachine):
             node = m.last_node
             self.cache.lock(node)
             self.cache.launch()
-            ticket.wait(0)
+            ticket.wait_all()  # as the forward does, layer by layer
             pages += ticket.device_pages
         new = self.cache.alloc_device(len(tokens) // self.page - len(pages))
         if new is None:
@@ -82,7 +83,6 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             write_kv(self.cache, tokens, pages + new, len(pages) * self.page)
             self.held.append(Held(node, tokens, pages + new, len(pages)))
-        self.cache.drive_loads()  # as the engine does after each forward: nothing stays half-loaded
 
     @rule(tokens=prompts())
     def prefill(self, tokens: list[int]) -> None:

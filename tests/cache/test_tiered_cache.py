@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jhicache.cache import TieredCache
-from jhicache.config import TransferPath, WritePolicy
-from tests.cache._helpers import PATHS, assert_device_kv, expected_kv, make_cache, prefill, write_kv
+from jhicache.config import WritePolicy
+from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 POLICIES = list(WritePolicy)
 PAGE_SIZES = [1, 16, 64]
@@ -27,14 +27,12 @@ def host_pages_of(cache: TieredCache, tokens: list[int]) -> list[int]:
     return [p for n in run for p in (n.host_pages or [])]
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", PAGE_SIZES)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_round_trip_through_host(policy: WritePolicy, page: int, path: TransferPath) -> None:
+def test_round_trip_through_host(policy: WritePolicy, page: int) -> None:
     """Fill device past capacity, re-request the first prompt: host hit, load-back, right data,
     then a device hit. Under write_through_selective the first prompt needs a second visit."""
-    cache = make_cache(page, device_pages=4, host_pages=8, policy=policy, load_back_threshold=page,
-                       path=path)
+    cache = make_cache(page, device_pages=4, host_pages=8, policy=policy, load_back_threshold=page)
     a, b, c = (seq(t, 2, page) for t in (1, 2, 3))
     prefill(cache, a)
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -50,7 +48,7 @@ def test_round_trip_through_host(policy: WritePolicy, page: int, path: TransferP
     check(cache)
     cache.launch()
     for layer in range(ticket.num_layers):
-        ticket.wait(layer)  # blocks (pages path) or only dispatches (segments path)
+        ticket.wait(layer)  # blocks until the layer has landed
     ticket.wait_all()
     assert ticket.done()
     assert cache.poll() >= 1 and cache.stats()["loads_in_flight"] == 0
@@ -61,11 +59,10 @@ def test_round_trip_through_host(policy: WritePolicy, page: int, path: TransferP
     check(cache)
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", PAGE_SIZES)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_eviction_with_and_without_host_copy(policy: WritePolicy, page: int, path: TransferPath) -> None:
-    cache = make_cache(page, device_pages=4, host_pages=8, policy=policy, path=path)
+def test_eviction_with_and_without_host_copy(policy: WritePolicy, page: int) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=8, policy=policy)
     a, b = seq(1, 2, page), seq(2, 2, page)
     prefill(cache, a)
     prefill(cache, b)
@@ -83,12 +80,11 @@ def test_eviction_with_and_without_host_copy(policy: WritePolicy, page: int, pat
     check(cache)
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", PAGE_SIZES)
-def test_write_back_is_ordered_before_reuse_of_freed_pages(page: int, path: TransferPath) -> None:
+def test_write_back_is_ordered_before_reuse_of_freed_pages(page: int) -> None:
     """The evicted pages are reused (and overwritten by a donating kernel) right after the
     write-back is dispatched, without waiting: the host copy still holds the old data."""
-    cache = make_cache(page, device_pages=2, host_pages=4, path=path)
+    cache = make_cache(page, device_pages=2, host_pages=4)
     a, b = seq(1, 2, page), seq(2, 2, page)
     prefill(cache, a)
     old_pages = cache.match(a).device_pages
@@ -134,10 +130,9 @@ def test_insert_over_host_only_excludes_adopted_tokens(policy: WritePolicy, page
     assert m2.last_node.host_pages is not None or tail.host_pages is not None
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", PAGE_SIZES)
-def test_host_eviction_only_removes_host_only_leaves(page: int, path: TransferPath) -> None:
-    cache = make_cache(page, device_pages=4, host_pages=4, policy=WritePolicy.WRITE_THROUGH, path=path)
+def test_host_eviction_only_removes_host_only_leaves(page: int) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=4, policy=WritePolicy.WRITE_THROUGH)
     a, b, c = seq(1, 2, page), seq(2, 2, page), seq(3, 2, page)
     prefill(cache, a)
     prefill(cache, b)  # host: copies of a and b (both on device too)
@@ -150,10 +145,9 @@ def test_host_eviction_only_removes_host_only_leaves(page: int, path: TransferPa
     assert m.device_len == len(b) and m.last_node.host_pages is not None
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", [1, 16])
-def test_load_back_threshold_quota_and_all_or_nothing(page: int, path: TransferPath) -> None:
-    cache = make_cache(page, device_pages=4, host_pages=8, load_back_threshold=2 * page, path=path)
+def test_load_back_threshold_quota_and_all_or_nothing(page: int) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=8, load_back_threshold=2 * page)
     short, a, b = seq(1, 1, page), seq(2, 2, page), seq(3, 4, page)
     prefill(cache, short)
     prefill(cache, a)
@@ -178,10 +172,9 @@ def test_load_back_threshold_quota_and_all_or_nothing(page: int, path: TransferP
     check(cache)
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("page", PAGE_SIZES)
-def test_dirty_node_without_host_room_is_dropped_with_its_host_only_descendants(page: int, path: TransferPath) -> None:
-    cache = make_cache(page, device_pages=4, host_pages=1, path=path)
+def test_dirty_node_without_host_room_is_dropped_with_its_host_only_descendants(page: int) -> None:
+    cache = make_cache(page, device_pages=4, host_pages=1)
     p, c, d = seq(1, 2, page), seq(2, 1, page), seq(3, 1, page)
     prefill(cache, p + c)
     prefill(cache, p + d)  # P (2 pages) with children C and D: device full

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 
@@ -14,12 +13,6 @@ def rand(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 def poisoned(shape, dtype) -> np.ndarray:
     """NaN-filled pages: compared with equal_nan, they prove untouched pages stay untouched."""
     return np.full(shape, np.nan, dtype)
-
-
-def pinned(x: np.ndarray) -> jax.Array:
-    """Places x in pinned host memory, as the host tier does."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    return jax.device_put(x, sharding)
 
 
 def same(a, b) -> bool:
