@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
+from jhicache.batch import Batch, Chunk, StepInputs, model_inputs, patch_tokens
 from jhicache.cache import RESERVED_PAGES, DevicePool, HostPool, PoolLayout, TieredCache, make_copier
 from jhicache.cache.host_memory import available_bytes
 from jhicache.config import CacheMode, EngineConfig, KVDtype
@@ -177,9 +177,12 @@ class Engine:
             outputs = self._end(self._take_in_flight())
             self.cache.poll()
             batch = self.scheduler.schedule(may_retract=True)
+        # The inputs' small host->device copies go first: the copy engine runs copies in the
+        # order they were queued, so behind a load burst they would hold the forward back.
+        inputs = model_inputs(batch, self.config.page_size) if batch is not None else None
         self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
         self.cache.launch()  # write-backs and load-backs queued by the scheduler start now
-        launched = self._launch(batch) if batch is not None else None
+        launched = self._launch(batch, inputs) if batch is not None else None
         if self.config.overlap_schedule:
             ending, self._in_flight = self._take_in_flight(), launched
         else:
@@ -189,9 +192,8 @@ class Engine:
         self._note_progress(launched is not None or ending is not None or ended_early)
         return outputs
 
-    def _launch(self, batch: Batch) -> _Launched:
+    def _launch(self, batch: Batch, inputs: StepInputs) -> _Launched:
         """Dispatches the batch's forward and sampling; nothing here waits for the device."""
-        inputs = model_inputs(batch, self.config.page_size)
         tokens = inputs.tokens
         if inputs.patches is not None:  # decode tokens sampled by the step still in flight
             assert self._in_flight is not None

@@ -67,11 +67,15 @@ class EngineStats:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     retracted_requests: int = 0
-    # transfers between the tiers (bytes of the pages copied; timing is the benchmarks' job)
+    # transfers between the tiers: bytes of the pages copied; seconds from each launch's first
+    # copy starting to its last finishing, summed (device-side events on a GPU; a write-back
+    # is queued in pieces over several steps, so its span includes the gaps)
     write_back_ops: int = 0
     write_back_bytes: int = 0
+    write_back_s: float = 0.0
     load_back_ops: int = 0
     load_back_bytes: int = 0
+    load_back_s: float = 0.0
     # evictions and what they cost
     evicted_device_tokens: int = 0
     evicted_host_tokens: int = 0

@@ -45,14 +45,16 @@ def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, ca
     assert unbounded["device_kv_tokens"] > off["device_kv_tokens"]
 
 
-def test_host_hit_reports_target_ratio_against_pcie(tmp_path) -> None:
+def test_host_hit_reports_its_ratios_against_pcie(tmp_path) -> None:
     out = tmp_path / "hit.json"
     args = ["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8", "--out", str(out)]
     assert bench.main(args) == 0
     hit = json.loads(out.read_text())["host_hit"]
     assert hit["host_hit_tokens"] == 64
-    assert hit["pcie_s"] > 0 and hit["target_ratio"] == pytest.approx(
+    assert hit["pcie_s"] > 0 and hit["host_hit_ratio"] == pytest.approx(
         hit["host_hit_ttft_s"] / max(hit["pcie_s"], hit["device_hit_ttft_s"]))
+    assert hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0 and hit["pcie_to_host_gbps"] > 0
+    assert hit["device_hit_beside_write_back_ttft_s"] > 0
 
 
 def test_unknown_mode_is_a_clear_error(capsys) -> None:

@@ -40,8 +40,8 @@ def test_format_bytes_picks_a_unit_that_keeps_three_digits(nbytes: float, text: 
 
 def test_small_amounts_never_read_zero() -> None:
     assert report.format_rate(2e-4) == "200 kB/s"
-    summary = report.multiturn_table(multiturn_result(ONE_ROUND, load_back_moved_bytes=163_840))
-    assert not re.search(r"(?<![\d.])0 MB", summary) and "164 kB moved" in summary
+    summary = report.multiturn_table(multiturn_result(ONE_ROUND, load_back_bytes=163_840))
+    assert not re.search(r"(?<![\d.])0 MB", summary) and "(164 kB)" in summary
 
 
 def test_title_names_the_model_and_device_and_flags_a_cpu_run() -> None:

@@ -58,6 +58,7 @@ def assert_matches_no_cache_with_transfers(engine: Engine) -> None:
     stats = engine.stats()
     assert stats.evicted_device_tokens > 0
     assert stats.write_back_ops > 0 and stats.load_back_ops > 0 and stats.host_hit_tokens > 0
+    assert stats.write_back_s > 0 and stats.load_back_s > 0  # the copies, timed by their marks
     assert_idle_and_consistent(engine)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import time
 
 import numpy as np
 
@@ -26,11 +27,13 @@ class Direction(enum.Enum):
 class Mark:
     """A point in one direction's queue: done once every copy queued before it has finished."""
 
-    __slots__ = ("event", "done")
+    __slots__ = ("event", "done", "at", "timed")
 
-    def __init__(self, event: int | None) -> None:
+    def __init__(self, event: int | None, timed: bool = False) -> None:
         self.event = event  # a CUDA event (CudaCopier) or None (already complete)
         self.done = event is None
+        self.at = time.perf_counter()  # when marked (what HostCopier times by)
+        self.timed = timed
 
 
 class Copier:
@@ -42,17 +45,25 @@ class Copier:
         """Queues `srcs[i] -> dsts[i]` (`sizes[i]` bytes each) behind everything queued in `direction`."""
         raise NotImplementedError
 
-    def mark(self, direction: Direction) -> Mark:
-        return Mark(None)
+    def mark(self, direction: Direction, timed: bool = False) -> Mark:
+        """A mark behind everything queued so far; `timed` ones can be measured between."""
+        return Mark(None, timed)
 
     def is_done(self, mark: Mark) -> bool:
         return mark.done
+
+    def elapsed_s(self, start: Mark, end: Mark) -> float:
+        """Seconds between two done, timed marks of one queue (device-side where copies are)."""
+        return end.at - start.at
 
     def wait(self, mark: Mark) -> None:
         """Blocks the host until `mark` is done."""
 
     def order_after(self, direction: Direction, mark: Mark) -> None:
         """Copies queued in `direction` from now on start after `mark` (of the other queue)."""
+
+    def release(self, mark: Mark) -> None:
+        """A done, timed mark whose time has been read (CudaCopier reuses its event)."""
 
 
 class HostCopier(Copier):
@@ -73,15 +84,19 @@ class CudaCopier(Copier):
         self.driver = driver
         least, greatest = driver.priority_range()
         self._streams = {Direction.TO_DEVICE: driver.stream(greatest), Direction.TO_HOST: driver.stream(least)}
-        self._spare: list[int] = []  # events of retired marks, reused
+        self._spare: dict[bool, list[int]] = {False: [], True: []}  # retired events, by timing
 
     def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
         self.driver.copy(dsts, srcs, sizes, self._streams[direction], direction is Direction.TO_DEVICE)
 
-    def mark(self, direction: Direction) -> Mark:
-        event = self._spare.pop() if self._spare else self.driver.event()
+    def mark(self, direction: Direction, timed: bool = False) -> Mark:
+        spare = self._spare[timed]
+        event = spare.pop() if spare else self.driver.event(timing=timed)
         self.driver.record(event, self._streams[direction])
-        return Mark(event)
+        return Mark(event, timed)
+
+    def elapsed_s(self, start: Mark, end: Mark) -> float:
+        return self.driver.elapsed_ms(start.event, end.event) / 1e3
 
     def is_done(self, mark: Mark) -> bool:
         if not mark.done and self.driver.query(mark.event):
@@ -99,9 +114,14 @@ class CudaCopier(Copier):
 
     def _retire(self, mark: Mark) -> None:
         # A stream may still be told to wait on a retired event: waiting on a completed event
-        # is a no-op, and the event is only re-recorded after this mark reads done.
+        # is a no-op. A timed event goes back only once it has been read (`release`).
         mark.done = True
-        self._spare.append(mark.event)
+        if not mark.timed:
+            self._spare[False].append(mark.event)
+
+    def release(self, mark: Mark) -> None:
+        """A done, timed mark whose time has been read: its event may be reused."""
+        self._spare[True].append(mark.event)
 
 
 def make_copier(platform: str) -> tuple[Copier, CudaDriver | None]:

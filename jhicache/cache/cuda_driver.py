@@ -62,6 +62,11 @@ class CudaDriver:
         self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), device))
         self._bound = threading.local()  # a context is current per thread: bind it once in each
         self._batch = self._batch_function()
+        self._attrs = {to_device: _CopyAttributes(
+            _ACCESS_ORDER_STREAM, _Location(_LOCATION_HOST if to_device else _LOCATION_DEVICE, 0),
+            _Location(_LOCATION_DEVICE if to_device else _LOCATION_HOST, 0), _PREFER_OVERLAP_WITH_COMPUTE)
+            for to_device in (True, False)}
+        self._attr_index = (ctypes.c_size_t * 1)(0)  # one attribute set for a whole batch
         self._bind()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -172,14 +177,10 @@ class CudaDriver:
 
     def _copy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
                     to_device: bool) -> None:
-        src_type, dst_type = (_LOCATION_HOST, _LOCATION_DEVICE) if to_device else (_LOCATION_DEVICE, _LOCATION_HOST)
-        attrs = _CopyAttributes(_ACCESS_ORDER_STREAM, _Location(src_type, 0), _Location(dst_type, 0),
-                                _PREFER_OVERLAP_WITH_COMPUTE)
         dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
-        index = (ctypes.c_size_t * 1)(0)  # one attribute set for the whole batch, from copy 0 on
         self._check("cuMemcpyBatchAsync", self._batch(
             dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
-            ctypes.byref(attrs), index, 1, ctypes.c_void_p(stream)))
+            ctypes.byref(self._attrs[to_device]), self._attr_index, 1, ctypes.c_void_p(stream)))
 
     # -- pinned host memory --------------------------------------------------------------------
 

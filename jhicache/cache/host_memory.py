@@ -7,6 +7,7 @@ import concurrent.futures
 import ctypes
 import mmap
 import os
+import weakref
 
 import numpy as np
 
@@ -44,24 +45,26 @@ class HostMemory:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = self.array.ctypes.data
         _touch(self.address, nbytes, threads or min(16, os.cpu_count() or 1))
-        self._driver = driver
         if driver is not None:
             driver.register(self.address, nbytes)
-
-    @property
-    def pinned(self) -> bool:
-        return self._driver is not None
+        # Unpinned before it is unmapped, also when dropped without close(): a range the driver
+        # still holds pinned cannot be pinned again by a later allocation at the same address.
+        self._release = weakref.finalize(self, _release, driver, self.address, self._map)
+        self.pinned = driver is not None
 
     def close(self) -> None:
         """Unpins and unmaps; views of `array` must not be used afterwards."""
-        if self._driver is not None:
-            self._driver.unregister(self.address)
-            self._driver = None
         self.array = np.empty(0, np.uint8)
-        try:
-            self._map.close()
-        except BufferError:  # a numpy view is still alive: the mapping goes when it does
-            pass
+        self._release()
+
+
+def _release(driver: CudaDriver | None, address: int, mapping: mmap.mmap) -> None:
+    if driver is not None:
+        driver.unregister(address)
+    try:
+        mapping.close()
+    except BufferError:  # a numpy view is still alive: the mapping goes when it does
+        pass
 
 
 def _touch(address: int, nbytes: int, threads: int) -> None:

@@ -36,7 +36,15 @@ class HostPool:
 
     def addresses(self, layer: int, kv: int, pages: np.ndarray) -> np.ndarray:
         """uint64 addresses of `pages` (int array) of one layer's K (kv=0) or V (kv=1)."""
-        block = (layer * 2 + kv) * self.layout.num_pages
+        return self.addresses_at(np.uint64(layer * 2 + kv), pages)
+
+    def layer_addresses(self, kv: int, pages: np.ndarray) -> np.ndarray:
+        """[layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or V."""
+        layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
+        return self.addresses_at(layers * 2 + kv, pages)
+
+    def addresses_at(self, blocks: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        block = blocks * np.uint64(self.layout.num_pages)
         return self.address + (block + pages.astype(np.uint64)) * np.uint64(self.layer_page_bytes)
 
     def view(self) -> np.ndarray:

@@ -286,12 +286,13 @@ class TieredCache:
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        stats = dict(self._stats)
+        stats = {**self._stats, "write_back_s": 0.0, "load_back_s": 0.0}
         if self.controller is not None:
             c, page_bytes = self.controller.counters, self.device_pool.layout.page_bytes
             stats.update(write_back_ops=c["write_back_ops"], load_back_ops=c["load_back_ops"],
                          write_back_bytes=c["write_back_pages"] * page_bytes,
-                         load_back_bytes=c["load_back_pages"] * page_bytes)
+                         load_back_bytes=c["load_back_pages"] * page_bytes,
+                         write_back_s=c["write_back_s"], load_back_s=c["load_back_s"])
         stats.update(device_free_pages=self.device_alloc.num_free,
                      evictable_tokens=self.tree.evictable_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,

@@ -29,17 +29,21 @@ see them, so this module orders them by hand:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jhicache.cache.copier import Copier, Direction, Mark
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
-from jhicache.pallas_kernels.page_copy import gather_pages_layers
+
+# Host copies of write-backs queued per poll: small against a whole write-back (_issue_write).
+WRITE_PIECE_BYTES = 64 << 20
 
 
 class TransferKind(enum.Enum):
@@ -59,8 +63,9 @@ class TransferOp(NamedTuple):
 
 @jax.jit
 def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
-    """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array."""
-    return tuple(gather_pages_layers((k, v), ids) for k, v in zip(ks, vs))
+    """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array (an
+    XLA gather: whole pages, every element independent)."""
+    return tuple(jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs))
 
 
 def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,7 +92,9 @@ class _Write:
 
     def __init__(self, ops: list[TransferOp], staging: tuple[jax.Array, ...], host_ids: np.ndarray) -> None:
         self.ops, self.staging, self.host_ids = ops, staging, host_ids
-        self.mark: Mark | None = None  # set once its host copies are queued
+        self.next_layer = 0  # the next layer whose host copies to queue
+        self.start: Mark | None = None  # timed, before its first host copy
+        self.mark: Mark | None = None  # timed, set once all its host copies are queued
 
 
 class _Load:
@@ -98,6 +105,7 @@ class _Load:
         self.controller, self.ops = controller, ops
         self.device_ids, self.host_ids = device_ids, host_ids
         self.marks: list[Mark] = []  # per layer, once issued
+        self.start: Mark | None = None  # timed, before its first copy
 
     def wait(self, layer: int) -> None:
         if not self.marks:
@@ -124,8 +132,12 @@ class TransferController:
         self._last_load: Mark | None = None
         self._buffers: list[tuple[int, int]] | None = None  # per layer (K, V) addresses
         self._next_id = 0
+        # *_s: per launch, its first copy's start to its last copy's end, by the copier's
+        # timed marks (device-side events on a GPU), summed; a write-back's copies are queued
+        # in pieces over several polls, and the gaps between them count.
         self.counters = {"write_back_ops": 0, "write_back_pages": 0, "load_back_ops": 0,
-                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0}
+                         "load_back_pages": 0, "write_back_launches": 0, "load_back_launches": 0,
+                         "write_back_s": 0.0, "load_back_s": 0.0}
 
     # -- queueing ------------------------------------------------------------------------------
 
@@ -188,24 +200,34 @@ class TransferController:
             self._writing[page] = write
         # The gather reads the pages before any later compute can overwrite them, but a load's
         # copy is not compute: it must wait for the gather (fence_device_pages by the cache).
-        if write.staging[-1].is_ready():
-            self._issue_write(write)
+        self._advance_writes()
         return write.staging[-1]
 
-    def _issue_write(self, write: _Write) -> None:
-        """Queues a staged write's host copies (its staging is ready)."""
+    def _issue_write(self, write: _Write, budget: float) -> float:
+        """Queues a staged write's host copies (its staging is ready), layer by layer while
+        `budget` bytes last; returns what is left of it. Small pieces at a time, because the
+        copy engine serves copies in the order queued: the forward's own small device->host
+        copy (its sampled tokens) must not wait behind a whole write-back."""
         if self._last_load is not None:
             self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
         rows = np.arange(len(write.host_ids))
         src_rows, dst_pages, lengths = runs(rows, write.host_ids)
+        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * np.uint64(self.layer_bytes)
         padded = write.staging[0].shape[1]
-        for layer, staged in enumerate(write.staging):
-            base = staged.unsafe_buffer_pointer()
-            for kv in (0, 1):
-                srcs = base + (kv * padded + src_rows).astype(np.uint64) * np.uint64(self.layer_bytes)
-                self.copier.copy(Direction.TO_HOST, self.host_pool.addresses(layer, kv, dst_pages), srcs,
-                                 lengths.astype(np.uint64) * np.uint64(self.layer_bytes))
-        write.mark = self.copier.mark(Direction.TO_HOST)
+        offsets = np.concatenate([src_rows, padded + src_rows]).astype(np.uint64) * np.uint64(self.layer_bytes)
+        if write.start is None:
+            write.start = self.copier.mark(Direction.TO_HOST, timed=True)
+        while write.next_layer < len(write.staging) and budget > 0:
+            layer = write.next_layer
+            dsts = np.concatenate([self.host_pool.addresses(layer, 0, dst_pages),
+                                   self.host_pool.addresses(layer, 1, dst_pages)])
+            srcs = write.staging[layer].unsafe_buffer_pointer() + offsets
+            self.copier.copy(Direction.TO_HOST, dsts, srcs, sizes)
+            write.next_layer += 1
+            budget -= float(sizes.sum())
+        if write.next_layer == len(write.staging):
+            write.mark = self.copier.mark(Direction.TO_HOST, timed=True)
+        return budget
 
     def launch_loads(self) -> None:
         """Starts every queued load-back whose pages are free of fences; the rest start once
@@ -238,7 +260,7 @@ class TransferController:
         fences, staged = self._blockers(load)
         for compute in fences + [w.staging[-1] for w in staged]:
             compute.block_until_ready()
-        self._advance_writes()
+        self._advance_writes(budget=math.inf)
         self._issue_load(load)
 
     def _issue_load(self, load: _Load) -> None:
@@ -246,18 +268,20 @@ class TransferController:
             assert write.mark is not None
             self.copier.order_after(Direction.TO_DEVICE, write.mark)
         pool, size = self.device_pool, np.uint64(self.layer_bytes)
-        src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
-        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
-        offsets = dst_pages.astype(np.uint64) * size
         if self.copier.synchronous:  # copies at once: must not race the compute producing the pool
             jax.block_until_ready((pool.k, pool.v))
             self.check_buffers()
-        for layer, (k, v) in enumerate(self._pool_buffers()):
-            dsts = np.concatenate([k + offsets, v + offsets])
-            srcs = np.concatenate([self.host_pool.addresses(layer, 0, src_pages),
-                                   self.host_pool.addresses(layer, 1, src_pages)])
-            self.copier.copy(Direction.TO_DEVICE, dsts, srcs, sizes)
-            load.marks.append(self.copier.mark(Direction.TO_DEVICE))
+        src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
+        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
+        offsets = dst_pages.astype(np.uint64) * size
+        buffers = np.asarray(self._pool_buffers(), np.uint64)  # [layers, K|V]
+        dsts = np.concatenate([buffers[:, :1] + offsets, buffers[:, 1:] + offsets], axis=1)
+        srcs = np.concatenate([self.host_pool.layer_addresses(0, src_pages),
+                               self.host_pool.layer_addresses(1, src_pages)], axis=1)
+        load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
+        for layer in range(pool.num_layers):  # in layer order, a mark after each
+            self.copier.copy(Direction.TO_DEVICE, dsts[layer], srcs[layer], sizes)
+            load.marks.append(self.copier.mark(Direction.TO_DEVICE, timed=layer == pool.num_layers - 1))
         self._last_load = load.marks[-1]
 
     def _pool_buffers(self) -> list[tuple[int, int]]:
@@ -288,10 +312,13 @@ class TransferController:
             if ready.setdefault(id(compute), compute.is_ready()):
                 del self._fences[page]
 
-    def _advance_writes(self) -> None:
+    def _advance_writes(self, budget: float = WRITE_PIECE_BYTES) -> None:
+        """Queues host copies of staged writes, oldest first, about `budget` bytes of them."""
         for write in self._writes:
+            if budget <= 0:
+                return
             if write.mark is None and write.staging[-1].is_ready():
-                self._issue_write(write)
+                budget = self._issue_write(write, budget)
 
     def poll(self) -> list[TransferOp]:
         """Non-blocking: starts what is no longer held back; returns ops now complete."""
@@ -310,20 +337,28 @@ class TransferController:
 
     def _retire_write(self, write: _Write) -> None:
         self._writes.remove(write)
+        self.counters["write_back_s"] += self._timed(write.start, write.mark)
         for page in write.host_ids.tolist():
             if self._writing.get(page) is write:
                 del self._writing[page]
 
     def _retire_load(self, load: _Load) -> None:
         self._loads.remove(load)
+        self.counters["load_back_s"] += self._timed(load.start, load.marks[-1])
+
+    def _timed(self, start: Mark | None, end: Mark | None) -> float:
+        """Seconds between two done, timed marks (then given back to the copier)."""
+        assert start is not None and end is not None
+        seconds = self.copier.elapsed_s(start, end)
+        self.copier.release(start)
+        self.copier.release(end)
+        return seconds
 
     def flush(self) -> list[TransferOp]:
         """Launches everything queued and blocks until every copy has finished."""
         self.launch()
-        for write in self._writes:
-            if write.mark is None:
-                jax.block_until_ready(write.staging)
-                self._issue_write(write)
+        jax.block_until_ready([w.staging for w in self._writes])
+        self._advance_writes(budget=math.inf)
         for load in self._loads:
             load.wait(self.device_pool.num_layers - 1)
         for write in self._writes:

@@ -30,8 +30,8 @@ class DeferredCopier(Copier):
     def copy(self, direction: Direction, dsts, srcs, sizes) -> None:
         self.queues[direction].append(("copy", dsts.tolist(), srcs.tolist(), sizes.tolist()))
 
-    def mark(self, direction: Direction) -> Mark:
-        mark = Mark(0)
+    def mark(self, direction: Direction, timed: bool = False) -> Mark:
+        mark = Mark(0, timed)
         self.queues[direction].append(("mark", mark))
         return mark
 
