@@ -367,9 +367,10 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     prefix, other = random_prompts(rng, vocab, 2, args.host_hit_prefix)
     turns = random_prompts(rng, vocab, 7, args.host_hit_turn)
     none_s, _ = ttft_of(engine, prefix + turns[0])  # nothing cached: computes the whole prompt
-    written = engine.stats().write_back_bytes
+    stats = engine.stats()
     write_s = push_to_host(engine)
-    written = engine.stats().write_back_bytes - written
+    written = engine.stats().write_back_bytes - stats.write_back_bytes
+    copy_s = engine.stats().write_back_s - stats.write_back_s  # its device->host copies alone
     before = engine.stats().as_dict()
     host_s, host_out = ttft_of(engine, prefix + turns[1])  # prefix only on host: load-back
     measured = stats_delta(engine, before, ("load_wait_s",))
@@ -379,7 +380,7 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     load_s = timed_load_alone(engine, prefix + turns[6])
     return {"no_cache_ttft_s": none_s, "host_hit_ttft_s": host_s, "device_hit_ttft_s": device_s,
             "host_hit_tokens": host_out.host_hit_tokens, "load_alone_s": load_s,
-            "write_back_s": write_s, "write_back_bytes": written,
+            "write_back_s": write_s, "write_back_bytes": written, "write_back_copy_s": copy_s,
             "device_hit_beside_write_back_ttft_s": beside_s, **measured}
 
 
@@ -407,6 +408,7 @@ def bench_host_hit(args: argparse.Namespace) -> dict:
     trial["pcie_s"] = pcie_copy_seconds(load_bytes)  # the ceilings, measured in the same run
     trial["pcie_gbps"] = load_bytes / trial["pcie_s"] / 1e9
     trial["write_back_gbps"] = trial["write_back_bytes"] / trial["write_back_s"] / 1e9
+    trial["write_back_copy_gbps"] = trial["write_back_bytes"] / trial["write_back_copy_s"] / 1e9
     trial["pcie_to_host_gbps"] = load_bytes / pcie_copy_seconds(load_bytes, to_host=True) / 1e9
     trial["host_hit_ratio"] = trial["host_hit_ttft_s"] / max(trial["pcie_s"], trial["device_hit_ttft_s"])
     trial["prefix_tokens"], trial["turn_tokens"] = args.host_hit_prefix, args.host_hit_turn

@@ -93,7 +93,8 @@ def host_hit_table(result: dict) -> str:
             f"hidden under compute {result['load_hidden_fraction']:.0%}; "
             f"PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({format_rate(result['pcie_gbps'])})\n"
             f"  host hit / max(PCIe, device hit) = {result['host_hit_ratio']:.2f}\n"
-            f"  write-back {format_rate(result['write_back_gbps'])} end to end "
+            f"  write-back {format_rate(result['write_back_gbps'])} end to end, its copies "
+            f"{format_rate(result['write_back_copy_gbps'])} "
             f"(PCIe to host {format_rate(result['pcie_to_host_gbps'])}); device hit beside a "
             f"write-back {result['device_hit_beside_write_back_ttft_s'] * 1e3:.1f} ms")
 
