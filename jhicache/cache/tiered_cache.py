@@ -280,6 +280,16 @@ class TieredCache:
                 self.tree.unlock(self._loading.pop(op.op_id))
         return len(ops)
 
+    def clear(self) -> int:
+        """Empties both tiers (a flush of the whole cache); every transfer ends first. Nothing
+        may be locked: the caller holds no request. Returns the device and host pages freed."""
+        self.flush()
+        device, host = self.tree.clear()
+        if self.host is not None:
+            self.host.release(host)
+        self._release_device(device)
+        return len(device) + len(host)
+
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         stats = {**self._stats, "load_back_moved_bytes": 0, "write_back_s": 0.0}
