@@ -39,6 +39,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(part) for part in first.get("loc", ())][1:]  # drop the leading "body"
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return ("the request body must be a JSON object, sent with "
+                "Content-Type: application/json"), None
     where = ".".join(loc)
     return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
 

@@ -110,6 +110,7 @@ class Generation:
     async def updates(self) -> AsyncIterator[Update]:
         stream = self._engine.stream(self.spec.prompt_ids, self.spec.params, self.spec.request_id)
         last: Update | None = None
+        refused = False
         try:
             async for out in stream:
                 self._time(len(out.new_token_ids))
@@ -118,11 +119,12 @@ class Generation:
                 if last.finished:
                     return
         except ValueError as e:
+            refused = True
             logger.info("request %s refused: %s", self.spec.request_id, e)
             raise
         finally:
             await stream.aclose()  # aborts the engine request if it is still running
-            if last is not None:
+            if not refused:
                 self._end(last)
 
     def _time(self, new_tokens: int) -> None:
@@ -135,13 +137,17 @@ class Generation:
         if new_tokens:
             self._last_token_s = now
 
-    def _end(self, last: Update) -> None:
-        """Metrics and the request's log line; a request left early counts as aborted."""
-        reason = last.finish_reason.value if last.finish_reason else FinishReason.ABORT.value
+    def _end(self, last: Update | None) -> None:
+        """Metrics and the request's log line; a request left early (even before its first
+        output: `last` None) counts as aborted."""
+        reason = (last.finish_reason.value if last is not None and last.finish_reason
+                  else FinishReason.ABORT.value)
+        prompt = last.prompt_tokens if last is not None else len(self.spec.prompt_ids)
+        cached = last.cached_tokens if last is not None else 0
+        generated = len(last.token_ids) if last is not None else 0
         e2e = time.perf_counter() - self._arrival
-        self._metrics.observe_end(e2e, last.prompt_tokens, last.cached_tokens,
-                                  len(last.token_ids), reason)
+        self._metrics.observe_end(e2e, prompt, cached, generated, reason)
         ttft = f"{self._ttft_s:.3f}s" if self._ttft_s is not None else "-"
         logger.info("request %s: prompt_tokens=%d cached_tokens=%d ttft=%s completion_tokens=%d "
-                    "e2e=%.3fs finish=%s", self.spec.request_id, last.prompt_tokens,
-                    last.cached_tokens, ttft, len(last.token_ids), e2e, reason)
+                    "e2e=%.3fs finish=%s", self.spec.request_id, prompt, cached, ttft, generated,
+                    e2e, reason)

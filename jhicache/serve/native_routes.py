@@ -16,7 +16,7 @@ from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
 from jhicache.serve.protocol import GenerateRequest, sse
-from jhicache.serve.responses import event_stream, last_update, start
+from jhicache.serve.responses import event_stream, first_update, last_update
 
 _CLIENT_GONE = 499
 
@@ -69,7 +69,9 @@ def native_router(ctx: ServerContext) -> APIRouter:
         gen = ctx.generation(_prompt(ctx, body), fields, body.rid)
         rid = gen.spec.request_id
         updates = gen.updates()
-        first = await start(updates)
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
                 yield sse(_payload(rid, update))  # one per engine output: text is cumulative

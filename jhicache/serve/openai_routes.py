@@ -15,7 +15,7 @@ from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
 from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, sse
-from jhicache.serve.responses import event_stream, last_update, start
+from jhicache.serve.responses import event_stream, first_update, last_update
 
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the log does
 
@@ -75,7 +75,9 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         gen = ctx.generation(prompt_ids, _fields(body, body.max_tokens))
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         updates = gen.updates()
-        first = await start(updates)
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
 
         def choice(update: Update, text: str, ids: list[int]) -> dict[str, Any]:
             # token_ids: vLLM's extension, for clients that bring their own tokenizer
@@ -111,7 +113,9 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         gen = ctx.generation(prompt_ids, _fields(body, limit))
         reply = _Reply("chatcmpl", "chat.completion", ctx.model.name)
         updates = gen.updates()
-        first = await start(updates)
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
 
         if body.stream:
             reply.object = "chat.completion.chunk"

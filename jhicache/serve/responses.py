@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -21,14 +22,19 @@ logger = logging.getLogger("jhicache.serve")
 Encoder = Callable[[Update], Iterable[bytes]]
 
 
-async def start(updates: AsyncIterator[Update]) -> Update:
-    """The first update: the request is submitted and has its first token (or has ended). A
-    request the engine refuses (prompt too long for the context or the pool, a token id out of
-    the vocabulary...) is a 400, and nothing of it stays queued."""
-    try:
-        return await anext(updates)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+async def first_update(request: Request, updates: AsyncIterator[Update]) -> Update | None:
+    """The first update: the request is submitted and has its first token (or has ended);
+    None if the client disconnected first (the request is then aborted). A request the engine
+    refuses (prompt too long for the context or the pool, a token id out of the vocabulary...)
+    is a 400, and nothing of it stays queued."""
+
+    async def submit() -> Update:
+        try:
+            return await anext(updates)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    return await _unless_disconnected(request, submit(), updates)
 
 
 def event_stream(first: Update, updates: AsyncIterator[Update], chunks: Encoder,
@@ -62,10 +68,7 @@ def event_stream(first: Update, updates: AsyncIterator[Update], chunks: Encoder,
 
 async def last_update(request: Request, first: Update,
                       updates: AsyncIterator[Update]) -> Update | None:
-    """Runs the request to its end; None if the client disconnected first (it was aborted).
-
-    A plain (non-streaming) handler is not cancelled when its client leaves, so the end of
-    the generation is raced against the connection's disconnect message."""
+    """Runs the request to its end; None if the client disconnected first (it was aborted)."""
 
     async def finish() -> Update:
         update = first
@@ -73,7 +76,18 @@ async def last_update(request: Request, first: Update,
             update = await anext(updates)
         return update
 
-    run = asyncio.ensure_future(finish())
+    try:
+        return await _unless_disconnected(request, finish(), updates)
+    finally:
+        await updates.aclose()  # ends the generation now: its metrics and log line
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Update],
+                               updates: AsyncIterator[Update]) -> Update | None:
+    """`work`'s result, or None if the client disconnects first. Nothing cancels a handler
+    whose client has left, so the work is raced against the connection's disconnect message;
+    cancelling it reaches the engine stream inside `updates`, which aborts the request."""
+    run = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -83,8 +97,10 @@ async def last_update(request: Request, first: Update,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+    if run.cancelled():
         await updates.aclose()
-    return run.result() if not run.cancelled() else None
+        return None
+    return run.result()
 
 
 async def _disconnected(request: Request) -> None:
