@@ -22,7 +22,7 @@ from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pre
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
-from jhicache.stats import EngineStats, StepCounters
+from jhicache.stats import EngineStats, Occupancy, StepCounters
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
 
@@ -156,6 +156,27 @@ class Engine:
         """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
         with self._lock:
             return EngineStats(**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats())
+
+    def occupancy(self) -> Occupancy:
+        """Queue lengths and the pool sizes and free pages of both tiers, now."""
+        with self._lock:
+            device, host = self.cache.device_alloc, self.cache.host_alloc
+            return Occupancy(waiting_requests=len(self.scheduler.waiting),
+                             running_requests=len(self.scheduler.running),
+                             device_pages=device.capacity, device_free_pages=device.num_free,
+                             host_pages=host.capacity if host else 0,
+                             host_free_pages=host.num_free if host else 0)
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
+        request is unfinished (False, nothing done, otherwise). The step and copies in flight
+        end first."""
+        with self._lock:
+            if self._requests:
+                return False
+            self._drain()
+            self.cache.clear()
+            return True
 
     def check_invariants(self) -> None:
         """Raises `InvariantError` on any page-accounting error in either tier."""

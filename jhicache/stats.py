@@ -97,3 +97,16 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Occupancy:
+    """What an engine holds at one moment: requests by queue, and each tier's pool in pages
+    (capacity excludes the reserved padding page; a tier that is not built has 0 pages)."""
+
+    waiting_requests: int  # queued, or retracted and waiting to be readmitted
+    running_requests: int  # admitted: prefilling or decoding
+    device_pages: int
+    device_free_pages: int
+    host_pages: int
+    host_free_pages: int

@@ -256,6 +256,17 @@ class RadixTree:
         node.parent = None
         return device, host, host_only_tokens
 
+    def clear(self) -> tuple[list[int], list[int]]:
+        """Deletes every node (none may be locked); returns (device pages, host pages) to free."""
+        nodes = list(self.nodes())
+        if any(n.lock_count for n in nodes):
+            raise ValueError("cannot clear a tree with locked nodes")
+        device = [p for n in nodes for p in n.device_pages or ()]
+        host = [p for n in nodes for p in n.host_pages or ()]
+        self.root.children = {}
+        self.evictable_pages = 0
+        return device, host
+
     def _subtree(self, node: Node) -> Iterator[Node]:
         stack = [node]
         while stack:

@@ -284,6 +284,16 @@ class TieredCache:
                 self._loading_nodes = {n: t for n, t in self._loading_nodes.items() if t.op_id != op.op_id}
         return len(ops)
 
+    def clear(self) -> int:
+        """Empties both tiers (a flush of the whole cache); every transfer ends first. Nothing
+        may be locked: the caller holds no request. Returns the device and host pages freed."""
+        self.flush()
+        device, host = self.tree.clear()
+        if self.host is not None:
+            self.host.release(host)
+        self._release_device(device)
+        return len(device) + len(host)
+
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         stats = {**self._stats, "write_back_s": 0.0, "load_back_s": 0.0}

@@ -1,0 +1,28 @@
+"""build_app: the FastAPI application over one ServerContext: its routes, its error handlers,
+and the engine closed when the server shuts down."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from jhicache.serve.context import ServerContext
+from jhicache.serve.errors import install_error_handlers
+from jhicache.serve.native_routes import native_router
+from jhicache.serve.openai_routes import openai_router
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await ctx.engine.aclose()  # aborts what is still running; the thread ends
+
+    app = FastAPI(title="jhicache", lifespan=lifespan)
+    app.state.context = ctx
+    install_error_handlers(app)
+    app.include_router(openai_router(ctx))
+    app.include_router(native_router(ctx))
+    return app

@@ -1,0 +1,138 @@
+"""The `python -m jhicache.serve` command line: flags (the engine's generated from EngineConfig's
+fields and docstring), building the engine and tokenizer, and running uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import logging
+import re
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jhicache.config import EngineConfig
+
+DEFAULT_PORT = 30000  # SGLang's
+logger = logging.getLogger("jhicache.serve")
+
+
+def _field_docs() -> dict[str, str]:
+    """EngineConfig's "Attributes:" entries, name -> text (continuation lines joined)."""
+    doc = EngineConfig.__doc__ or ""
+    section = doc.split("Attributes:", 1)[-1]
+    docs: dict[str, str] = {}
+    name = None
+    for line in section.splitlines():
+        entry = re.match(r"^\s{2,6}(\w+): (.*)$", line)
+        if entry and entry.group(1) in {f.name for f in dataclasses.fields(EngineConfig)}:
+            name = entry.group(1)
+            docs[name] = entry.group(2).strip()
+        elif name and line.strip():
+            docs[name] += " " + line.strip()
+    return docs
+
+
+def _parser_type(hint: Any) -> tuple[Callable[[str], Any] | None, list[str] | None]:
+    """An argparse type (None for a bool) and the choices, for one EngineConfig field's type:
+    `int | None` parses an int, an enum (or `Enum | str`) offers its values."""
+    members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    members = tuple(m for m in members if m is not type(None))
+    enums = [m for m in members if isinstance(m, type) and issubclass(m, enum.Enum)]
+    if enums:
+        return str, [m.value for m in enums[0]]
+    if members == (bool,):
+        return None, None
+    return members[0], None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--page-size` for page_size), its help from the docs."""
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    hints, docs = typing.get_type_hints(EngineConfig), _field_docs()
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind, choices = _parser_type(hints[field.name])
+        default = field.default.value if isinstance(field.default, enum.Enum) else field.default
+        shown = "unset" if default is None else default
+        help_text = f"{docs.get(field.name, field.name)} (default: {shown})"
+        if kind is None:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text.replace("%", "%%"))
+        else:
+            group.add_argument(flag, type=kind, choices=choices, default=default,
+                               help=help_text.replace("%", "%%"))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jhicache.serve",
+        description="An HTTP server over jhicache's engine: OpenAI's /v1/completions, "
+                    "/v1/chat/completions and /v1/models, SGLang's /generate, /flush_cache, "
+                    "/health and /get_model_info, and Prometheus' /metrics.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR",
+                        help="a Hugging Face Qwen2 checkpoint directory (config.json and "
+                             "safetensors); its tokenizer.json is used when there is one")
+    source.add_argument("--preset", metavar="NAME",
+                        help="random weights of a preset shape (tiny, qwen2-0.5b, qwen2-1.5b, "
+                             "qwen2-7b); token-id prompts only, unless --tokenizer is given")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="a directory with tokenizer.json (and tokenizer_config.json with "
+                             "the chat template); default: the --model directory")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the model name that /v1/models lists and responses carry "
+                             "(default: the directory's name, or the preset's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"],
+                        help="log level (info logs one line per request)")
+    add_engine_flags(parser)
+    return parser
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> str | None:
+    from jhicache.serve.tokenizer import has_tokenizer
+
+    if args.tokenizer:
+        return args.tokenizer
+    return args.model if args.model and has_tokenizer(args.model) else None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        build_parser().error(str(e))
+    # Imported here, so that --help and bad flags answer without loading JAX.
+    import uvicorn
+
+    from jhicache.async_engine import AsyncEngine
+    from jhicache.serve.app import build_app
+    from jhicache.serve.context import ServerContext
+    from jhicache.serve.tokenizer import Tokenizer
+
+    tokenizer_dir = _tokenizer_dir(args)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
+    if args.model:
+        engine = AsyncEngine.from_pretrained(args.model, config)
+        name, path = Path(args.model).resolve().name, args.model
+    else:
+        engine = AsyncEngine.from_preset(args.preset, config, seed=args.seed)
+        name, path = args.preset, f"preset:{args.preset}"
+    ctx = ServerContext.create(engine, tokenizer, args.served_model_name or name, path)
+    logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s", ctx.model.name, path,
+                args.host, args.port, tokenizer_dir or "none (token-id prompts only)")
+    uvicorn.run(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,116 @@
+"""ServerContext: what every route needs (the engine, tokenizer, metrics and model facts), and
+the checks that turn a request's prompt and sampling fields into a Generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+
+from jhicache.async_engine import AsyncEngine
+from jhicache.sampling import SamplingParams
+from jhicache.serve.errors import ApiError
+from jhicache.serve.generation import Generation, GenerationInput
+from jhicache.serve.metrics import ServerMetrics
+from jhicache.serve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model that the routes report and check against."""
+
+    name: str  # the served model name (/v1/models, responses' "model")
+    model_path: str  # the checkpoint directory, or "preset:<name>"
+    tokenizer_path: str | None
+    context_len: int  # the model's max_position_embeddings
+    pool_tokens: int  # device pool capacity: prompt + new tokens must fit in it
+
+    @property
+    def max_total_tokens(self) -> int:
+        return min(self.context_len, self.pool_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingFields:
+    """The sampling fields of a request, whichever API named them."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | list[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerContext:
+    engine: AsyncEngine
+    tokenizer: Tokenizer | None
+    metrics: ServerMetrics
+    model: ModelInfo
+
+    @classmethod
+    def create(cls, engine: AsyncEngine, tokenizer: Tokenizer | None, name: str,
+               model_path: str) -> ServerContext:
+        """The context of a server over `engine`; refuses a tokenizer whose ids the model
+        cannot embed."""
+        core = engine.engine
+        vocab = core.model_config.vocab_size
+        if tokenizer is not None and tokenizer.vocab_size > vocab:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                             f"embeds {vocab}: they do not belong together")
+        info = ModelInfo(name=name, model_path=model_path,
+                         tokenizer_path=tokenizer.path if tokenizer else None,
+                         context_len=core.model_config.max_position_embeddings,
+                         pool_tokens=core.occupancy().device_pages * core.config.page_size)
+        return cls(engine, tokenizer, ServerMetrics(core), info)
+
+    def require_tokenizer(self, what: str, param: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer and this server has none (it was "
+                                f"started without one, e.g. from a preset without --tokenizer); "
+                                f"it accepts token-id prompts only: send `prompt` as a list of "
+                                f"ints (OpenAI) or `input_ids` (/generate)", param)
+        return self.tokenizer
+
+    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of a text (special tokens added, as Hugging Face's encode does) or as given."""
+        if isinstance(prompt, str):
+            ids = self.require_tokenizer("a text prompt", param).encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        return ids
+
+    def room(self, prompt_len: int) -> int:
+        """New tokens a prompt leaves room for (context and device pool); 400 if none."""
+        room = self.model.max_total_tokens - prompt_len
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room to "
+                                f"generate in {self.model.max_total_tokens} tokens (the context "
+                                f"or the device pool)", "messages", "context_length_exceeded")
+        return room
+
+    def generation(self, prompt_ids: list[int], fields: SamplingFields,
+                   request_id: str | None = None) -> Generation:
+        stops = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or ())
+        if stops and self.tokenizer is None:
+            self.require_tokenizer("a stop string", "stop")
+        spec = GenerationInput(request_id=request_id or uuid.uuid4().hex, prompt_ids=prompt_ids,
+                               params=self._params(fields), stop_strings=tuple(stops))
+        return Generation(self.engine, self.tokenizer, self.metrics, spec)
+
+    def _params(self, fields: SamplingFields) -> SamplingParams:
+        stop_ids = list(fields.stop_token_ids or ())
+        if not fields.ignore_eos and self.tokenizer is not None:
+            stop_ids += self.tokenizer.eos_token_ids
+        try:
+            return SamplingParams(max_new_tokens=fields.max_tokens, temperature=fields.temperature,
+                                  top_k=fields.top_k if fields.top_k > 0 else None,
+                                  top_p=fields.top_p if fields.top_p < 1 else None,
+                                  seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None

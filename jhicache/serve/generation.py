@@ -1,0 +1,153 @@
+"""Generation: one request's run through the AsyncEngine as the routes see it: released text
+(incremental detokenization, stop strings), token ids, finish reason, metrics and a log line."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from jhicache.async_engine import AsyncEngine
+from jhicache.request import FinishReason, RequestOutput
+from jhicache.sampling import SamplingParams
+from jhicache.serve.detokenizer import IncrementalDetokenizer
+from jhicache.serve.metrics import ServerMetrics
+from jhicache.serve.stop_strings import StopStrings
+from jhicache.serve.tokenizer import Tokenizer
+
+logger = logging.getLogger("jhicache.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationInput:
+    """What a route submits: token ids, engine sampling params and the stop strings, which the
+    server applies to the text (the engine sees only stop token ids)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The request after one engine output: `delta` is the text released by it, `text` all text
+    released so far; the last update has a `finish_reason`."""
+
+    delta: str
+    text: str
+    token_ids: list[int]  # every generated token so far (a stop token included)
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    matched_stop: int | str | None  # the stop token id or stop string that ended it
+    prompt_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from either cache tier (OpenAI's and SGLang's cached_tokens)."""
+        return self.device_hit_tokens + self.host_hit_tokens
+
+
+class _TextState:
+    """Engine outputs -> released text: detokenized (with a tokenizer), cut at a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer | None, spec: GenerationInput) -> None:
+        self._detok = (IncrementalDetokenizer(tokenizer.decode, spec.prompt_ids)
+                       if tokenizer is not None else None)
+        self._stops = StopStrings(spec.stop_strings)
+        self._stop_ids = frozenset(spec.params.stop_token_ids)
+        self._released = 0
+        self._searched = 0
+
+    def advance(self, out: RequestOutput) -> Update:
+        reason = FinishReason(out.finish_reason) if out.finish_reason else None
+        matched: int | str | None = None
+        new = out.new_token_ids
+        if reason is FinishReason.STOP and new and new[-1] in self._stop_ids:
+            matched = new[-1]
+            new = new[:-1]  # a stop token's text is not part of the output (OpenAI, SGLang)
+        text = self._detokenize(new, reason is not None)
+        hit = self._stops.find(text, self._searched)
+        self._searched = len(text)
+        if hit is not None:
+            text, reason, matched = text[:hit[0]], FinishReason.STOP, hit[1]
+        end = len(text) if reason is not None else self._stops.streamable(len(text))
+        delta, self._released = text[self._released:end], max(end, self._released)
+        return Update(delta=delta, text=text[:self._released], token_ids=list(out.token_ids),
+                      new_token_ids=list(out.new_token_ids), finish_reason=reason,
+                      matched_stop=matched, prompt_tokens=out.prompt_len,
+                      device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens)
+
+    def _detokenize(self, ids: Sequence[int], final: bool) -> str:
+        if self._detok is None:
+            return ""
+        self._detok.push(ids)
+        if final:
+            self._detok.finish()
+        return self._detok.text
+
+
+class Generation:
+    """Runs one request. `updates()` yields an `Update` per engine output; the first
+    `__anext__` submits the request and raises `ValueError` for a bad one (nothing queued).
+    Leaving the iteration early (a client gone, a stop string) aborts the engine request."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, metrics: ServerMetrics,
+                 spec: GenerationInput) -> None:
+        self._engine, self._metrics, self.spec = engine, metrics, spec
+        self._text = _TextState(tokenizer, spec)
+        self._arrival = time.perf_counter()
+        self._last_token_s: float | None = None
+        self._ttft_s: float | None = None
+
+    async def updates(self) -> AsyncIterator[Update]:
+        stream = self._engine.stream(self.spec.prompt_ids, self.spec.params, self.spec.request_id)
+        last: Update | None = None
+        refused = False
+        try:
+            async for out in stream:
+                self._time(len(out.new_token_ids))
+                last = self._text.advance(out)
+                yield last
+                if last.finished:
+                    return
+        except ValueError as e:
+            refused = True
+            logger.info("request %s refused: %s", self.spec.request_id, e)
+            raise
+        finally:
+            await stream.aclose()  # aborts the engine request if it is still running
+            if not refused:
+                self._end(last)
+
+    def _time(self, new_tokens: int) -> None:
+        now = time.perf_counter()
+        if new_tokens and self._ttft_s is None:
+            self._ttft_s = now - self._arrival
+            self._metrics.observe_tokens(self._ttft_s, new_tokens, first=True)
+        elif new_tokens and self._last_token_s is not None:
+            self._metrics.observe_tokens(now - self._last_token_s, new_tokens, first=False)
+        if new_tokens:
+            self._last_token_s = now
+
+    def _end(self, last: Update | None) -> None:
+        """Metrics and the request's log line; a request left early (even before its first
+        output: `last` None) counts as aborted."""
+        reason = (last.finish_reason.value if last is not None and last.finish_reason
+                  else FinishReason.ABORT.value)
+        prompt = last.prompt_tokens if last is not None else len(self.spec.prompt_ids)
+        cached = last.cached_tokens if last is not None else 0
+        generated = len(last.token_ids) if last is not None else 0
+        e2e = time.perf_counter() - self._arrival
+        self._metrics.observe_end(e2e, prompt, cached, generated, reason)
+        ttft = f"{self._ttft_s:.3f}s" if self._ttft_s is not None else "-"
+        logger.info("request %s: prompt_tokens=%d cached_tokens=%d ttft=%s completion_tokens=%d "
+                    "e2e=%.3fs finish=%s", self.spec.request_id, prompt, cached, ttft, generated,
+                    e2e, reason)

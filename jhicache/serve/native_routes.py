@@ -1,0 +1,107 @@
+"""SGLang's native routes: POST /generate (streamed or not), POST /flush_cache, GET /health,
+GET /get_model_info, and Prometheus' GET /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jhicache.request import FinishReason
+from jhicache.serve.context import SamplingFields, ServerContext
+from jhicache.serve.errors import ApiError
+from jhicache.serve.generation import Update
+from jhicache.serve.protocol import GenerateRequest, sse
+from jhicache.serve.responses import event_stream, first_update, last_update
+
+_CLIENT_GONE = 499
+
+
+def _prompt(ctx: ServerContext, body: GenerateRequest) -> list[int]:
+    """The one prompt: `text` (tokenized here) or `input_ids`, not both; a list of one counts."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "send exactly one of `text` and `input_ids`", "text")
+    prompt: Any = body.text if body.text is not None else body.input_ids
+    param = "text" if body.text is not None else "input_ids"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, f"{param}: got {len(prompt)} prompts; this server takes one per "
+                                f"request", param)
+        prompt = prompt[0]
+    return ctx.prompt_ids(prompt, param)
+
+
+def _finish_reason(update: Update) -> dict[str, Any] | None:
+    """SGLang's form: {"type": "length", "length": n}, {"type": "stop", "matched": id or
+    string}, {"type": "abort", "message": ...}; None while running."""
+    if update.finish_reason is None:
+        return None
+    if update.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(update.token_ids)}
+    if update.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": update.matched_stop}
+    return {"type": "abort", "message": "aborted"}
+
+
+def _payload(rid: str, update: Update) -> dict[str, Any]:
+    meta = {"id": rid, "finish_reason": _finish_reason(update),
+            "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
+            "cached_tokens": update.cached_tokens,
+            "cached_tokens_details": {"device": update.device_hit_tokens,
+                                      "host": update.host_hit_tokens}}
+    return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
+
+
+def native_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        sp = body.sampling_params
+        fields = SamplingFields(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                                top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
+                                stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+                                ignore_eos=sp.ignore_eos)
+        gen = ctx.generation(_prompt(ctx, body), fields, body.rid)
+        rid = gen.spec.request_id
+        updates = gen.updates()
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
+        if body.stream:
+            def chunks(update: Update) -> Iterator[bytes]:
+                yield sse(_payload(rid, update))  # one per engine output: text is cumulative
+
+            return event_stream(first, updates, chunks, lambda _: ())
+        last = await last_update(request, first, updates)
+        if last is None:
+            return Response(status_code=_CLIENT_GONE)
+        return JSONResponse(_payload(rid, last))
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # Engine.flush_cache takes the engine's lock (held during a step): off the event loop
+        if await asyncio.to_thread(ctx.engine.engine.flush_cache):
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n",
+                                 status_code=400)
+
+    @router.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if ctx.engine.is_running else 503)
+
+    @router.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": ctx.model.model_path, "tokenizer_path": ctx.model.tokenizer_path,
+                "is_generation": True, "served_model_name": ctx.model.name,
+                "context_length": ctx.model.context_len, "pool_tokens": ctx.model.pool_tokens}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await asyncio.to_thread(ctx.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    return router

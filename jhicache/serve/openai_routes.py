@@ -1,0 +1,146 @@
+"""The OpenAI routes: POST /v1/completions and /v1/chat/completions (streamed or not) and
+GET /v1/models, in the shapes the official `openai` client reads."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from jhicache.serve.context import SamplingFields, ServerContext
+from jhicache.serve.errors import ApiError
+from jhicache.serve.generation import Update
+from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, sse
+from jhicache.serve.responses import event_stream, first_update, last_update
+
+_CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the log does
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a request; a list of one prompt counts (n=1, one choice)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: got {len(prompt)} prompts; this server takes one per "
+                                f"request", "prompt")
+        return prompt[0]
+    return prompt  # type: ignore[return-value]
+
+
+def _fields(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingFields:
+    return SamplingFields(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, seed=body.seed, stop=body.stop,
+                          stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+
+
+def _usage(update: Update) -> dict[str, Any]:
+    completion = len(update.token_ids)
+    return {"prompt_tokens": update.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": update.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": update.cached_tokens}}
+
+
+def _finish(update: Update) -> str | None:
+    return update.finish_reason.value if update.finish_reason else None
+
+
+class _Reply:
+    """The envelope every body and chunk of one response shares: id, kind, time, model."""
+
+    def __init__(self, prefix: str, obj: str, model: str) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.object, self.model, self.created = obj, model, int(time.time())
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+
+def openai_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": ctx.model.name, "object": "model", "created": int(time.time()),
+            "owned_by": "jhicache", "root": ctx.model.model_path,
+            "max_model_len": ctx.model.max_total_tokens}]}
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompt_ids = ctx.prompt_ids(_single_prompt(body.prompt), "prompt")
+        gen = ctx.generation(prompt_ids, _fields(body, body.max_tokens))
+        reply = _Reply("cmpl", "text_completion", ctx.model.name)
+        updates = gen.updates()
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
+
+        def choice(update: Update, text: str, ids: list[int]) -> dict[str, Any]:
+            # token_ids: vLLM's extension, for clients that bring their own tokenizer
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(update),
+                    "token_ids": ids}
+
+        if body.stream:
+            def chunks(update: Update) -> Iterator[bytes]:
+                if update.delta or update.finished:
+                    yield sse(reply.body([choice(update, update.delta, update.new_token_ids)]))
+
+            def end(update: Update) -> Iterator[bytes]:
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse(reply.body([], usage=_usage(update)))
+
+            return event_stream(first, updates, chunks, end)
+        last = await last_update(request, first, updates)
+        if last is None:
+            return Response(status_code=_CLIENT_GONE)
+        return JSONResponse(reply.body([choice(last, last.text, last.token_ids)], usage=_usage(last)))
+
+    @router.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        tokenizer = ctx.require_tokenizer("a chat request", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        # the template writes the special tokens itself: none are added around it
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        limit = body.max_completion_tokens or body.max_tokens or ctx.room(len(prompt_ids))
+        gen = ctx.generation(prompt_ids, _fields(body, limit))
+        reply = _Reply("chatcmpl", "chat.completion", ctx.model.name)
+        updates = gen.updates()
+        first = await first_update(request, updates)
+        if first is None:
+            return Response(status_code=_CLIENT_GONE)
+
+        if body.stream:
+            reply.object = "chat.completion.chunk"
+
+            def delta(update: Update, content: dict[str, str]) -> bytes:
+                return sse(reply.body([{"index": 0, "delta": content, "logprobs": None,
+                                        "finish_reason": _finish(update)}]))
+
+            def chunks(update: Update) -> Iterator[bytes]:
+                if update is first:  # the role comes first, alone, as OpenAI sends it
+                    yield sse(reply.body([{"index": 0, "logprobs": None, "finish_reason": None,
+                                           "delta": {"role": "assistant", "content": ""}}]))
+                if update.delta or update.finished:
+                    yield delta(update, {"content": update.delta} if update.delta else {})
+
+            def end(update: Update) -> Iterator[bytes]:
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse(reply.body([], usage=_usage(update)))
+
+            return event_stream(first, updates, chunks, end)
+        last = await last_update(request, first, updates)
+        if last is None:
+            return Response(status_code=_CLIENT_GONE)
+        message = {"role": "assistant", "content": last.text}
+        return JSONResponse(reply.body([{"index": 0, "message": message, "logprobs": None,
+                                         "finish_reason": _finish(last)}], usage=_usage(last)))
+
+    return router

@@ -1,0 +1,110 @@
+"""The wire format: request bodies of the OpenAI and SGLang endpoints as pydantic models (strict
+types, unknown fields ignored), the OpenAI error body and the server-sent-event framing."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _Body(BaseModel):
+    # strict: "5" is not an int nor 1 a bool (a wrong type is a 400, not a silent cast);
+    # extra fields are ignored, as clients send fields this server does not implement
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """Sampling fields shared by both OpenAI endpoints (`ignore_eos` and `stop_token_ids` are
+    the extensions vLLM and SGLang accept too)."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: int = -1  # <= 0: off (vLLM's and SGLang's convention)
+    seed: Annotated[int, Field(ge=0)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+    """POST /v1/completions: one prompt, text or token ids (a list of one is accepted too)."""
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: PositiveInt = 16
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined, as chat templates expect)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """POST /v1/chat/completions; with no max tokens, the rest of the context is the limit."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+
+
+class NativeSampling(_Body):
+    """SGLang's `sampling_params` (its defaults: 128 new tokens, temperature 1)."""
+
+    max_new_tokens: PositiveInt = 128
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: int = -1
+    sampling_seed: Annotated[int, Field(ge=0)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+
+
+class GenerateRequest(_Body):
+    """POST /generate: `text` or `input_ids` (one prompt; a list of one is accepted too)."""
+
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: NativeSampling = NativeSampling()
+    stream: bool = False
+    rid: str | None = None
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        kind = "not_found_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,148 @@
+"""Tokenizer: a checkpoint's tokenizer.json (through `tokenizers`) and its chat template
+(tokenizer_config.json or chat_template.jinja, rendered with jinja2)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # newer Hugging Face checkpoints keep the template apart
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its `raise_exception`), or there is none."""
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """True when `path` is a directory holding a tokenizer.json."""
+    return (Path(path) / TOKENIZER_FILE).is_file()
+
+
+class Tokenizer:
+    """Text <-> token ids with a checkpoint's own tokenizer, and its chat template.
+
+    `eos_token_ids` are the ids generation stops at unless asked to ignore EOS: the config's
+    `eos_token`, and the `eos_token_id`s of generation_config.json when the directory has one
+    (instruct models list their end-of-turn token there too)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None,
+                 special: Mapping[str, str | None], eos_token_ids: tuple[int, ...],
+                 path: str | None = None) -> None:
+        self._backend = backend
+        self._special = dict(special)
+        self._template = _compile(chat_template) if chat_template else None
+        self.eos_token_ids = eos_token_ids
+        self.path = path
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Loads tokenizer.json, tokenizer_config.json (optional) and generation_config.json
+        (optional) from a checkpoint directory."""
+        root = Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(root / TOKENIZER_FILE))
+        config = _read_json(root / CONFIG_FILE)
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        template = _chat_template(root, config)
+        eos = [backend.token_to_id(special["eos_token"])] if special["eos_token"] else []
+        eos += _id_list(_read_json(root / GENERATION_CONFIG_FILE).get("eos_token_id"))
+        eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))  # ordered, unique
+        return cls(backend, template, special, eos_ids, str(root))
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (dicts with role and content), as transformers'
+        `apply_chat_template(tokenize=False)` renders it."""
+        if self._template is None:
+            raise ChatTemplateError("the tokenizer has no chat template: use /v1/completions")
+        try:
+            return self._template.render(messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self._special)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template: {e}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _id_list(value: object) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
+    """The template: chat_template.jinja, else tokenizer_config's `chat_template`, which is a
+    string or a list of named templates (the one named "default" is the chat one)."""
+    if (root / TEMPLATE_FILE).is_file():
+        return (root / TEMPLATE_FILE).read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: object, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    # jinja2's own tojson escapes HTML; chat templates expect plain JSON, as transformers renders
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile(source: str) -> jinja2.Template:
+    """The template in a sandbox (it comes with a checkpoint), with the whitespace rules and
+    helpers that Hugging Face chat templates are written for."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env.from_string(source)

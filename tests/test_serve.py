@@ -1,0 +1,436 @@
+"""The real server on 127.0.0.1 (uvicorn in a thread) over a tiny checkpoint with a trained BPE
+tokenizer: the official openai client, plain HTTP for /generate, /metrics and /flush_cache,
+greedy outputs equal to the engine's, cache hits, stop strings, bad requests, disconnects."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The serve extra (`pip install -e '.[test,serve]'`, as `make test` does); the GPU machine's
+# preinstalled packages may lack it: skip these tests there rather than fail collection.
+for _module in ("fastapi", "uvicorn", "httpx", "openai", "tokenizers", "prometheus_client"):
+    pytest.importorskip(_module)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from jhicache import Engine, SamplingParams
+from jhicache.serve.tokenizer import Tokenizer
+from tests.serve_support import ENGINE_CONFIG, POOL_TOKENS, ServerThread, start_server, write_checkpoint
+
+MODEL = "tiny-test"
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[ServerThread]:
+    srv = start_server(checkpoint)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(checkpoint: Path) -> Tokenizer:
+    return Tokenizer.from_dir(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Engine:
+    """A second engine over the same checkpoint: what the server's outputs must equal."""
+    return Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
+                         max_retries=0)
+
+
+def greedy(reference: Engine, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> list[int]:
+    params = SamplingParams(max_new_tokens=n, stop_token_ids=stop)
+    return reference.generate([ids], params)[0].token_ids
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The data of each event, "[DONE]" included; every non-empty line must be an event."""
+    events = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith("data: "), line
+            events.append(line[len("data: "):])
+    return events
+
+
+def metric(http: httpx.Client, name: str, missing: float | None = None, **labels: str) -> float:
+    """A sample of /metrics; `missing` when it is absent (a labelled counter never incremented)."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    if missing is None:
+        raise KeyError(name)
+    return missing
+
+
+def wait_idle(server: ServerThread, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.ctx.engine.engine.has_unfinished():
+        assert time.monotonic() < deadline, "the engine still has unfinished requests"
+        time.sleep(0.05)
+
+
+# ---- OpenAI API through the official client ----------------------------------------------
+
+def test_completion_text_prompt_equals_engine_greedy(client: openai.OpenAI, tok: Tokenizer,
+                                                     reference: Engine):
+    prompt = "the quick brown fox jumps"
+    ids = tok.encode(prompt)
+    want = greedy(reference, ids, 12, tok.eos_token_ids)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    choice = got.choices[0]
+    assert choice.model_extra["token_ids"] == want
+    assert choice.text == tok.decode(want)
+    assert choice.finish_reason == ("length" if len(want) == 12 else "stop")
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want)
+    assert got.model == MODEL and got.object == "text_completion"
+
+
+def test_completion_token_ids_prompt_and_ignore_eos(client: openai.OpenAI, tok: Tokenizer,
+                                                    reference: Engine):
+    ids = [7, 50, 120, 33, 200, 9, 41]
+    want = greedy(reference, ids, 10)
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].model_extra["token_ids"] == want
+    assert got.choices[0].text == tok.decode(want)
+    assert got.usage.completion_tokens == 10
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI):
+    kwargs = dict(model=MODEL, prompt="hello world, hello", max_tokens=14, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_and_chat_stream_equal_engine_greedy(client: openai.OpenAI, tok: Tokenizer,
+                                                  reference: Engine):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "what does a cache keep?"}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    want = tok.decode(greedy(reference, ids, 9, tok.eos_token_ids))
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9,
+                                         temperature=0)
+    assert got.choices[0].message.content == want
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(ids)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9,
+                                                 temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    assert stream[-1].choices[0].finish_reason == got.choices[0].finish_reason
+
+
+def test_chat_without_max_tokens_is_bounded_by_the_pool(http: httpx.Client):
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "ignore_eos": True, "max_tokens": None}
+    got = http.post("/v1/chat/completions", json=body).json()
+    usage = got["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == POOL_TOKENS
+
+
+def test_cached_tokens_on_a_repeated_prompt(client: openai.OpenAI):
+    prompt = "hierarchical caches move pages between device and host " * 3  # > 2 pages of 16
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    assert again.choices[0].text == first.choices[0].text
+
+
+def test_stop_string_cuts_text_streamed_or_not(client: openai.OpenAI):
+    kwargs = dict(model=MODEL, prompt="streams of tokens become", temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs, max_tokens=24).choices[0].text
+    assert len(full) >= 10, full
+    stop = full[5:8]
+    cut = full[:full.index(stop)]
+    got = client.completions.create(**kwargs, max_tokens=24, stop=[stop, "never-seen"])
+    assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens < 24
+    chunks = list(client.completions.create(**kwargs, max_tokens=24, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- SGLang's native API over plain HTTP -------------------------------------------------
+
+def test_generate_stream_format(http: httpx.Client, reference: Engine, tok: Tokenizer):
+    ids = [11, 12, 13, 14, 15, 16]
+    want = greedy(reference, ids, 8)
+    body = {"input_ids": ids, "stream": True, "lora_path": "", "return_logprob": False,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])  # cumulative
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        assert before["meta_info"]["finish_reason"] is None
+    last = chunks[-1]
+    assert last["output_ids"] == want and last["text"] == tok.decode(want)
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert last["meta_info"]["prompt_tokens"] == 6
+    assert last["meta_info"]["completion_tokens"] == 8
+    assert {"id", "cached_tokens"} <= set(last["meta_info"])
+
+
+def test_generate_text_stop_token_ids(http: httpx.Client, tok: Tokenizer, reference: Engine):
+    text = "a cache keeps"
+    want = greedy(reference, tok.encode(text), 12)
+    stop_id = want[4]
+    cut = want[:want.index(stop_id) + 1]
+    body = {"text": text, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                              "stop_token_ids": [stop_id], "ignore_eos": True}}
+    got = http.post("/generate", json=body).json()
+    assert got["output_ids"] == cut  # the stop token ends the ids, not the text
+    assert got["text"] == tok.decode(cut[:-1])
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+
+
+def test_metrics_after_requests(http: httpx.Client):
+    before = metric(http, "jhicache:time_to_first_token_seconds_count")
+    prompt = "the lazy dog sleeps while the quick brown fox jumps over it again"
+    for _ in range(2):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        assert http.post("/generate", json=body).status_code == 200
+    text = http.get("/metrics").text
+    for name in ("jhicache:cache_hit_tokens_total", "jhicache:load_back_bytes_total",
+                 "jhicache:load_back_seconds_total", "jhicache:write_back_bytes_total",
+                 "jhicache:write_back_seconds_total", "jhicache:pool_occupancy",
+                 "jhicache:num_waiting_reqs", "jhicache:num_running_reqs",
+                 "jhicache:inter_token_latency_seconds_bucket",
+                 "jhicache:e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert metric(http, "jhicache:time_to_first_token_seconds_count") == before + 2
+    assert metric(http, "jhicache:cache_hit_tokens_total", tier="device") >= 32
+    assert metric(http, "jhicache:pool_pages", tier="device") == POOL_TOKENS // 16
+    assert metric(http, "jhicache:pool_pages", tier="host") == 4096 // 16
+    assert 0 < metric(http, "jhicache:pool_occupancy", tier="device") <= 1
+    assert metric(http, "jhicache:num_running_reqs") == 0
+    assert metric(http, "jhicache:requests_total", finish_reason="length") >= 2
+
+
+def test_flush_cache(http: httpx.Client):
+    body = {"text": "naive cafe tea " * 6, "sampling_params": {"max_new_tokens": 2}}
+    http.post("/generate", json=body)
+    assert http.post("/generate", json=body).json()["meta_info"]["cached_tokens"] > 0
+    flushed = http.post("/flush_cache")
+    assert flushed.status_code == 200 and "flushed" in flushed.text.lower()
+    assert http.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
+    assert metric(http, "jhicache:pool_free_pages", tier="host") <= 4096 // 16
+
+
+def test_flush_cache_refused_while_a_request_runs(server: ServerThread, http: httpx.Client):
+    body = {"input_ids": [5] * 8, "stream": True,
+            "sampling_params": {"max_new_tokens": POOL_TOKENS - 8, "ignore_eos": True}}
+    statuses = []
+    for _ in range(5):  # the tiny model may finish the request before the flush: try again
+        with http.stream("POST", "/generate", json=body) as response:
+            next(response.iter_lines())
+            # no step while the block is open: the request stays unfinished during the flush
+            with server.ctx.engine.together():
+                if server.ctx.engine.engine.has_unfinished():
+                    statuses.append(http.post("/flush_cache").status_code)
+        if statuses:
+            break
+    assert statuses == [400]
+    wait_idle(server)
+    assert http.post("/flush_cache").status_code == 200
+
+
+def test_health_models_and_model_info(http: httpx.Client, client: openai.OpenAI,
+                                      checkpoint: Path):
+    assert http.get("/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    info = http.get("/get_model_info").json()
+    assert info["model_path"] == str(checkpoint) and info["is_generation"] is True
+    assert info["tokenizer_path"] == str(checkpoint)
+
+
+# ---- concurrency, disconnects, bad requests ------------------------------------------------
+
+def test_concurrent_streams_equal_engine_greedy(server: ServerThread, reference: Engine):
+    prompts = [[(3 * i + j) % 300 + 3 for j in range(5 + 7 * i)] for i in range(5)]
+    wants = [greedy(reference, p, 6 + i) for i, p in enumerate(prompts)]
+
+    def run(i: int) -> list[int]:
+        body = {"input_ids": prompts[i], "stream": True,
+                "sampling_params": {"max_new_tokens": 6 + i, "temperature": 0,
+                                    "ignore_eos": True}}
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
+            with c.stream("POST", "/generate", json=body) as response:
+                events = sse_events(response)
+        return json.loads(events[-2])["output_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(run, range(len(prompts)))) == wants
+
+
+def wait_for_abort(http: httpx.Client, aborted: float, timeout_s: float = 30.0) -> None:
+    """Until the server has counted one more aborted request than `aborted`."""
+    deadline = time.monotonic() + timeout_s
+    while metric(http, "jhicache:requests_total", missing=0.0, finish_reason="abort") <= aborted:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_mid_stream_aborts(server: ServerThread, http: httpx.Client):
+    body = {"prompt": [9] * 8, "max_tokens": POOL_TOKENS - 8, "stream": True,
+            "ignore_eos": True}
+    for _ in range(5):  # the tiny model may finish before the disconnect: try again
+        aborted = metric(http, "jhicache:requests_total", missing=0.0, finish_reason="abort")
+        finished = server.ctx.engine.engine.stats().finished_requests
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
+            with c.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                next(response.iter_lines())
+                hold = server.ctx.engine.together()  # no step: it cannot finish meanwhile
+                hold.__enter__()
+                running = server.ctx.engine.engine.has_unfinished()
+        try:  # leaving the client closed the connection mid-stream
+            if running:
+                wait_for_abort(http, aborted)
+        finally:
+            hold.__exit__(None, None, None)
+        if running:
+            break
+    assert running
+    wait_idle(server)
+    assert server.ctx.engine.engine.stats().finished_requests == finished  # it never ended
+    assert http.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
+
+
+def test_client_disconnect_before_a_plain_response_aborts(server: ServerThread,
+                                                          http: httpx.Client):
+    body = {"input_ids": [4] * 8,
+            "sampling_params": {"max_new_tokens": POOL_TOKENS - 8, "ignore_eos": True}}
+
+    def impatient() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(5.0, read=0.5))
+
+    engine = server.ctx.engine.engine
+    for _ in range(5):
+        aborted = metric(http, "jhicache:requests_total", missing=0.0, finish_reason="abort")
+        finished = engine.stats().finished_requests
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            client = pool.submit(impatient)
+            while not engine.has_unfinished() and not client.done():
+                time.sleep(0.01)
+            with server.ctx.engine.together():  # no step until the client has given up
+                running = engine.has_unfinished()
+                client.result()
+                if running:
+                    wait_for_abort(http, aborted)
+        if running:
+            break
+    assert running
+    wait_idle(server)
+    assert engine.stats().finished_requests == finished
+    assert http.get("/health").status_code == 200
+
+
+BAD = [
+    ("/v1/completions", "{not json", None),
+    ("/v1/completions", "[1, 2]", None),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": ["x", "y"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1] * (POOL_TOKENS + 10), "max_tokens": 4}, None),
+    ("/v1/completions", {"prompt": [1] * 5000, "max_tokens": 4}, None),
+    ("/v1/completions", {"prompt": [1, 2, 100000]}, None),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b " * 600}]}, "messages"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "text"),
+    ("/generate", {"sampling_params": {}}, "text"),
+    ("/generate", {"input_ids": [1] * 2000}, None),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD)
+def test_bad_requests_get_openai_style_400(http: httpx.Client, path: str, body: object,
+                                           param: str | None):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    # the server keeps serving, with nothing left queued
+    ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200
+
+
+def test_bad_requests_name_the_limit(http: httpx.Client):
+    pool = http.post("/v1/completions", json={"prompt": [1] * (POOL_TOKENS + 10)}).json()
+    assert "device pool" in pool["error"]["message"]
+    context = http.post("/v1/completions", json={"prompt": [1] * 5000}).json()
+    assert "context" in context["error"]["message"]
+
+
+def test_server_without_tokenizer_takes_token_ids_only(checkpoint: Path):
+    srv = start_server(checkpoint, tokenizer=False)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as c:
+            for path, body in [("/v1/completions", {"prompt": "hello"}),
+                               ("/generate", {"text": "hello"}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]})]:
+                response = c.post(path, json=body)
+                assert response.status_code == 400
+                assert "token-id prompts only" in response.json()["error"]["message"]
+            got = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}).json()
+            assert len(got["choices"][0]["token_ids"]) == 3 and got["choices"][0]["text"] == ""
+    finally:
+        srv.stop()

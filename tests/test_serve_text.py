@@ -1,0 +1,106 @@
+"""The server's text side without a server: the incremental detokenizer (multi-byte characters
+split over tokens), stop strings, the tokenizer's chat template and EOS ids, and the CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# The serve extra (`pip install -e '.[test,serve]'`, as `make test` does); the GPU machine's
+# preinstalled packages may lack it: skip these tests there rather than fail collection.
+for _module in ("fastapi", "uvicorn", "tokenizers", "jinja2"):
+    pytest.importorskip(_module)
+
+
+from jhicache import EngineConfig
+from jhicache.serve import cli
+from jhicache.serve.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from jhicache.serve.stop_strings import StopStrings
+from jhicache.serve.tokenizer import ChatTemplateError, Tokenizer
+from tests.serve_support import train_tokenizer
+
+MULTI_BYTE = "naïve 日本語 🙂 cafe 😀😀 héllo"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    directory: Path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(directory)
+    return Tokenizer.from_dir(directory)
+
+
+def test_multi_byte_characters_split_over_tokens(tokenizer: Tokenizer):
+    ids = tokenizer.encode(MULTI_BYTE)
+    # the test means something only if single tokens are partial characters
+    assert sum(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids) >= 6
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    deltas = [detok.push([i]) for i in ids]
+    deltas.append(detok.finish())
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) == detok.text == MULTI_BYTE
+    assert sum(1 for d in deltas if d) < len(ids)  # some tokens were held back
+
+
+def test_detokenizer_after_a_prompt_and_in_chunks(tokenizer: Tokenizer):
+    prompt = tokenizer.encode("hello world 日")
+    out = tokenizer.encode(" 本 the lazy dog 🙂!")
+    detok = IncrementalDetokenizer(tokenizer.decode, prompt)
+    text = detok.push(out[:3]) + detok.push(out[3:7]) + detok.push(out[7:]) + detok.finish()
+    assert text == tokenizer.decode(out) == " 本 the lazy dog 🙂!"
+
+
+def test_detokenizer_releases_an_incomplete_character_at_the_end(tokenizer: Tokenizer):
+    ids = tokenizer.encode("ok 🙂")[:-1]  # the emoji's last byte never comes
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    held = detok.push(ids)
+    assert REPLACEMENT_CHAR not in held
+    assert detok.finish().endswith(REPLACEMENT_CHAR)
+    assert detok.text == tokenizer.decode(ids)
+
+
+def test_stop_strings_find_and_hold_back():
+    stops = StopStrings(["END", "", "xy"])
+    assert stops.stops == ("END", "xy") and stops.hold == 2
+    assert stops.find("abc EN", 0) is None
+    assert stops.find("abc END and xy", 6) == (4, "END")  # starts before the searched part
+    assert stops.find("a xy END", 0) == (2, "xy")  # the earliest wins
+    assert stops.streamable(6) == 4 and stops.streamable(1) == 0
+    assert StopStrings().hold == 0 and StopStrings().streamable(5) == 5
+
+
+def test_chat_template_and_eos(tokenizer: Tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    assert tokenizer.eos_token_ids == tuple(tokenizer.encode("<|im_end|>", add_special_tokens=False))
+
+
+def test_chat_template_raise_exception(tmp_path: Path):
+    train_tokenizer(tmp_path)
+    config = (tmp_path / "tokenizer_config.json")
+    config.write_text('{"chat_template": "{{ raise_exception(\\"no system role\\") }}"}')
+    with pytest.raises(ChatTemplateError, match="no system role"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "system", "content": "x"}])
+    config.write_text("{}")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_engine_flags_mirror_engine_config():
+    parser = cli.build_parser()
+    args = parser.parse_args(["--preset", "tiny", "--page-size", "16", "--device-kv-tokens", "256",
+                              "--cache-mode", "device", "--no-overlap-schedule",
+                              "--host-to-device-ratio", "2.5"])
+    config = cli.engine_config(args)
+    assert config == EngineConfig(page_size=16, device_kv_tokens=256, cache_mode="device",
+                                  overlap_schedule=False, host_to_device_ratio=2.5)
+    assert cli.engine_config(parser.parse_args(["--preset", "tiny"])) == EngineConfig()
+    help_text = parser.format_help()
+    for flag, words in [("--write-policy", "write_through_selective"),
+                        ("--max-running-requests", "requests decoded together"),
+                        ("--transfer-path", "copy-engine DMA")]:
+        assert flag in help_text and words in " ".join(help_text.split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--preset", "tiny", "--cache-mode", "sometimes"])
