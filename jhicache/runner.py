@@ -24,6 +24,7 @@ from jhicache.cache import DevicePool, LoadTicket, layer_groups
 from jhicache.cache.ticket import LoadMarks
 from jhicache.load_timing import LoadTimeline
 from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
+from jhicache.models.sharding import TensorParallel
 
 
 class ForwardResult(NamedTuple):
@@ -35,8 +36,8 @@ class ForwardResult(NamedTuple):
 class ModelRunner:
     """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
-    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool) -> None:
-        self.programs = ModelPrograms(model)
+    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool, tp: TensorParallel | None = None) -> None:
+        self.programs = ModelPrograms(model, tp)  # with tp, the pool's pages are sharded as tp says
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
         self.groups = layer_groups(self.num_layers)  # the granularity segment loads are dispatched at too
