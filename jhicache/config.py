@@ -89,6 +89,9 @@ class EngineConfig:
       check_invariants_every_step: debug flag: page accounting is verified after each step.
       overlap_schedule: plan and dispatch step N+1 while step N runs on the device, feeding
         its sampled tokens on the device (False: the lock-step loop, for debugging).
+      tensor_parallel_size: devices the model is sharded over (Megatron-style, one mesh axis).
+        It must divide the device count and the attention heads (checked when the engine is
+        built); above 1 it needs cache_mode "off" or "device" for now (no sharded host tier).
     """
 
     page_size: int = 64
@@ -105,6 +108,7 @@ class EngineConfig:
     device_memory_fraction: float = 0.5
     check_invariants_every_step: bool = False
     overlap_schedule: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -112,7 +116,7 @@ class EngineConfig:
         fix("write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
         fix("dtype", _as_enum(KVDtype, self.dtype, "dtype"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
-                      "chunked_prefill_tokens"):
+                      "chunked_prefill_tokens", "tensor_parallel_size"):
             fix(field, _int(field, getattr(self, field), 1))
         for field in ("device_kv_tokens", "host_kv_tokens"):
             if getattr(self, field) is not None:
@@ -129,6 +133,7 @@ class EngineConfig:
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()
+        self._check_tensor_parallel()
 
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:
@@ -139,6 +144,12 @@ class EngineConfig:
             if self.host_kv_tokens <= self.device_kv_tokens:
                 raise ValueError(f"EngineConfig.host_kv_tokens={self.host_kv_tokens} must exceed "
                                  f"device_kv_tokens={self.device_kv_tokens}")
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size > 1 and self.cache_mode is CacheMode.HIERARCHICAL:
+            raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} with "
+                             "cache_mode='hierarchical' is not supported yet (the host tier is not "
+                             "sharded); use cache_mode 'device' or 'off'")
 
     def host_tokens_for(self, device_tokens: int) -> int:
         """Host pool capacity for a device pool of `device_tokens` (whole pages)."""

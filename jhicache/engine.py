@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.batch import Batch, Chunk, StepInputs, model_inputs, patch_tokens
-from jhicache.cache import RESERVED_PAGES, DevicePool, HostPool, PoolLayout, TieredCache, make_copier
+from jhicache.cache import RESERVED_PAGES, DevicePool, HostPool, InvariantError, PoolLayout, TieredCache, make_copier
 from jhicache.cache.host_memory import available_bytes
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
+from jhicache.models.qwen2_weights import read_config
+from jhicache.models.sharding import TensorParallel
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
@@ -37,8 +39,9 @@ class Engine:
     def __init__(self, model: Qwen2ForCausalLM, config: EngineConfig) -> None:
         self.model_config: Qwen2Config = model.config
         self.config = config
-        layout = self._device_layout(model.config, config)
-        self.device_pool = DevicePool(layout)
+        self.tp = _tensor_parallel(model.config, config)  # None: one device, no mesh
+        layout = self._device_layout(model.config, config, self.tp)
+        self.device_pool = DevicePool(layout, sharding=None if self.tp is None else self.tp.kv_pages_sharding)
         host_pool, copier = None, None
         if config.cache_mode is CacheMode.HIERARCHICAL:
             host_tokens = self._host_tokens(layout, config)
@@ -50,7 +53,7 @@ class Engine:
         from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
 
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model, self.device_pool)
+        self.runner = ModelRunner(model, self.device_pool, self.tp)
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
@@ -60,22 +63,28 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
-        """An engine over a Hugging Face Qwen2 checkpoint directory."""
-        return cls(load_pretrained(path, dtype=_jnp_dtype(config.dtype)), config)
+        """An engine over a Hugging Face Qwen2 checkpoint directory (read straight into the
+        sharded layout with tensor parallelism)."""
+        tp = _tensor_parallel(read_config(path), config)
+        return cls(load_pretrained(path, dtype=_jnp_dtype(config.dtype), tp=tp), config)
 
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig = EngineConfig(), seed: int = 0) -> Engine:
         """An engine over seeded random weights of a preset shape (`tiny`, `qwen2-0.5b`, ...)."""
-        return cls(init_random(preset_config(name), seed=seed, dtype=_jnp_dtype(config.dtype)), config)
+        model_config = preset_config(name)
+        tp = _tensor_parallel(model_config, config)
+        return cls(init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp), config)
 
     @staticmethod
-    def _device_layout(model: Qwen2Config, config: EngineConfig) -> PoolLayout:
+    def _device_layout(model: Qwen2Config, config: EngineConfig, tp: TensorParallel | None) -> PoolLayout:
         dtype = _jnp_dtype(config.dtype)
-        token_bytes = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * dtype.itemsize
+        heads = model.num_key_value_heads if tp is None else tp.storage_kv_heads
+        shards = 1 if tp is None else tp.size
+        # per device: the default size is taken from one device's free memory
+        token_bytes = 2 * model.num_hidden_layers * heads // shards * model.head_dim * dtype.itemsize
         tokens = config.device_kv_tokens or _default_device_tokens(token_bytes, config.device_memory_fraction)
         return PoolLayout(num_layers=model.num_hidden_layers, num_pages=tokens // config.page_size + 1,
-                          page_size=config.page_size, num_kv_heads=model.num_key_value_heads,
-                          head_dim=model.head_dim, dtype=dtype)
+                          page_size=config.page_size, num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
 
     @staticmethod
     def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
@@ -179,9 +188,14 @@ class Engine:
             return True
 
     def check_invariants(self) -> None:
-        """Raises `InvariantError` on any page-accounting error in either tier."""
+        """Raises `InvariantError` on any page-accounting error in either tier, or when a layer's
+        device pages are not split over the devices as the pool's sharding says."""
         with self._lock:
             self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
+            misplaced = self.device_pool.misplaced_layers()
+            if misplaced:
+                raise InvariantError(f"device pages of layers {misplaced} are not laid out as "
+                                     f"{self.device_pool.sharding}")
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -345,6 +359,14 @@ class _Launched(NamedTuple):
     dispatched_s: float
     load_wait_s: float
     layered: bool  # run layer group by layer group, waiting for loads
+
+
+def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel | None:
+    """The model's layout over `config.tensor_parallel_size` devices; None for one device, whose
+    programs then run without a mesh or shard_map."""
+    if config.tensor_parallel_size == 1:
+        return None
+    return TensorParallel.create(config.tensor_parallel_size, model, field="EngineConfig.tensor_parallel_size")
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:

@@ -19,6 +19,7 @@ import jax
 
 from jhicache.cache import DevicePool, LoadTicket, layer_groups
 from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
+from jhicache.models.sharding import TensorParallel
 
 
 class ForwardResult(NamedTuple):
@@ -30,8 +31,8 @@ class ForwardResult(NamedTuple):
 class ModelRunner:
     """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
-    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool) -> None:
-        self.programs = ModelPrograms(model)
+    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool, tp: TensorParallel | None = None) -> None:
+        self.programs = ModelPrograms(model, tp)  # with tp, the pool's pages are sharded as tp says
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
         self.groups = layer_groups(self.num_layers)

@@ -212,17 +212,30 @@ PRESETS: dict[str, Qwen2Config] = {
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
         sliding_window=131072, max_window_layers=28,
     ),
+    # Tensor-parallel tests: 8 query and 4 KV heads split 1, 2 or 4 ways without replication.
+    "tiny-tp": Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+    ),
     "qwen2-7b": Qwen2Config(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
         sliding_window=131072, max_window_layers=28,
     ),
+    "qwen2-72b": Qwen2Config(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
+        sliding_window=131072, max_window_layers=80,
+    ),
 }
 
 
 def preset_config(name: str) -> Qwen2Config:
-    """The config of a named preset: 'tiny', 'qwen2-0.5b', 'qwen2-1.5b' or 'qwen2-7b' (case-insensitive)."""
+    """The config of a named preset (case-insensitive): 'tiny', 'tiny-tp', 'qwen2-0.5b', 'qwen2-1.5b',
+    'qwen2-7b' or 'qwen2-72b'."""
     key = name.lower().replace("qwen/", "").replace("_", "-")
     if key not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

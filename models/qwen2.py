@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jhicache.models.config import Qwen2Config
 from jhicache.models.metadata import AttentionMetadata
+from jhicache.models.sharding import LOCAL, Collectives
 from jhicache.pallas_kernels.kv_write import write_kv
 from jhicache.pallas_kernels.paged_attention import paged_attention
 
@@ -79,7 +80,12 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: Attention
 
 
 class Attention(nnx.Module):
-    """GQA self-attention: q/k/v with bias, o_proj without; K/V go through the paged cache."""
+    """GQA self-attention: q/k/v with bias, o_proj without; K/V go through the paged cache.
+
+    Head counts are read off the projections' outputs, not the config: inside `shard_map` a
+    device holds only its heads (and its shard of the pages), and `comm` sums o_proj's
+    partial outputs over the devices.
+    """
 
     def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -91,29 +97,30 @@ class Attention(nnx.Module):
         self.rope_theta = config.rope_theta
 
     def __call__(
-        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+        comm: Collectives = LOCAL,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden] -> ([T, hidden], pages, pages)
-        h, kv, d = self.shape
+        d = self.shape[2]
         t = x.shape[0]
         cos, sin = rope_cos_sin(meta.positions, d, self.rope_theta)
-        q = apply_rope(self.q_proj(x).reshape(t, h, d), cos, sin)  # [T, H, D]
-        k = apply_rope(self.k_proj(x).reshape(t, kv, d), cos, sin)  # [T, KV, D]
-        v = self.v_proj(x).reshape(t, kv, d)  # [T, KV, D]
+        q = apply_rope(self.q_proj(x).reshape(t, -1, d), cos, sin)  # [T, H, D]
+        k = apply_rope(self.k_proj(x).reshape(t, -1, d), cos, sin)  # [T, KV, D]
+        v = self.v_proj(x).reshape(t, -1, d)  # [T, KV, D]
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req, meta.positions)
         out = attend(q, k_pages, v_pages, meta, sm_scale=d**-0.5)  # [T, H, D]
-        return self.o_proj(out.reshape(t, h * d).astype(x.dtype)), k_pages, v_pages
+        return comm.sum(self.o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no biases."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases; `comm` sums down's partial outputs."""
 
     def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.gate_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
         self.up_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:  # [T, hidden] -> [T, hidden]
+        return comm.sum(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nnx.Module):
@@ -126,15 +133,17 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype, rngs)
 
     def __call__(
-        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+        comm: Collectives = LOCAL,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden]
-        attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta)
+        attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta, comm)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k_pages, v_pages
+        return x + self.mlp(self.post_attention_layernorm(x), comm), k_pages, v_pages
 
 
 class LMHead(nnx.Module):
-    """Final norm and vocabulary projection; reuses the embedding table when tied."""
+    """Final norm and vocabulary projection; reuses the embedding table when tied. Sharded, each
+    device projects onto its slice of the vocabulary and `comm` gathers the slices."""
 
     def __init__(self, config: Qwen2Config, dtype: jnp.dtype, embed: nnx.Embed | None, rngs: nnx.Rngs):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -142,10 +151,10 @@ class LMHead(nnx.Module):
         shape = (config.hidden_size, config.vocab_size)
         self.kernel = None if embed is not None else nnx.Param(_normal()(rngs.params(), shape, dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden] -> [T, vocab] float32
+    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:  # [T, hidden] -> [T, vocab] f32
         x = self.norm(x)
         weight = self.embed.embedding[...].T if self.embed is not None else self.kernel[...]  # [hidden, vocab]
-        return jnp.dot(x, weight, precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+        return comm.gather_last(jnp.dot(x, weight, precision=_precision(x.dtype), preferred_element_type=jnp.float32))
 
 
 class Qwen2ForCausalLM(nnx.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jhicache.models.config import Qwen2Config
 from jhicache.models.qwen2 import Qwen2ForCausalLM
+from jhicache.models.sharding import TensorParallel, param_names
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -132,11 +133,14 @@ def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
     return files
 
 
-def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwen2ForCausalLM:
+def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32,
+                    tp: TensorParallel | None = None) -> Qwen2ForCausalLM:
     """Loads a HF Qwen2 checkpoint directory into a model whose parameters are `dtype`.
 
     The model is built abstractly (no random init) and each parameter is set straight from its
     tensor, so peak memory is one copy of the weights plus one tensor. `model.config` holds the config.
+    With `tp` (built for this checkpoint's config), each device's shard is read from the file's
+    slice and put on that device alone: no tensor is ever whole on one device.
     A damaged safetensors file raises CheckpointError (a ValueError) naming the file and tensor.
     """
     config = read_config(ckpt_dir)
@@ -152,19 +156,22 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Qwe
         by_file.setdefault(files[entry[0]], []).append(entry)
     for path, entries in by_file.items():
         with _open_shard(path) as f:
-            _load_file(model, f, path, entries, dtype)
+            _load_file(model, f, path, entries, dtype, tp)
     return model
 
 
 def _load_file(
     model: Qwen2ForCausalLM, f: Any, path: Path, entries: list[tuple[str, tuple[Any, ...], bool]],
-    dtype: jnp.dtype,
+    dtype: jnp.dtype, tp: TensorParallel | None,
 ) -> None:
     names = set(f.keys())
     for name, var_path, transpose in entries:
         if name not in names:  # the index listed it in this file, which lacks it
             raise CheckpointError(f"tensor {name} is not in {path}")
         var = _variable(model, var_path)
+        if tp is not None:
+            _set(var, _read_sharded(f, name, path, var_path, _hf_shape(var, False), transpose, dtype, tp))
+            continue
         array = _read_tensor(f, name, path, _hf_shape(var, transpose))
         array = np.ascontiguousarray(array.T) if transpose else array
         _set(var, jnp.asarray(array.astype(jnp.dtype(dtype))))
@@ -172,18 +179,46 @@ def _load_file(
 
 def _read_tensor(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> np.ndarray:
     """Tensor `name` of open file `f`, its shape and dtype checked from the header before reading."""
-    try:
-        header = f.get_slice(name)
-        shape, kind = tuple(header.get_shape()), header.get_dtype()
-        if shape != expected:
-            raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected {expected}")
-        if kind not in _FLOAT_DTYPES:  # casting ints or bools to weights would load garbage silently
-            raise CheckpointError(
-                f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}"
-            )
+    def read() -> np.ndarray:
+        _checked_slice(f, name, path, expected)
         return f.get_tensor(name)
+
+    return _reading(name, path, read)
+
+
+def _reading(name: str, path: Path, read: Callable[[], Any]) -> Any:
+    """`read()`, with safetensors and I/O errors naming the tensor and the file."""
+    try:
+        return read()
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
+
+
+def _checked_slice(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> Any:
+    """The lazily read tensor `name`, its shape and dtype checked from the header."""
+    header = f.get_slice(name)
+    shape, kind = tuple(header.get_shape()), header.get_dtype()
+    if shape != expected:
+        raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected {expected}")
+    if kind not in _FLOAT_DTYPES:  # casting ints or bools to weights would load garbage silently
+        raise CheckpointError(f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}")
+    return header
+
+
+def _read_sharded(f: Any, name: str, path: Path, var_path: tuple[Any, ...], shape: tuple[int, ...],
+                  transpose: bool, dtype: jnp.dtype, tp: TensorParallel) -> jax.Array:
+    """Tensor `name` as a sharded array in the model's layout (`shape`, KV heads stored as `tp`
+    repeats them), each device's block read from the file's slice of it."""
+    names = param_names(var_path)
+    header = _reading(name, path, lambda: _checked_slice(f, name, path, shape[::-1] if transpose else shape))
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        index = (*index[:-1], tp.source_columns(names, index[-1]))  # stored columns -> file columns
+        part = _reading(name, path, lambda: header[index[::-1] if transpose else index])
+        return np.ascontiguousarray(part.T if transpose else part).astype(jnp.dtype(dtype))
+
+    sharding = tp.sharding(tp.spec(names))
+    return jax.make_array_from_callback(tp.storage_shape(names, shape), sharding, block)
 
 
 def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
@@ -219,6 +254,21 @@ def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str 
     return ckpt_dir
 
 
-def init_random(config: Qwen2Config, seed: int = 0, dtype: jnp.dtype = jnp.float32) -> Qwen2ForCausalLM:
-    """A model with seeded random weights (normal, std 0.02; norms at 1), e.g. for presets without weights."""
-    return Qwen2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+def init_random(config: Qwen2Config, seed: int = 0, dtype: jnp.dtype = jnp.float32,
+                tp: TensorParallel | None = None) -> Qwen2ForCausalLM:
+    """A model with seeded random weights (normal, std 0.02; norms at 1), e.g. for presets without weights.
+
+    With `tp`, the weights are drawn sharded: one jitted init whose outputs are in `tp`'s layout,
+    so each device computes its own shard (a 72B preset never exists whole on one device).
+    """
+    build = lambda: Qwen2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))  # noqa: E731
+    if tp is None:
+        return build()
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+
+    def stored_state() -> nnx.State:
+        state = nnx.split(build())[1]
+        return jax.tree_util.tree_map_with_path(lambda p, x: tp.to_storage(param_names(p), x), state)
+
+    state = jax.jit(stored_state, out_shardings=tp.state_shardings(abstract))()
+    return nnx.merge(graphdef, state)

@@ -49,13 +49,16 @@ class PoolLayout:
 
 
 class PagePool:
-    """Per-layer K and V page arrays in one memory kind of one device."""
+    """Per-layer K and V page arrays in one memory kind of one device, or split over a mesh by
+    `sharding` (every device then holds its shard of every page, under the same page ids)."""
 
     def __init__(self, layout: PoolLayout, device: jax.Device | None = None,
-                 memory_kind: str = "device") -> None:
+                 memory_kind: str = "device", sharding: jax.sharding.Sharding | None = None) -> None:
         self.layout = layout
         self.device = device if device is not None else jax.devices()[0]
-        self.sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
+        if sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
+        self.sharding = sharding
         zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype), out_shardings=self.sharding)
         self.k: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
         self.v: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
@@ -73,6 +76,13 @@ class PagePool:
             raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != {self.layout.page_shape}")
         self.k[layer], self.v[layer] = k, v
 
+    def misplaced_layers(self) -> list[int]:
+        """Layers whose K or V array is not laid out as the pool's sharding says (a program that
+        returned it resharded or gathered): what an invariant check reports."""
+        ndim = len(self.layout.page_shape)
+        return [layer for layer in range(self.num_layers)
+                if not all(a.sharding.is_equivalent_to(self.sharding, ndim) for a in (self.k[layer], self.v[layer]))]
+
     def read_pages(self, layer: int, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Copies `pages` of one layer to numpy (tests and debugging; blocks)."""
         idx = np.asarray(pages, dtype=np.int64)
@@ -80,9 +90,12 @@ class PagePool:
 
 
 class DevicePool(PagePool):
-    """The device tier; page 0 is reserved as the padding sink."""
+    """The device tier; page 0 is reserved as the padding sink. With tensor parallelism,
+    `sharding` splits every layer's pages on the KV-head axis (`layout.num_kv_heads` is then
+    the heads of all devices together)."""
 
-    def __init__(self, layout: PoolLayout, device: jax.Device | None = None) -> None:
+    def __init__(self, layout: PoolLayout, device: jax.Device | None = None,
+                 sharding: jax.sharding.Sharding | None = None) -> None:
         if layout.num_pages <= RESERVED_PAGES:
             raise ValueError(f"num_pages must be > {RESERVED_PAGES} (device page 0 is reserved)")
-        super().__init__(layout, device, memory_kind="device")
+        super().__init__(layout, device, memory_kind="device", sharding=sharding)

@@ -144,6 +144,7 @@ def test_presets():
         "qwen2-0.5b": (896, 24, 14, 2, 64, True, 151936),
         "qwen2-1.5b": (1536, 28, 12, 2, 128, True, 151936),
         "qwen2-7b": (3584, 28, 28, 4, 128, False, 152064),
+        "qwen2-72b": (8192, 80, 64, 8, 128, False, 152064),
     }
     for name, (hid, layers, heads, kv, hd, tied, vocab) in shapes.items():
         c = preset_config(name)
@@ -152,8 +153,10 @@ def test_presets():
         assert Qwen2Config.from_hf_dict(c.to_hf_dict()) == c
     tiny = preset_config("tiny")
     assert tiny.head_dim == 16 and tiny.tie_word_embeddings
+    big = preset_config("qwen2-72b")
+    assert (big.intermediate_size, big.rope_theta, big.rms_norm_eps) == (29568, 1e6, 1e-6)
     with pytest.raises(ValueError, match="unknown preset"):
-        preset_config("qwen2-72b")
+        preset_config("qwen2-99b")
 
 
 def test_init_random_is_seeded():

@@ -1,0 +1,239 @@
+"""Tensor-parallel checks that need several JAX devices, run by tests/test_tensor_parallel.py in
+a subprocess whose XLA_FLAGS ask for 4 CPU devices (set before JAX starts, so not in pytest).
+
+Usage: python -m tests.tensor_parallel_checks CHECK (one of CHECKS); exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jhicache.models import (
+    AttentionMetadata,
+    ModelPrograms,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    build_metadata,
+    init_random,
+    load_pretrained,
+    pack_tokens,
+    preset_config,
+    save_checkpoint,
+)
+from jhicache.models.sharding import TensorParallel
+
+from jhicache import Engine, EngineConfig, SamplingParams
+from jhicache.workload import MultiTurnChats, MultiTurnSpec
+
+DEVICES = 4
+# 3 clients x 2 rounds of 40-token turns: 3 x 86 tokens at the end, over a 160-token pool
+SPEC = MultiTurnSpec(num_clients=3, num_rounds=2, request_length=40, output_length=3, vocab_size=512, seed=7)
+POOL_TOKENS = 160
+
+
+@functools.cache
+def tp_model() -> Qwen2ForCausalLM:
+    """8 query heads, 4 KV heads: split 2 and 4 ways without replication."""
+    return init_random(preset_config("tiny-tp"), seed=1)
+
+
+@functools.cache
+def replicated_model() -> Qwen2ForCausalLM:
+    """2 KV heads: at tp 4 each KV head is stored on two devices. Untied, so greedy decoding
+    does not just echo the prompt."""
+    return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False), seed=2)
+
+
+def engine(model: Qwen2ForCausalLM, tp: int, cache_mode: str = "device") -> Engine:
+    return Engine(model, EngineConfig(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32",
+                                      cache_mode=cache_mode, check_invariants_every_step=True,
+                                      max_running_requests=8, tensor_parallel_size=tp))
+
+
+def run_chats(eng: Engine) -> list[list[int]]:
+    chats = MultiTurnChats(SPEC)
+    for _ in range(SPEC.num_rounds):
+        outputs = eng.generate(chats.prompts(), SamplingParams(max_new_tokens=SPEC.output_length))
+        chats.extend([o.token_ids for o in outputs])
+    return chats.histories
+
+
+def assert_pool_sharded(eng: Engine, tp: int) -> None:
+    """Every layer's K and V split on the head axis: one shard per device, each with its heads."""
+    pool, config = eng.device_pool, eng.model_config
+    local_heads = max(config.num_key_value_heads, tp) // tp
+    for array in (*pool.k, *pool.v):
+        shards = array.addressable_shards
+        assert len({s.device for s in shards}) == tp, array.sharding
+        assert all(s.data.shape == (pool.layout.num_pages, 16, local_heads, config.head_dim) for s in shards)
+        assert array.sharding.spec[2] == "tp", array.sharding
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+def check_engine_tokens() -> None:
+    """Greedy histories of tp 2 and 4 equal tp 1's, cache off and on device with eviction."""
+    reference = run_chats(engine(tp_model(), 1, "off"))
+    for tp, mode in ((1, "device"), (2, "off"), (2, "device"), (4, "off"), (4, "device")):
+        eng = engine(tp_model(), tp, mode)
+        assert run_chats(eng) == reference, (tp, mode)
+        eng.check_invariants()
+        stats = eng.stats()
+        if mode == "device":
+            assert stats.evicted_device_tokens > 0 and stats.device_hit_tokens > 0, stats
+        if tp > 1:
+            assert eng.tp.size == tp
+            assert_pool_sharded(eng, tp)
+        else:
+            assert eng.tp is None  # one device: no mesh, no shard_map
+
+
+def check_invariant_catches_misplaced_pages() -> None:
+    """A layer's pages gathered onto one device is reported by check_invariants."""
+    from jhicache.cache import InvariantError
+
+    eng = engine(tp_model(), 2)
+    eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    eng.check_invariants()
+    k, v = eng.device_pool.k[1], eng.device_pool.v[1]
+    eng.device_pool.set_layer(1, jax.device_put(k, jax.devices()[0]), v)
+    try:
+        eng.check_invariants()
+    except InvariantError as e:
+        assert "layers [1]" in str(e), e
+    else:
+        raise AssertionError("misplaced pages not reported")
+
+
+def check_checkpoint_loads_sharded() -> None:
+    """A written checkpoint loads straight into the sharded layout (each weight's shards are
+    its devices' blocks) and serves what the in-memory unsharded model does: at tp 2, and at
+    tp 4 over 2 KV heads, each stored on two devices."""
+    prompts, params = [[5, 6, 7, 8, 9, 10, 11], [40, 41]], SamplingParams(max_new_tokens=4)
+    config = dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32", cache_mode="device")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, tp in ((tp_model(), 2), (replicated_model(), 4)):
+            ckpt = save_checkpoint(model, model.config, Path(tmp) / f"{tp}-{model.config.num_key_value_heads}",
+                                   shards=2)
+            layout = TensorParallel.create(tp, model.config)
+            loaded = load_pretrained(ckpt, tp=layout)
+            _assert_weights_sharded(loaded, model, layout)
+            expected = Engine(model, EngineConfig(**config)).generate(prompts, params)
+            got = Engine.from_pretrained(str(ckpt), EngineConfig(**config, tensor_parallel_size=tp))
+            assert [o.token_ids for o in got.generate(prompts, params)] == [o.token_ids for o in expected]
+            assert_pool_sharded(got, tp)
+
+
+def _assert_weights_sharded(loaded: Qwen2ForCausalLM, model: Qwen2ForCausalLM, tp: TensorParallel) -> None:
+    """Each loaded weight is split as its spec says, and equals the model's (KV heads repeated)."""
+    q = loaded.layers[0].self_attn.q_proj.kernel[...]
+    assert all(s.data.shape == (q.shape[0], q.shape[1] // tp.size) for s in q.addressable_shards)
+    embed = loaded.embed_tokens.embedding[...]
+    assert all(s.data.shape == (embed.shape[0] // tp.size, embed.shape[1]) for s in embed.addressable_shards)
+    down = loaded.layers[0].mlp.down_proj.kernel[...]
+    assert all(s.data.shape == (down.shape[0] // tp.size, down.shape[1]) for s in down.addressable_shards)
+    k = loaded.layers[1].self_attn.k_proj.kernel[...]
+    assert k.shape[1] == tp.storage_kv_heads * model.config.head_dim
+    expected = tp.to_storage(("k_proj", "kernel"), model.layers[1].self_attn.k_proj.kernel[...])
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(loaded.head_module.kernel[...]), np.asarray(model.head_module.kernel[...]))
+
+
+def check_sharded_random_init() -> None:
+    """A preset's weights drawn sharded are the ones drawn on one device."""
+    config = preset_config("tiny-tp")
+    tp = TensorParallel.create(4, config)
+    sharded, whole = init_random(config, seed=3, tp=tp), init_random(config, seed=3)
+    pairs = zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(whole)))
+    for a, b in pairs:
+        assert len(a.addressable_shards) == 4
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+
+
+def check_layer_programs_match_fused() -> None:
+    """Sharded embed, layer groups and head (the layer-split path) give the fused logits."""
+    tp = TensorParallel.create(2, tp_model().config)
+    programs = ModelPrograms(tp_model(), tp)
+    meta = build_metadata([0, 0], [5, 3], [[1], [2]], page_size=16, num_tokens=8, num_reqs=2, max_pages=2)
+    tokens, rows = pack_tokens([[1, 2, 3, 4, 5], [6, 7, 8]], 8), jnp.array([4, 7], jnp.int32)
+
+    def pages() -> tuple[jax.Array, ...]:
+        shape = (4, 16, tp.storage_kv_heads, tp_model().config.head_dim)
+        return tuple(jax.device_put(jnp.zeros(shape), tp.kv_pages_sharding) for _ in range(2))
+
+    fused, k, v = programs.fused(pages(), pages(), tokens, meta, rows)
+    hidden, ks, vs = programs.embed(tokens), pages(), pages()
+    hidden, k0, v0 = programs.layers(range(0, 1), hidden, ks[:1], vs[:1], meta)
+    hidden, k1, v1 = programs.layers(range(1, 2), hidden, ks[1:], vs[1:], meta)
+    split = programs.head(hidden, rows)
+    np.testing.assert_allclose(np.asarray(split), np.asarray(fused), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(k1[0]), np.asarray(k[1]), rtol=1e-6, atol=1e-6)
+    assert k0[0].sharding.is_equivalent_to(tp.kv_pages_sharding, 4)
+
+
+def check_bad_sizes_rejected() -> None:
+    """tp values that do not fit the devices or the model raise ValueError naming the field."""
+    model = tp_model()
+    bad = {3: "device count", 8: "device count", 0: "int >= 1"}
+    for size, reason in bad.items():
+        _expect_value_error(lambda s=size: engine(model, s), reason)
+    odd_heads = Qwen2Config(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=6, num_key_value_heads=3)
+    _expect_value_error(lambda: TensorParallel.create(4, odd_heads), "num_attention_heads")
+    _expect_value_error(lambda: TensorParallel.create(2, odd_heads), "num_key_value_heads")
+    three_kv = dataclasses.replace(odd_heads, num_attention_heads=12, hidden_size=192, head_dim=None)
+    _expect_value_error(lambda: TensorParallel.create(4, three_kv), "num_key_value_heads")
+
+
+def _expect_value_error(build: Callable[[], object], reason: str) -> None:
+    try:
+        build()
+    except ValueError as e:
+        assert "tensor_parallel_size" in str(e) and reason in str(e), e
+    else:
+        raise AssertionError(f"no ValueError ({reason})")
+
+
+def check_dry_run_72b() -> None:
+    """Qwen2-72B's widths (two of its layers), bf16, compiled for two CPU devices without a
+    weight allocated: each device takes half the weights, with one all-reduce per embed lookup
+    and two per layer."""
+    config = dataclasses.replace(preset_config("qwen2-72b"), num_hidden_layers=2)
+    tp = TensorParallel.create(2, config)
+    model = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    programs = ModelPrograms(model, tp)
+    pages = jax.ShapeDtypeStruct((9, 64, tp.storage_kv_heads, config.head_dim), jnp.bfloat16,
+                                 sharding=tp.kv_pages_sharding)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    meta = AttentionMetadata(i32(128), i32(128), i32(2, 4), i32(2), i32(2), i32(2))
+    compiled = programs.lower_fused((pages,) * 2, (pages,) * 2, i32(128), meta, i32(2)).compile()
+    assert compiled.as_text().count("all-reduce(") == 1 + 2 * config.num_hidden_layers
+    weight_bytes = sum(x.size * 2 for x in jax.tree.leaves(nnx.state(model)))
+    per_device = compiled.memory_analysis().argument_size_in_bytes
+    assert weight_bytes / 2 <= per_device < weight_bytes / 2 * 1.01, (per_device, weight_bytes)
+
+
+CHECKS: dict[str, Callable[[], None]] = {
+    name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")
+}
+
+
+def main(argv: list[str]) -> None:
+    if jax.device_count() < DEVICES:
+        raise SystemExit(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count="
+                         f"{DEVICES}), got {jax.device_count()}")
+    for name in argv:
+        CHECKS[name]()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
