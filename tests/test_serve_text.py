@@ -100,7 +100,7 @@ def test_engine_flags_mirror_engine_config():
     help_text = parser.format_help()
     for flag, words in [("--write-policy", "write_through_selective"),
                         ("--max-running-requests", "requests decoded together"),
-                        ("--transfer-path", "copy-engine DMA")]:
+                        ("--tensor-parallel-size", "devices the model is sharded over")]:
         assert flag in help_text and words in " ".join(help_text.split())
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--cache-mode", "sometimes"])
