@@ -7,7 +7,7 @@ import pytest
 from jhicache import Engine, RequestOutput, SamplingParams
 from jhicache.request import RequestStatus
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
-from tests.test_engine import assert_idle_and_consistent, make_engine, reference_histories
+from tests.test_engine import assert_idle_and_consistent, deferred_copies, make_engine, reference_histories
 
 GREEDY = SamplingParams(max_new_tokens=5)
 
@@ -179,6 +179,36 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
     assert_idle_and_consistent(engine)
     after = engine.generate([list(range(10, 60))], GREEDY)[0]
     assert after.token_ids == make_engine().generate([list(range(10, 60))], GREEDY)[0].token_ids
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_while_its_copies_are_still_in_flight(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's copies run only when waited for: aborting its request leaves them in flight,
+    and they finish safely (its pages stay locked until they do)."""
+    deferred_copies(monkeypatch)
+    _abort_mid_load(overlap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_abort_mid_load(overlap: bool) -> None:
+    _abort_mid_load(overlap)
+
+
+def _abort_mid_load(overlap: bool) -> None:
+    engine, prefix = _host_hit_engine(overlap)
+    rid = engine.add_request(prefix + [1, 2, 3], SamplingParams(max_new_tokens=20))
+    engine.cache.launch()
+    engine.scheduler.schedule(may_retract=True)  # admitted: its load queued ...
+    engine.cache.launch()  # ... and launched, no forward yet
+    assert engine.stats().load_back_ops >= 1 and engine.stats().loads_in_flight >= 1
+    assert engine.abort(rid) is True
+    engine.check_invariants()
+    settle(engine)
+    assert_idle_and_consistent(engine)
+    again = engine.generate([prefix + [1, 2, 3]], GREEDY)[0]
+    assert again.token_ids == make_engine().generate([prefix + [1, 2, 3]], GREEDY)[0].token_ids
     assert_idle_and_consistent(engine)
 
 

@@ -10,10 +10,12 @@ from jhicache.cache import TransferController, make_copier
 from jhicache.config import WritePolicy
 from tests.cache._helpers import DeferredCopier, assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
-COPIERS = [None, DeferredCopier]
+COPIERS = [None, DeferredCopier, pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 def _copier(kind):
+    if kind == "gpu":
+        return make_copier("gpu")[0]
     return kind() if kind is not None else None
 
 
@@ -147,10 +149,10 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     assert ticket.launched and ctl.poll() is not None
 
 
-def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first() -> None:
+@pytest.mark.parametrize("copier", [DeferredCopier, pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) -> None:
     """A write-back into host pages an earlier load still reads runs after that load."""
-    copier = DeferredCopier()
-    cache = make_cache(4, device_pages=6, host_pages=2, copier=copier)
+    cache = make_cache(4, device_pages=6, host_pages=2, copier=_copier(copier))
     ctl = cache.controller
     a, b = list(range(8)), list(range(200, 208))
     src = cache.alloc_device(2)
