@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -89,11 +89,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 if update.delta or update.finished:
                     yield sse(reply.body([choice(update, update.delta, update.new_token_ids)]))
 
-            def end(update: Update) -> Iterator[bytes]:
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(reply.body([], usage=_usage(update)))
-
-            return event_stream(first, updates, chunks, end)
+            return event_stream(first, updates, chunks, _usage_chunk(body, reply))
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
@@ -131,11 +127,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 if update.delta or update.finished:
                     yield delta(update, {"content": update.delta} if update.delta else {})
 
-            def end(update: Update) -> Iterator[bytes]:
-                if body.stream_options and body.stream_options.include_usage:
-                    yield sse(reply.body([], usage=_usage(update)))
-
-            return event_stream(first, updates, chunks, end)
+            return event_stream(first, updates, chunks, _usage_chunk(body, reply))
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
@@ -144,3 +136,11 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                                          "finish_reason": _finish(last)}], usage=_usage(last)))
 
     return router
+
+
+def _usage_chunk(body: Any, reply: _Reply) -> Callable[[Update], Iterator[bytes]]:
+    """The stream's last chunk: usage alone, when the request's stream_options ask for it."""
+    def end(update: Update) -> Iterator[bytes]:
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(reply.body([], usage=_usage(update)))
+    return end
