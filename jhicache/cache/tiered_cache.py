@@ -122,7 +122,7 @@ class TieredCache:
         pages = list(pages)
         self.device_alloc.free(pages)
         if self.controller is not None and pages and self.device_pool.last_compute is not None:
-            self.controller.fence_device_pages(pages, self.device_pool.last_compute)
+            self.controller.fence_device_pages(pages, [self.device_pool.last_compute])
 
     def evict_device(self, n_pages: int) -> int:
         """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable;
@@ -166,9 +166,10 @@ class TieredCache:
 
     def _release_device(self, pages: list[int]) -> None:
         if self.controller is not None:
-            staging = self.controller.launch_writes()  # every gather reading these pages first
-            if staging is not None:  # ... and no load copies into them before it ran
-                self.controller.fence_device_pages(pages, staging)
+            self.controller.launch_writes()  # every gather reading these pages first ...
+            # ... and no load copies into them before the gathers ran (this one or an earlier
+            # one, still queued behind the step in flight)
+            self.controller.fence_device_pages(pages, self.controller.pending_gathers())
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------

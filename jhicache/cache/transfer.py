@@ -128,7 +128,7 @@ class TransferController:
         self._writes: list[_Write] = []  # launched, not retired
         self._loads: list[_Load] = []  # launched, not retired
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
-        self._fences: dict[int, jax.Array] = {}  # device page -> compute that may still touch it
+        self._fences: dict[int, list[jax.Array]] = {}  # device page -> compute that may touch it
         self._last_load: Mark | None = None
         self._buffers: list[tuple[int, int]] | None = None  # per layer (K, V) addresses
         self._next_id = 0
@@ -163,11 +163,17 @@ class TransferController:
     def num_queued(self) -> int:
         return sum(len(q) for q in self._queued.values())
 
-    def fence_device_pages(self, pages: Sequence[int], compute: jax.Array) -> None:
-        """No load copies into `pages` before `compute` (an output of the newest dispatched
-        program that may touch them) is ready."""
+    def fence_device_pages(self, pages: Sequence[int], computes: Sequence[jax.Array]) -> None:
+        """No load copies into `pages` before each of `computes` (outputs of dispatched
+        programs that may still touch them) is ready."""
         for page in pages:
-            self._fences[page] = compute
+            fences = self._fences.setdefault(page, [])
+            fences += [c for c in computes if all(c is not f for f in fences)]
+
+    def pending_gathers(self) -> list[jax.Array]:
+        """The write-back gathers dispatched and not known to have run: they may still read
+        any page the cache frees now."""
+        return [w.staging[-1] for w in self._writes if w.mark is None]
 
     # -- launching -----------------------------------------------------------------------------
 
@@ -199,7 +205,8 @@ class TransferController:
         for page in host.tolist():
             self._writing[page] = write
         # The gather reads the pages before any later compute can overwrite them, but a load's
-        # copy is not compute: it must wait for the gather (fence_device_pages by the cache).
+        # copy is not compute: it must wait for the gather (the cache fences freed pages on
+        # every pending gather).
         self._advance_writes()
         return write.staging[-1]
 
@@ -245,7 +252,7 @@ class TransferController:
     def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
         """What holds `load` back: unready fences on its device pages, unqueued writes of its host pages."""
         self._prune_fences()
-        fences = {id(f): f for p in load.device_ids.tolist() if (f := self._fences.get(p)) is not None}
+        fences = {id(f): f for p in load.device_ids.tolist() for f in self._fences.get(p, ())}
         writes = {id(w): w for p in load.host_ids.tolist() if (w := self._writing.get(p)) is not None}
         return list(fences.values()), [w for w in writes.values() if w.mark is None]
 
@@ -308,8 +315,9 @@ class TransferController:
 
     def _prune_fences(self) -> None:
         ready: dict[int, bool] = {}
-        for page, compute in list(self._fences.items()):
-            if ready.setdefault(id(compute), compute.is_ready()):
+        for page, computes in list(self._fences.items()):
+            computes[:] = [c for c in computes if not ready.setdefault(id(c), c.is_ready())]
+            if not computes:
                 del self._fences[page]
 
     def _advance_writes(self, budget: float = WRITE_PIECE_BYTES) -> None:

@@ -132,7 +132,7 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     ctl.queue_write_back(pages, [0, 1])
     ctl.flush()
     compute = _Compute()
-    ctl.fence_device_pages(pages, compute)
+    ctl.fence_device_pages(pages, [compute])
     write_kv(cache, list(range(50, 58)), pages)  # the fenced compute's own writes
     ticket = ctl.queue_load_back([0, 1], pages)
     ctl.launch()
@@ -142,11 +142,33 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     assert compute.ready and ticket.done()
     assert_device_kv(cache, a, pages)
     compute2 = _Compute()
-    ctl.fence_device_pages(pages, compute2)
+    ctl.fence_device_pages(pages, [compute2])
     compute2.ready = True
     ticket = ctl.queue_load_back([0, 1], pages)
     ctl.launch()  # the fence's compute is done: starts at once
     assert ticket.launched and ctl.poll() is not None
+
+
+def test_fences_on_one_page_add_up() -> None:
+    """A page freed twice keeps both fences: a later, finished compute does not lift an
+    earlier one that is still running."""
+    cache = make_cache(4, device_pages=4, host_pages=4)
+    ctl = cache.controller
+    pages = cache.alloc_device(2)
+    write_kv(cache, list(range(8)), pages)
+    ctl.queue_write_back(pages, [0, 1])
+    ctl.flush()
+    running, finished = _Compute(), _Compute()
+    finished.ready = True
+    ctl.fence_device_pages(pages, [running])
+    ctl.fence_device_pages(pages[:1], [finished])
+    ticket = ctl.queue_load_back([0, 1], pages)
+    ctl.launch()
+    ctl.poll()
+    assert not ticket.launched or not ticket.done()
+    assert not running.ready
+    ticket.wait_all()
+    assert running.ready and ticket.done()
 
 
 @pytest.mark.parametrize("copier", [DeferredCopier, pytest.param("gpu", marks=pytest.mark.gpu)])
