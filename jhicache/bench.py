@@ -2,6 +2,9 @@
 
 With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
 minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench_kernels`) instead.
+`multiturn --url URL` drives a running server's POST /generate instead of an engine in this
+process; `serve-overhead` runs the multi-turn workload through the server (uvicorn in this
+process) and in process, on identically configured engines, and reports the difference.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import enum
 import importlib.util
 import json
 import math
+import os
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +32,7 @@ from tqdm import tqdm
 from jhicache import bench_clients as clients
 from jhicache import bench_report as report
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench_backends import EngineBackend, ServerError
 from jhicache.config import EngineConfig, KVDtype, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
@@ -105,6 +112,36 @@ def output_file(text: str) -> str:
     return text
 
 
+def server_url(text: str) -> str:
+    """argparse type: a server's base URL, http(s)://HOST[:PORT], without a trailing slash."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # for its ValueError: a port that is not a number, or out of range
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected http://HOST:PORT (or https://)")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected the server's base URL, "
+                                         "http://HOST:PORT, with no path")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class Given(argparse.Action):
+    """argparse's "store", which also adds the option to `given`: a default cannot tell
+    whether the user asked for a value."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = namespace.given | {self.option_strings[0]}
+
+
+# What configures the bench's own engine: with --url the server's flags do instead.
+ENGINE_OPTIONS = ("--weights", "--dtype", "--page-size", "--working-set-ratio",
+                  "--device-kv-tokens", "--write-policy")
+
+
 def mode_list(text: str) -> tuple[str, ...]:
     """argparse type: comma-separated MODES, at least one, none twice."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
@@ -127,17 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=f"Size defaults shown are for this machine's JAX backend ({jax.default_backend()}); "
                "a GPU gets larger ones.")
+    p.set_defaults(given=frozenset())
     p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "model", "multiturn", "host-hit", "kernels"),
-                   help="which benchmark; `all` = model + multiturn + host-hit")
+                   choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead"),
+                   help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
+                        "multiturn through the HTTP server and in process, side by side")
+    p.add_argument("--url", type=server_url, metavar="URL", default=None,
+                   help="multiturn: drive the server at http://HOST:PORT (POST /generate, token "
+                        "ids) instead of an engine here, once, as the server was started; its "
+                        "vocabulary from /get_model_info, else --preset's")
     p.add_argument("--preset", type=preset_name, default="tiny", choices=tuple(PRESETS),
                    help="model shape, with seeded random weights")
-    p.add_argument("--weights", type=checkpoint_dir, metavar="DIR", default=None,
+    p.add_argument("--weights", action=Given, type=checkpoint_dir, metavar="DIR", default=None,
                    help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
-    p.add_argument("--dtype", default="bfloat16" if gpu else "float32", choices=_values(KVDtype),
-                   help="weights and KV pages dtype")
+    p.add_argument("--dtype", action=Given, default="bfloat16" if gpu else "float32",
+                   choices=_values(KVDtype), help="weights and KV pages dtype")
     count = {"type": positive_int, "metavar": "N"}
-    p.add_argument("--page-size", **count, default=64 if gpu else 16, help="tokens per KV page")
+    p.add_argument("--page-size", action=Given, **count, default=64 if gpu else 16,
+                   help="tokens per KV page")
     p.add_argument("--clients", **count, default=32 if gpu else 4,
                    help="multiturn: concurrent conversations")
     p.add_argument("--rounds", **count, default=6 if gpu else 3,
@@ -146,12 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: new prompt tokens per turn")
     p.add_argument("--output-length", **count, default=16 if gpu else 4,
                    help="multiturn: generated tokens per turn")
-    p.add_argument("--working-set-ratio", type=positive_float, metavar="X", default=4.0,
-                   help="multiturn: final working set / device pool capacity")
-    p.add_argument("--device-kv-tokens", **count, default=None,
+    p.add_argument("--working-set-ratio", action=Given, type=positive_float, metavar="X",
+                   default=4.0, help="multiturn: final working set / device pool capacity")
+    p.add_argument("--device-kv-tokens", action=Given, **count, default=None,
                    help="multiturn: device pool tokens; unset, from --working-set-ratio")
-    p.add_argument("--modes", type=mode_list, metavar="LIST", default=",".join(MODES),
-                   help="multiturn cache modes, comma separated")
+    p.add_argument("--modes", action=Given, type=mode_list, metavar="LIST",
+                   default=",".join(MODES),
+                   help="multiturn cache modes, comma separated; serve-overhead runs "
+                        "hierarchical unless they are given")
     p.add_argument("--request-rate", type=request_rate, metavar="R", default=math.inf,
                    help="multiturn: Poisson arrivals, requests/s (inf: no gap between sends)")
     p.add_argument("--max-parallel", **count, default=None,
@@ -161,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round-barrier", default="on", choices=("on", "off"),
                    help="multiturn: on, every client ends round r before any starts r + 1; "
                         "off, a client's next turn is ready once its answer arrives")
-    p.add_argument("--write-policy", default=WritePolicy.WRITE_BACK.value, choices=_values(WritePolicy),
-                   help="when device pages are copied to the host tier")
+    p.add_argument("--write-policy", action=Given, default=WritePolicy.WRITE_BACK.value,
+                   choices=_values(WritePolicy), help="when device pages are copied to the host tier")
     p.add_argument("--host-hit-prefix", **count, default=8192 if gpu else 256,
                    help="host-hit: cached prefix tokens")
     p.add_argument("--host-hit-turn", **count, default=64 if gpu else 16,
@@ -191,6 +237,11 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Usage errors that involve more than one option, before anything runs."""
     if args.plot and args.what not in ("multiturn", "all"):
         p.error("--plot draws the multiturn benchmark; use it with `multiturn` or `all`")
+    check_url(p, args)
+    if args.what == "serve-overhead":
+        missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+        if missing:
+            p.error(f"serve-overhead needs {', '.join(missing)}: pip install -e '.[serve]'")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib (pip install matplotlib)")
     if args.page_size > EngineConfig.chunked_prefill_tokens:
@@ -203,6 +254,23 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         engine_config(args, device_kv_tokens=args.device_kv_tokens)
     except ValueError as e:
         p.error(str(e))
+
+
+def check_url(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--url: multiturn only, and none of the options that configure an engine here."""
+    if args.url is None:
+        return
+    if args.what != "multiturn":
+        p.error("--url drives the multi-turn clients against a server: use it with `multiturn`")
+    if "--modes" in args.given:
+        p.error("--modes does not apply with --url: the server serves the cache mode it was "
+                "started with (its own --cache-mode), and the workload runs once against it")
+    engine_options = [o for o in ENGINE_OPTIONS if o in args.given]
+    if engine_options:
+        p.error(f"{', '.join(engine_options)} configure(s) an engine in this process; with --url "
+                "the server's own flags do (give them to `python -m jhicache.serve`)")
+    if importlib.util.find_spec("httpx") is None:
+        p.error("--url needs httpx: pip install -e '.[serve]'")
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -262,23 +330,88 @@ def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
     return max(by_ratio, floor)
 
 
-def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm) -> dict:
-    """Runs the workload twice on fresh engines (the first, other-seeded, compiles) and reports the second."""
+# How a run's clients reach a fresh engine: in process (drive_in_process) or through a server.
+Drive = Callable[[Engine, MultiTurnSpec, clients.ClientsConfig, tqdm], clients.ClientsRun]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRun:
+    """The measured (second) run of a mode, the engine it ran on, and the XLA compiles this
+    process did during it (a shape the warm-up run did not meet: its seconds count as latency)."""
+
+    run: clients.ClientsRun
+    engine: Engine
+    device_kv_tokens: int
+    compiles: int
+    compile_s: float
+
+
+# jax.monitoring's event for one XLA backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts this process's XLA compiles (any thread) while the `with` block runs."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        self._lock = threading.Lock()
+
+    def _heard(self, event: str, duration_s: float, **_: object) -> None:
+        if event == COMPILE_EVENT:
+            with self._lock:
+                self.count, self.seconds = self.count + 1, self.seconds + duration_s
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._heard)
+
+
+def mode_engine(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> tuple[str, int]:
+    """The engine's cache mode and device pool tokens for a bench mode."""
     cache_mode, device_tokens = mode, args._device_tokens
     if mode == "unbounded":  # the reference for hit rates: what reuse a big enough device pool gives
         margin = spec.num_clients * 2 * args.page_size  # each conversation's partial last pages
         cache_mode, device_tokens = "device", max(device_tokens, spec.working_set_tokens + margin)
+    return cache_mode, device_tokens
+
+
+def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
+                 drive: Drive | None = None) -> MeasuredRun:
+    """Runs the workload twice on fresh engines (the first, other-seeded, compiles) through
+    `drive` (in process by default); returns the second."""
+    cache_mode, device_tokens = mode_engine(args, spec, mode)
     for seed in (args.seed + 1000, args.seed):
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
         run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
-        run = asyncio.run(drive_clients(engine, run_spec, clients_config(args, seed), progress))
+        with CompileCounter() as compiles:  # the last one's: the measured run
+            run = (drive or drive_in_process)(engine, run_spec, clients_config(args, seed), progress)
     engine.check_invariants()
-    stats = engine.stats().as_dict()
+    return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds)
+
+
+def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm) -> dict:
+    """One mode's measured run, in process, summarised."""
+    return measured_summary(measured_run(args, spec, mode, progress), spec)
+
+
+def measured_summary(measured: MeasuredRun, spec: MultiTurnSpec) -> dict:
+    return {**run_summary(measured.run, spec), "stats": measured.engine.stats().as_dict(),
+            "device_kv_tokens": measured.device_kv_tokens,
+            "compiles_during_run": {"count": measured.compiles, "seconds": measured.compile_s}}
+
+
+def run_summary(run: clients.ClientsRun, spec: MultiTurnSpec) -> dict:
+    """Per round and overall latencies, throughput (prompt + output tokens / first send to
+    last answer) and the order sent."""
     rounds = [clients.round_summary([t for t in run.turns if t.round == r])
               for r in range(spec.num_rounds)]
     tokens = sum(r["prompt_tokens"] + r["output_tokens"] for r in rounds)
-    return {"rounds": rounds, "elapsed_s": run.elapsed_s, "stats": stats,
-            "throughput_tokens_per_s": tokens / run.elapsed_s, "device_kv_tokens": device_tokens,
+    return {"rounds": rounds, "elapsed_s": run.elapsed_s,
+            "throughput_tokens_per_s": tokens / run.elapsed_s,
             **clients.latency_summary(run.turns), "max_in_flight": run.max_in_flight,
             "send_order": [[t.client, t.round] for t in run.turns]}
 
@@ -289,13 +422,31 @@ def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig
                                  round_barrier=args.round_barrier == "on", seed=seed)
 
 
+def drive_in_process(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
+                     progress: tqdm) -> clients.ClientsRun:
+    return asyncio.run(drive_clients(engine, spec, config, progress))
+
+
 async def drive_clients(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
                         progress: tqdm) -> clients.ClientsRun:
     """The clients' conversations through an AsyncEngine over `engine`, as a server drives it;
     closed at the end (its thread then lets go of the engine, whose stats the caller reads)."""
     params = SamplingParams(max_new_tokens=spec.output_length)
     async with AsyncEngine(engine) as served:
-        return await clients.run_clients(served, user_turns(spec), params, config,
+        return await clients.run_clients(EngineBackend(served), user_turns(spec), params, config,
+                                         on_turn=lambda turn: progress.update(1))
+
+
+async def drive_url(url: str, spec: MultiTurnSpec, config: clients.ClientsConfig,
+                    progress: tqdm) -> clients.ClientsRun:
+    """The clients' conversations through the server at `url`: POST /generate, streamed, with
+    the sampling params the in-process path gives the engine."""
+    from jhicache import bench_http  # httpx: in the serve and test extras, not the base install
+
+    params = SamplingParams(max_new_tokens=spec.output_length)
+    connections = config.max_parallel or spec.num_clients
+    async with bench_http.http_backend(url, connections) as backend:
+        return await clients.run_clients(backend, user_turns(spec), params, config,
                                          on_turn=lambda turn: progress.update(1))
 
 
@@ -315,6 +466,39 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
             ttfts = " ".join(f"{r['mean_ttft_s']:.3f}" for r in result["modes"][mode]["rounds"])
             progress.write(f"{mode}: mean TTFT per round (s) {ttfts}")
     return result
+
+
+def bench_remote(args: argparse.Namespace) -> dict:
+    """The workload against the server at --url, as it was started (its cache mode and pools):
+    /flush_cache, a warm-up run with other prompts, /flush_cache, the measured run."""
+    from jhicache import bench_http
+
+    info = bench_http.model_info(args.url)
+    vocab = info.get("vocab_size") or preset_config(args.preset).vocab_size
+    spec = multiturn_spec(args, vocab)
+    requests = spec.num_clients * spec.num_rounds
+    with tqdm(total=2 * requests, desc="multiturn", unit="request", file=sys.stderr,
+              disable=None) as progress:
+        for seed in (args.seed + 1000, args.seed):
+            bench_http.flush_cache(args.url)  # as a fresh engine: nothing cached from before
+            run_spec = dataclasses.replace(spec, seed=seed)
+            run = asyncio.run(drive_url(args.url, run_spec, clients_config(args, seed), progress))
+    server = {"url": args.url, "model_info": info, "vocab_size": vocab,
+              "vocab_from": "/get_model_info" if info.get("vocab_size") else "--preset",
+              "note": REMOTE_NOTE}
+    mode = {**run_summary(run, spec), "stats": None, "device_kv_tokens": info.get("pool_tokens")}
+    # The engine's facts are the server's: its model name, and no page size or dtype of ours.
+    engine = {"preset": info.get("served_model_name") or args.url, "page_size": None,
+              "dtype": None, "write_policy": None}
+    return {**engine, "spec": {**dataclasses.asdict(spec), **sending(args)}, "server": server,
+            "modes": {"server": mode}}
+
+
+REMOTE_NOTE = ("--url: one measured run (after a warm-up run on other prompts) against the server "
+               "as it was started: its own cache mode, pools and weights (--modes does not apply); "
+               "/flush_cache before each run; TTFT is send to the first event with tokens; hits "
+               "from each answer's meta_info; engine counters: the server's /metrics; device and "
+               "backend: this client's, not the server's")
 
 
 def sending(args: argparse.Namespace) -> dict:
@@ -447,15 +631,34 @@ def run(args: argparse.Namespace) -> dict:
         result["model"] = bench_model(args)
         print(report.model_table(result["model"]))
         save_json(result, args.out)
+    if args.url is not None:
+        result.update(bench_remote(args))
+        print(result["server"]["note"])
+        print(report.multiturn_table(result))
+        return result
     if args.what in ("all", "multiturn"):
-        vocab = preset_config(args.preset).vocab_size if not args.weights else make_engine(args).model_config.vocab_size
-        result.update(bench_multiturn(args, vocab, lambda partial: save_json({**result, **partial}, args.out)))
+        result.update(bench_multiturn(args, model_vocab(args),
+                                      lambda partial: save_json({**result, **partial}, args.out)))
         print(report.multiturn_table(result))
         save_json(result, args.out)
+    if args.what == "serve-overhead":
+        # The server sits above the bench (it imports jhicache, not the other way): only this
+        # command needs it, so it is imported here.
+        from jhicache.serve import overhead
+
+        result["serve_overhead"] = overhead.bench_serve_overhead(
+            args, model_vocab(args), lambda part: save_json({**result, "serve_overhead": part}, args.out))
+        print(report.serve_overhead_table(result["serve_overhead"]))
     if args.what in ("all", "host-hit"):
         result["host_hit"] = bench_host_hit(args)
         print(report.host_hit_table(result["host_hit"]))
     return result
+
+
+def model_vocab(args: argparse.Namespace) -> int:
+    if args.weights:
+        return make_engine(args).model_config.vocab_size
+    return preset_config(args.preset).vocab_size
 
 
 def save_json(result: dict, path: str | None) -> None:
@@ -465,6 +668,11 @@ def save_json(result: dict, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--url" or a.startswith("--url=") for a in argv):
+        # The client needs no accelerator memory, and the server on the same GPU needs all
+        # of it: JAX's default preallocation (75%) at the first backend call would take it.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
     if args.what == "kernels":
         if jax.default_backend() != "gpu":
@@ -475,10 +683,14 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_kernels.main([] if args.out is None else ["--out", args.out])
         return 0
-    note = timing_note(jax.default_backend())
+    note = None if args.url else timing_note(jax.default_backend())  # --url: the server's
     if note:
         print(note, flush=True)
-    result = run(args)
+    try:
+        result = run(args)
+    except ServerError as e:  # a server that is down or misbehaves: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     save_json(result, args.out)
     if args.plot:  # parse_args made sure that the run has multiturn modes and matplotlib is there
         report.save_plot(result, args.plot)

@@ -1,4 +1,4 @@
-"""Multi-turn bench clients on an AsyncEngine: ready queue, Poisson sends, in-flight cap, barrier."""
+"""Multi-turn bench clients on a Backend: ready queue, Poisson sends, in-flight cap, barrier."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
-from jhicache.request import RequestOutput
+from jhicache.bench_backends import Backend, Chunk
 from jhicache.sampling import SamplingParams
 
 POLICIES = ("fifo", "random")
@@ -42,7 +41,7 @@ class Turn:
 
     client: int
     round: int
-    sent_s: float  # handed to AsyncEngine.stream
+    sent_s: float  # handed to the backend's stream
     first_token_s: float  # the first output carrying tokens arrived
     done_s: float  # the finished output arrived
     itl_s: tuple[float, ...]  # per later output with tokens: gap since the one before / its tokens
@@ -50,11 +49,16 @@ class Turn:
     prompt_len: int
     device_hit_tokens: int
     host_hit_tokens: int
-    engine_ttft_s: float | None  # the engine's own (submission to first token on the host)
+    engine_ttft_s: float | None  # the engine's own (submission to first token on the host);
+    # None where the backend cannot see it (over HTTP)
 
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.done_s - self.sent_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,22 +69,22 @@ class ClientsRun:
     histories: tuple[tuple[int, ...], ...]  # per client, after its last turn
 
 
-async def run_clients(engine: Any, turns: Sequence[Sequence[Sequence[int]]],
+async def run_clients(backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
                       params: SamplingParams, config: ClientsConfig,
                       on_turn: Callable[[Turn], None] | None = None) -> ClientsRun:
-    """Runs every client's conversation on `engine` (an AsyncEngine: `stream` and `together`);
+    """Runs every client's conversation on `backend` (in this process or over HTTP);
     `turns[round][client]` is a user turn, appended with the answers before it to form the
     prompt, so prompts do not depend on timing."""
-    return await _Clients(engine, turns, params, config, on_turn).run()
+    return await _Clients(backend, turns, params, config, on_turn).run()
 
 
 class _Clients:
     """One run's state (histories, ready queue, requests in flight), on one event loop."""
 
-    def __init__(self, engine: Any, turns: Sequence[Sequence[Sequence[int]]],
+    def __init__(self, backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
                  params: SamplingParams, config: ClientsConfig,
                  on_turn: Callable[[Turn], None] | None) -> None:
-        self.engine, self.turns, self.params, self.config = engine, turns, params, config
+        self.backend, self.turns, self.params, self.config = backend, turns, params, config
         self.on_turn = on_turn or (lambda turn: None)
         clients = len(turns[0])
         self.limit = config.max_parallel or clients
@@ -135,8 +139,9 @@ class _Clients:
         return self.ready.pop(int(self.pick_rng.integers(len(self.ready))))
 
     async def _send(self, clients: list[int]) -> None:
-        """Starts the clients' turns; requests sent at one moment reach the engine together."""
-        with self.engine.together():
+        """Starts the clients' turns; requests sent at one moment reach the engine together
+        (in this process; a server gets them one by one, as from separate clients)."""
+        with self.backend.together():
             for client in clients:
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -164,8 +169,8 @@ class _Clients:
         sent = arrived = self.now()
         first = last = None
         itl: list[float] = []
-        final: RequestOutput | None = None
-        async for out in self.engine.stream(prompt, self.params, request_id=f"c{client}-r{index}"):
+        final: Chunk | None = None
+        async for out in self.backend.stream(prompt, self.params, f"c{client}-r{index}"):
             arrived = self.now()
             if out.new_token_ids:
                 if last is not None:
@@ -173,9 +178,9 @@ class _Clients:
                 first, last = first if first is not None else arrived, arrived
             final = out
         assert final is not None and first is not None, "a stream ended without tokens"
-        return Turn(client, index, sent, first, arrived, tuple(itl), tuple(final.token_ids),
-                    final.prompt_len,
-                    final.device_hit_tokens, final.host_hit_tokens, final.ttft_s)
+        return Turn(client, index, sent, first, arrived, tuple(itl), final.token_ids,
+                    final.prompt_len, final.device_hit_tokens, final.host_hit_tokens,
+                    final.engine_ttft_s)
 
     def _answered(self, client: int, index: int) -> None:
         """The client's answer arrived: its next turn is ready (with the barrier, once every
@@ -205,7 +210,7 @@ def round_summary(turns: Sequence[Turn]) -> dict:
     return {
         "mean_ttft_s": float(np.mean(ttfts)),
         **{f"ttft_{key}": value for key, value in spread.items()},
-        "engine_mean_ttft_s": float(np.mean([t.engine_ttft_s for t in turns])),
+        "engine_mean_ttft_s": _mean_or_none([t.engine_ttft_s for t in turns]),
         "device_hit_rate": sum(t.device_hit_tokens for t in turns) / prompt_tokens,
         "host_hit_rate": sum(t.host_hit_tokens for t in turns) / prompt_tokens,
         "prompt_tokens": prompt_tokens,
@@ -214,9 +219,17 @@ def round_summary(turns: Sequence[Turn]) -> dict:
     }
 
 
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    """The mean, or None where a backend could not see some of the values."""
+    if any(v is None for v in values):
+        return None
+    return float(np.mean(values))
+
+
 def latency_summary(turns: Sequence[Turn]) -> dict:
-    """TTFT over every request and inter-token latency over every gap."""
-    ttfts = [t.ttft_s for t in turns]
+    """TTFT and end-to-end latency over every request, inter-token latency over every gap."""
+    ttfts, e2es = [t.ttft_s for t in turns], [t.e2e_s for t in turns]
     gaps = [gap for t in turns for gap in t.itl_s]
     return {"ttft": {"mean_s": float(np.mean(ttfts)), **percentiles(ttfts, (50, 90, 99))},
+            "e2e": {"mean_s": float(np.mean(e2es)), **percentiles(e2es, (50, 99))},
             "itl": percentiles(gaps, (50, 99)), "requests": len(turns)}

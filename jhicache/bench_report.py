@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 _BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
@@ -34,7 +35,7 @@ def multiturn_table(result: dict) -> str:
     spec = result["spec"]
     lines = [f"multiturn: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
              f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
-             f"device pool {min(m['device_kv_tokens'] for m in modes.values())} tokens, "
+             f"device pool {_smallest_pool(modes)} tokens, "
              f"working set {spec['num_clients'] * spec['num_rounds'] * (spec['request_length'] + spec['output_length'])}"]
     if "request_rate" in spec:  # results from before the clients went through AsyncEngine lack it
         lines.append(f"  sent at {spec['request_rate']} req/s, at most {spec['max_parallel']} in "
@@ -44,6 +45,12 @@ def multiturn_table(result: dict) -> str:
     for name, m in modes.items():
         lines += _mode_lines(name, m)
     return "\n".join(lines)
+
+
+def _smallest_pool(modes: dict) -> int | str:
+    """The smallest device pool of the modes ("?" where a server did not say)."""
+    pools = [m["device_kv_tokens"] for m in modes.values() if m["device_kv_tokens"] is not None]
+    return min(pools) if pools else "?"
 
 
 def _round_rows(modes: dict, num_rounds: int) -> list[str]:
@@ -66,10 +73,14 @@ def _round_cells(r: dict) -> str:
 
 def _mode_lines(name: str, m: dict) -> list[str]:
     s = m["stats"]
-    lines = [f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
-             f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
-             f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
-             f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} host tokens"]
+    head = f"{name:>12}: {m['throughput_tokens_per_s']:,.0f} tok/s, {m['elapsed_s']:.2f} s; "
+    if s is None:  # a remote server's: its counters are in its /metrics
+        lines = [head + "engine counters: see the server's /metrics"]
+    else:
+        lines = [head + f"loads {s['load_back_ops']} ({format_bytes(s['load_back_bytes'])}), "
+                 f"write-backs {s['write_back_ops']} ({format_bytes(s['write_back_bytes'])}), "
+                 f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} "
+                 f"host tokens"]
     if "ttft" in m:
         lines.append(f"{'':>14}{latency_text(m['ttft'], m['itl'])}")
     return lines
@@ -83,6 +94,48 @@ def latency_text(ttft: dict, itl: dict) -> str:
     spread = "/".join(ms(ttft[k]) for k in ("mean_s", "p50_s", "p90_s", "p99_s"))
     return (f"TTFT mean/p50/p90/p99 {spread} ms; "
             f"ITL p50/p99 {ms(itl['p50_s'])}/{ms(itl['p99_s'])} ms")
+
+
+def serve_overhead_table(result: dict) -> str:
+    """Per mode: TTFT, end-to-end latency, ITL and throughput in process and over HTTP, and
+    their difference (HTTP minus in process: what the server adds per request)."""
+    spec = result["spec"]
+    lines = [f"serve-overhead: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
+             f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
+             f"{result['how']}"]
+    for mode, m in result["modes"].items():
+        lines += [f"{mode}: tokens {'identical' if m['same_tokens'] else 'DIFFER'} in process "
+                  f"and over HTTP",
+                  f"  {'':<22}{'in process':>12}{'HTTP':>12}{'HTTP - in process':>20}"]
+        lines += [_overhead_row(label, m, keys) for label, keys in _OVERHEAD_ROWS]
+        ratio = m["overhead"]["throughput_ratio"]
+        lines.append(f"  {'throughput tok/s':<22}{m['in_process']['throughput_tokens_per_s']:>12,.0f}"
+                     f"{m['http']['throughput_tokens_per_s']:>12,.0f}{f'x {ratio:.3f}':>20}")
+        lines.append("  XLA compiles during the measured run (their seconds count as latency): "
+                     + ", ".join(_compiles(path, m[path]) for path in ("in_process", "http")))
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines)
+
+
+def _compiles(path: str, summary: dict) -> str:
+    c = summary["compiles_during_run"]
+    return f"{_PATH_NAMES[path]} {c['count']} ({c['seconds']:.2f} s)"
+
+
+_PATH_NAMES = {"in_process": "in process", "http": "HTTP"}
+
+
+# (label, (summary section, statistic)) of serve_overhead_table's latency rows, in ms
+_OVERHEAD_ROWS = (("TTFT mean ms", ("ttft", "mean_s")), ("TTFT p50 ms", ("ttft", "p50_s")),
+                  ("TTFT p99 ms", ("ttft", "p99_s")), ("e2e mean ms", ("e2e", "mean_s")),
+                  ("e2e p50 ms", ("e2e", "p50_s")), ("ITL p50 ms", ("itl", "p50_s")))
+
+
+def _overhead_row(label: str, m: dict, keys: tuple[str, str]) -> str:
+    section, stat = keys
+    here, http = m["in_process"][section][stat], m["http"][section][stat]
+    if here is None or http is None:
+        return f"  {label:<22}{'-':>12}{'-':>12}{'-':>20}"
+    return f"  {label:<22}{here * 1e3:>12.2f}{http * 1e3:>12.2f}{(http - here) * 1e3:>+20.2f}"
 
 
 def host_hit_table(result: dict) -> str:

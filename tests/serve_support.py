@@ -1,23 +1,20 @@
 """Test support for the server: a tiny Qwen2 checkpoint with a BPE tokenizer trained here and a
-chat template, and a real uvicorn server on 127.0.0.1 in a thread of the test process."""
+chat template, and a real uvicorn server on 127.0.0.1 in a thread of the test process
+(jhicache.serve.thread)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
-import uvicorn
 from jhicache.models import init_random, preset_config, save_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jhicache import AsyncEngine, Engine, EngineConfig
 from jhicache.serve import tokenizer as serve_tokenizer
-from jhicache.serve.app import build_app
 from jhicache.serve.context import ServerContext
+from jhicache.serve.thread import ServerThread
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -58,42 +55,6 @@ def write_checkpoint(directory: Path) -> Path:
                                  vocab_size=tok.get_vocab_size(), max_position_embeddings=CONTEXT)
     save_checkpoint(init_random(config, seed=3), config, directory)
     return directory
-
-
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class ServerThread:
-    """uvicorn serving `ctx` on a free port of 127.0.0.1 from a thread; `stop()` shuts it down
-    (which closes the engine, as the command's server does)."""
-
-    def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
-        self._sock = free_socket()
-        self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(ctx), log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        daemon=True)
-
-    def start(self, timeout_s: float = 60.0) -> ServerThread:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self._thread.join(60)
-        self._sock.close()
 
 
 def start_server(checkpoint: Path | None, tokenizer: bool = True) -> ServerThread:

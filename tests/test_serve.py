@@ -280,12 +280,13 @@ def test_flush_cache_refused_while_a_request_runs(server: ServerThread, http: ht
 
 
 def test_health_models_and_model_info(http: httpx.Client, client: openai.OpenAI,
-                                      checkpoint: Path):
+                                      checkpoint: Path, reference: Engine):
     assert http.get("/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
     info = http.get("/get_model_info").json()
     assert info["model_path"] == str(checkpoint) and info["is_generation"] is True
     assert info["tokenizer_path"] == str(checkpoint)
+    assert info["vocab_size"] == reference.model_config.vocab_size
 
 
 # ---- concurrency, disconnects, bad requests ------------------------------------------------

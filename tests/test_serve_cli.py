@@ -19,7 +19,7 @@ for _module in ("fastapi", "uvicorn", "httpx", "tokenizers"):
 
 import httpx  # noqa: E402
 
-from tests.serve_support import free_socket
+from jhicache.serve.thread import free_socket
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_S = 90.0  # the bare start takes seconds; a loaded 2-core CI box gets slack

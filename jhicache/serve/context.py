@@ -24,6 +24,7 @@ class ModelInfo:
     tokenizer_path: str | None
     context_len: int  # the model's max_position_embeddings
     pool_tokens: int  # device pool capacity: prompt + new tokens must fit in it
+    vocab_size: int  # token ids the model embeds (a token-id prompt's ids are below it)
 
     @property
     def max_total_tokens(self) -> int:
@@ -64,7 +65,8 @@ class ServerContext:
         info = ModelInfo(name=name, model_path=model_path,
                          tokenizer_path=tokenizer.path if tokenizer else None,
                          context_len=core.model_config.max_position_embeddings,
-                         pool_tokens=core.occupancy().device_pages * core.config.page_size)
+                         pool_tokens=core.occupancy().device_pages * core.config.page_size,
+                         vocab_size=vocab)
         return cls(engine, tokenizer, ServerMetrics(core), info)
 
     def require_tokenizer(self, what: str, param: str) -> Tokenizer:

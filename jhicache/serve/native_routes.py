@@ -98,7 +98,8 @@ def native_router(ctx: ServerContext) -> APIRouter:
     async def model_info() -> dict[str, Any]:
         return {"model_path": ctx.model.model_path, "tokenizer_path": ctx.model.tokenizer_path,
                 "is_generation": True, "served_model_name": ctx.model.name,
-                "context_length": ctx.model.context_len, "pool_tokens": ctx.model.pool_tokens}
+                "context_length": ctx.model.context_len, "pool_tokens": ctx.model.pool_tokens,
+                "vocab_size": ctx.model.vocab_size}
 
     @router.get("/metrics")
     async def metrics() -> Response:

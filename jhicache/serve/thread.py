@@ -1,0 +1,55 @@
+"""ServerThread: uvicorn serving one ServerContext on a free port of 127.0.0.1 from a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from jhicache.serve.app import build_app
+from jhicache.serve.context import ServerContext
+
+
+def free_socket() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 (held until the server takes it: no race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class ServerThread:
+    """uvicorn serving `ctx` on a free port of 127.0.0.1 from a thread; `stop()` shuts it down
+    (which closes the engine, as the command's server does)."""
+
+    def __init__(self, ctx: ServerContext, log_level: str = "warning") -> None:
+        self.ctx = ctx
+        self._sock = free_socket()
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(build_app(ctx), log_level=log_level, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(60)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
