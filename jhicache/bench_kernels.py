@@ -68,8 +68,8 @@ def transfers(res: dict, layers=24, kv_heads=2, dim=64, n=512, host_pages=2048, 
     device = DevicePool(layout)
     for l in range(layers):
         device.set_layer(l, _rand(l, layout.page_shape), _rand(100 + l, layout.page_shape))
-    copier, driver = make_copier(jax.default_backend())
-    host = HostPool(dataclasses.replace(layout, num_pages=host_pages), driver)
+    copier, drivers = make_copier(jax.default_backend())
+    host = HostPool(dataclasses.replace(layout, num_pages=host_pages), drivers)
     ctl = TransferController(device, host, copier)
     rng = np.random.default_rng(0)
     hid = rng.permutation(host_pages)[:n].tolist()

@@ -91,7 +91,8 @@ class EngineConfig:
         its sampled tokens on the device (False: the lock-step loop, for debugging).
       tensor_parallel_size: devices the model is sharded over (Megatron-style, one mesh axis).
         It must divide the device count and the attention heads (checked when the engine is
-        built); above 1 it needs cache_mode "off" or "device" for now (no sharded host tier).
+        built). Every cache mode works with it: both tiers are split on the KV heads, each
+        device with its own shard of every page.
     """
 
     page_size: int = 64
@@ -133,7 +134,6 @@ class EngineConfig:
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()
-        self._check_tensor_parallel()
 
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:
@@ -144,12 +144,6 @@ class EngineConfig:
             if self.host_kv_tokens <= self.device_kv_tokens:
                 raise ValueError(f"EngineConfig.host_kv_tokens={self.host_kv_tokens} must exceed "
                                  f"device_kv_tokens={self.device_kv_tokens}")
-
-    def _check_tensor_parallel(self) -> None:
-        if self.tensor_parallel_size > 1 and self.cache_mode is CacheMode.HIERARCHICAL:
-            raise ValueError(f"EngineConfig.tensor_parallel_size={self.tensor_parallel_size} with "
-                             "cache_mode='hierarchical' is not supported yet (the host tier is not "
-                             "sharded); use cache_mode 'device' or 'off'")
 
     def host_tokens_for(self, device_tokens: int) -> int:
         """Host pool capacity for a device pool of `device_tokens` (whole pages)."""

@@ -46,8 +46,10 @@ class Engine:
         if config.cache_mode is CacheMode.HIERARCHICAL:
             host_tokens = self._host_tokens(layout, config)
             host_layout = dataclasses.replace(layout, num_pages=host_tokens // config.page_size)
-            copier, driver = make_copier(self.device_pool.device.platform)
-            host_pool = HostPool(host_layout, driver)  # pinned once, for its whole size
+            # One host block and one copier per device shard, in the pool's shard order
+            devices = self.device_pool.shard_devices
+            copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
+            host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier)
         from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
@@ -188,14 +190,21 @@ class Engine:
             return True
 
     def check_invariants(self) -> None:
-        """Raises `InvariantError` on any page-accounting error in either tier, or when a layer's
-        device pages are not split over the devices as the pool's sharding says."""
+        """Raises `InvariantError` on any page-accounting error in either tier (one tree and one
+        page id space serve every device shard), when a layer's device pages are not split over
+        the devices as the pool's sharding says, or when any shard of a layer left the buffer
+        the host tier's copies target."""
         with self._lock:
             self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
             misplaced = self.device_pool.misplaced_layers()
             if misplaced:
                 raise InvariantError(f"device pages of layers {misplaced} are not laid out as "
                                      f"{self.device_pool.sharding}")
+            if self.cache.controller is not None:
+                try:
+                    self.cache.controller.check_buffers()
+                except RuntimeError as e:
+                    raise InvariantError(str(e)) from e
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -367,6 +376,12 @@ def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel
     if config.tensor_parallel_size == 1:
         return None
     return TensorParallel.create(config.tensor_parallel_size, model, field="EngineConfig.tensor_parallel_size")
+
+
+def _ordinal(device: jax.Device) -> int:
+    """The device's index among the process's visible devices (its CUDA ordinal on a GPU)."""
+    hardware = getattr(device, "local_hardware_id", None)
+    return device.id if hardware is None else hardware
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:

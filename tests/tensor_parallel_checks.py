@@ -38,6 +38,7 @@ DEVICES = 4
 # 3 clients x 2 rounds of 40-token turns: 3 x 86 tokens at the end, over a 160-token pool
 SPEC = MultiTurnSpec(num_clients=3, num_rounds=2, request_length=40, output_length=3, vocab_size=512, seed=7)
 POOL_TOKENS = 160
+HOST_TOKENS = 640
 
 
 @functools.cache
@@ -53,16 +54,28 @@ def replicated_model() -> Qwen2ForCausalLM:
     return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False), seed=2)
 
 
-def engine(model: Qwen2ForCausalLM, tp: int, cache_mode: str = "device") -> Engine:
-    return Engine(model, EngineConfig(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32",
-                                      cache_mode=cache_mode, check_invariants_every_step=True,
-                                      max_running_requests=8, tensor_parallel_size=tp))
+def engine(model: Qwen2ForCausalLM, tp: int, cache_mode: str = "device", **overrides: object) -> Engine:
+    host = dict(host_kv_tokens=HOST_TOKENS, load_back_threshold=1) if cache_mode == "hierarchical" else {}
+    return Engine(model, EngineConfig(**{**dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32",
+                                                cache_mode=cache_mode, check_invariants_every_step=True,
+                                                max_running_requests=8, tensor_parallel_size=tp),
+                                         **host, **overrides}))
 
 
-def run_chats(eng: Engine) -> list[list[int]]:
-    chats = MultiTurnChats(SPEC)
-    for _ in range(SPEC.num_rounds):
-        outputs = eng.generate(chats.prompts(), SamplingParams(max_new_tokens=SPEC.output_length))
+def hierarchical(model: Qwen2ForCausalLM, tp: int, policy: str = "write_back") -> Engine:
+    return engine(model, tp, "hierarchical", write_policy=policy)
+
+
+@functools.cache
+def reference(model: Qwen2ForCausalLM, spec: MultiTurnSpec = SPEC) -> list[list[int]]:
+    """Greedy histories on one device with no cache: what every other run must reproduce."""
+    return run_chats(engine(model, 1, "off"), spec)
+
+
+def run_chats(eng: Engine, spec: MultiTurnSpec = SPEC) -> list[list[int]]:
+    chats = MultiTurnChats(spec)
+    for _ in range(spec.num_rounds):
+        outputs = eng.generate(chats.prompts(), SamplingParams(max_new_tokens=spec.output_length))
         chats.extend([o.token_ids for o in outputs])
     return chats.histories
 
@@ -95,6 +108,113 @@ def check_engine_tokens() -> None:
             assert_pool_sharded(eng, tp)
         else:
             assert eng.tp is None  # one device: no mesh, no shard_map
+
+
+def assert_host_tier_used(eng: Engine) -> None:
+    """Pages left the device, went to host and came back, every copy retired; both tiers split
+    into one shard per device (each device's host block a 1/tp share)."""
+    stats = eng.stats()
+    assert stats.evicted_device_tokens > 0 and stats.write_back_ops > 0, stats
+    assert stats.load_back_ops > 0 and stats.host_hit_tokens > 0, stats
+    assert stats.loads_in_flight == 0 and stats.protected_tokens == 0, stats
+    eng.check_invariants()
+    tp = eng.config.tensor_parallel_size
+    host = eng.cache.host_pool
+    assert host.shards == tp == len(eng.device_pool.shard_devices)
+    assert len({b.address for b in host.blocks}) == tp
+    assert all(b.nbytes * tp == host.layout.page_bytes * host.layout.num_pages for b in host.blocks)
+    if tp > 1:
+        assert_pool_sharded(eng, tp)
+
+
+def _check_hierarchical_tokens(policy: str, sizes: tuple[int, ...], spec: MultiTurnSpec = SPEC) -> None:
+    """Greedy histories with the host tier at each tp equal one device's with no cache, with
+    eviction, write-back and load-back happening (invariants checked every step)."""
+    for tp in sizes:
+        eng = hierarchical(tp_model(), tp, policy)
+        assert run_chats(eng, spec) == reference(tp_model(), spec), (tp, policy)
+        assert_host_tier_used(eng)
+
+
+def check_hierarchical_write_back() -> None:
+    _check_hierarchical_tokens("write_back", (1, 2, 4))
+
+
+def check_hierarchical_write_through() -> None:
+    _check_hierarchical_tokens("write_through", (2, 4))
+
+
+def check_hierarchical_write_through_selective() -> None:
+    # a node is written at its second visit: a third round reads back what the second wrote
+    _check_hierarchical_tokens("write_through_selective", (2, 4), dataclasses.replace(SPEC, num_rounds=3))
+
+
+def check_hierarchical_replicated_kv_heads() -> None:
+    """tp 4 over 2 KV heads: each head is on two devices and in their two host blocks, which
+    hold the same bytes for every page the tree keeps on host; tokens as on one device."""
+    eng = hierarchical(replicated_model(), 4)
+    assert run_chats(eng) == reference(replicated_model())
+    assert_host_tier_used(eng)
+    view = eng.cache.host_pool.view()  # [layers, K|V, pages, S, heads (4 stored), D]
+    pages = sorted({p for node in eng.cache.tree.nodes() for p in node.host_pages or ()})
+    assert pages
+    stored = view[:, :, pages]
+    np.testing.assert_array_equal(stored[..., 0::2, :], stored[..., 1::2, :])
+    assert np.abs(stored).sum() > 0
+
+
+def _deferred_copiers(tp: int) -> list:
+    """Engines built from now on get one DeferredCopier per device (copies run only when
+    waited for); the list they are returned in."""
+    import jhicache.engine as engine_module
+    from jhicache.cache.copier import ShardedCopier
+    from tests.cache._helpers import DeferredCopier
+
+    copiers = [DeferredCopier() for _ in range(tp)]
+    engine_module.make_copier = lambda platform, ordinals: (ShardedCopier(copiers), [])
+    return copiers
+
+
+def check_deferred_copies_wait_on_every_shard() -> None:
+    """Each device's copies run only when its own mark is waited for: the tokens are still one
+    device's, so every shard's wait is made. With the forward's wait on shard 0's mark only,
+    the other shards' pages are read before they land and the tokens change: so it matters."""
+    from jhicache.cache import LoadTicket
+
+    copiers = _deferred_copiers(4)
+    eng = hierarchical(tp_model(), 4)
+    assert run_chats(eng) == reference(tp_model())
+    assert_host_tier_used(eng)
+    assert eng.stats().layered_steps > 0 and all(c.copies > 0 for c in copiers)
+
+    def wait_first_shard(ticket: LoadTicket, layer: int) -> None:  # the runner's sync point
+        load = ticket._checked(layer)
+        if not load.marks:
+            load.controller.force_issue(load)
+        load.controller.copier.copiers[0].wait(load.marks[layer].parts[0])
+
+    _deferred_copiers(4)
+    LoadTicket.wait = wait_first_shard
+    assert run_chats(hierarchical(tp_model(), 4)) != reference(tp_model())
+
+
+def check_invariant_catches_moved_shard() -> None:
+    """A layer whose shards left the buffers the loads copy into is reported."""
+    from jhicache.cache import InvariantError
+
+    eng = hierarchical(tp_model(), 2)
+    run_chats(eng)
+    assert eng.stats().load_back_ops > 0
+    eng.check_invariants()
+    k, v = eng.device_pool.k[1], eng.device_pool.v[1]
+    eng.device_pool.set_layer(1, k + 0, v)  # same sharding, new buffers
+    assert not eng.device_pool.misplaced_layers()
+    try:
+        eng.check_invariants()
+    except InvariantError as e:
+        assert "moved" in str(e), e
+    else:
+        raise AssertionError("moved shard buffers not reported")
 
 
 def check_invariant_catches_misplaced_pages() -> None:
@@ -185,7 +305,8 @@ def check_bad_sizes_rejected() -> None:
     model = tp_model()
     bad = {3: "device count", 8: "device count", 0: "int >= 1"}
     for size, reason in bad.items():
-        _expect_value_error(lambda s=size: engine(model, s), reason)
+        for mode in ("device", "hierarchical"):
+            _expect_value_error(lambda s=size, m=mode: engine(model, s, m), reason)
     odd_heads = Qwen2Config(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
                             num_attention_heads=6, num_key_value_heads=3)
     _expect_value_error(lambda: TensorParallel.create(4, odd_heads), "num_attention_heads")

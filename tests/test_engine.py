@@ -65,7 +65,7 @@ def assert_matches_no_cache_with_transfers(engine: Engine) -> None:
 def deferred_copies(monkeypatch: pytest.MonkeyPatch) -> DeferredCopier:
     """Engines built from now on copy between the tiers as late as they may (tests/cache)."""
     copier = DeferredCopier()
-    monkeypatch.setattr(engine_module, "make_copier", lambda platform: (copier, None))
+    monkeypatch.setattr(engine_module, "make_copier", lambda platform, ordinals=(0,): (copier, []))
     return copier
 
 

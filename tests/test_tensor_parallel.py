@@ -46,11 +46,11 @@ def test_config_field_is_checked() -> None:
             EngineConfig(tensor_parallel_size=bad, cache_mode="off")
 
 
-def test_host_tier_under_tp_is_refused_by_name() -> None:
-    """No sharded host tier yet: tp > 1 with cache_mode hierarchical fails at construction."""
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with cache_mode='hierarchical'"):
-        EngineConfig(tensor_parallel_size=2)
-    EngineConfig(tensor_parallel_size=1, cache_mode="hierarchical")
+def test_host_tier_under_tp_is_accepted() -> None:
+    """The host tier is sharded like the device pool: hierarchical works at any valid tp."""
+    assert EngineConfig(tensor_parallel_size=2).cache_mode.value == "hierarchical"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0, cache_mode="hierarchical")
 
 
 def test_misfit_sizes_are_refused_before_a_mesh_is_built() -> None:

@@ -1,7 +1,8 @@
 """Copier: queues raw byte copies between host memory and device buffers, one queue per direction,
 and marks points in them that can be polled or waited for. `CudaCopier` runs them on CUDA streams
 of its own through the driver; `HostCopier` (the CPU backend, whose device buffers are host
-memory) copies at once.
+memory) copies at once. `ShardedCopier` drives one of those per device of a tensor-parallel mesh,
+each shard's copies on its own device's queues.
 
 A copy is given addresses (`jax.Array.unsafe_buffer_pointer()` for device buffers), so nothing
 here knows JAX's ordering: the caller fences every copy against the computations that touch the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -124,14 +126,77 @@ class CudaCopier(Copier):
         self._spare[True].append(mark.event)
 
 
-def make_copier(platform: str) -> tuple[Copier, CudaDriver | None]:
-    """The copier for a JAX platform ("gpu"/"cuda" or "cpu"), and the driver pinning host memory."""
+class ShardMark(Mark):
+    """A mark of a ShardedCopier: one mark per device, done once every one of them is."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Mark], timed: bool) -> None:
+        super().__init__(0, timed)
+        self.parts = parts
+
+
+class ShardedCopier(Copier):
+    """One copier per device shard (in the pool's shard order): shard i's copies go to copier i.
+
+    A page's bytes are split over the devices, each shard moving only between its device and
+    that device's host block, so the queues of different devices never need ordering against
+    each other: every call is per device, and a mark is done when all devices' marks are."""
+
+    def __init__(self, copiers: Sequence[Copier]) -> None:
+        if len(copiers) < 2:
+            raise ValueError(f"a ShardedCopier needs >= 2 copiers, got {len(copiers)}")
+        self.copiers = tuple(copiers)
+        self.synchronous = all(c.synchronous for c in copiers)
+
+    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        """`dsts`, `srcs`: [shards, n] addresses, row i on device i; `sizes`: [n], every shard's."""
+        for copier, dst, src in zip(self.copiers, dsts, srcs, strict=True):
+            copier.copy(direction, dst, src, sizes)
+
+    def mark(self, direction: Direction, timed: bool = False) -> Mark:
+        return ShardMark([c.mark(direction, timed) for c in self.copiers], timed)
+
+    def is_done(self, mark: Mark) -> bool:
+        if not mark.done:
+            mark.done = all(c.is_done(m) for c, m in zip(self.copiers, _parts(mark)))
+        return mark.done
+
+    def elapsed_s(self, start: Mark, end: Mark) -> float:
+        """The slowest device's span (the copies run side by side, one queue per device)."""
+        return max(c.elapsed_s(s, e) for c, s, e in zip(self.copiers, _parts(start), _parts(end)))
+
+    def wait(self, mark: Mark) -> None:
+        for copier, part in zip(self.copiers, _parts(mark)):
+            copier.wait(part)
+        mark.done = True
+
+    def order_after(self, direction: Direction, mark: Mark) -> None:
+        for copier, part in zip(self.copiers, _parts(mark)):
+            copier.order_after(direction, part)
+
+    def release(self, mark: Mark) -> None:
+        for copier, part in zip(self.copiers, _parts(mark)):
+            copier.release(part)
+
+
+def _parts(mark: Mark) -> list[Mark]:
+    assert isinstance(mark, ShardMark), mark
+    return mark.parts
+
+
+def make_copier(platform: str, ordinals: Sequence[int] = (0,)) -> tuple[Copier, list[CudaDriver]]:
+    """The copier for a JAX platform ("gpu"/"cuda" or "cpu") over the devices `ordinals` (CUDA
+    ordinals, in shard order: a ShardedCopier for several), and the drivers pinning each
+    device's host block (none on the CPU)."""
     if platform in ("gpu", "cuda"):
         lib = load_library()
         if lib is None:
             raise RuntimeError("JAX runs on a GPU but libcuda.so.1 cannot be loaded")
-        driver = CudaDriver(lib)
-        return CudaCopier(driver), driver
-    if platform != "cpu":
+        drivers = [CudaDriver(lib, ordinal, always_bind=len(ordinals) > 1) for ordinal in ordinals]
+        copiers: list[Copier] = [CudaCopier(driver) for driver in drivers]
+    elif platform == "cpu":
+        drivers, copiers = [], [HostCopier() for _ in ordinals]
+    else:
         raise NotImplementedError(f"host tier copies on platform {platform!r}")
-    return HostCopier(), None
+    return (copiers[0] if len(copiers) == 1 else ShardedCopier(copiers)), drivers

@@ -6,7 +6,7 @@ Why the driver and not XLA: a pinned_host-to-device `device_put` waits for the c
 before it and spreads whole-array copies over four streams, so layer copies land out of order
 and late; copies issued here run on a stream of our own, in the order issued, beside XLA's
 compute. The price is that JAX does not see them: the caller must fence every page it copies
-into or out of (see `jhicache.cache.native_transfer`).
+into or out of (see `jhicache.cache.transfer`).
 """
 
 from __future__ import annotations
@@ -51,21 +51,26 @@ def load_library() -> ctypes.CDLL | None:
 
 class CudaDriver:
     """One device's primary context (the one XLA uses, so its buffer addresses are valid here),
-    with typed wrappers over the calls this package makes."""
+    with typed wrappers over the calls this package makes.
 
-    def __init__(self, lib: ctypes.CDLL, device_ordinal: int = 0) -> None:
+    `always_bind`: make the context current before every call, for drivers of several devices
+    used from one thread. XLA leaves whichever device's context it used last current on the
+    calling thread, so a context set once may have been replaced by another device's."""
+
+    def __init__(self, lib: ctypes.CDLL, device_ordinal: int = 0, always_bind: bool = False) -> None:
         self._lib = lib
         self._check("cuInit", lib.cuInit(0))
         device = ctypes.c_int()
         self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_ordinal))
         self._ctx = ctypes.c_void_p()
         self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), device))
+        self._always_bind = always_bind
         self._bound = threading.local()  # a context is current per thread: bind it once in each
         self._batch = self._batch_function()
+        host, gpu = _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, device_ordinal)
         self._attrs = {to_device: _CopyAttributes(
-            _ACCESS_ORDER_STREAM, _Location(_LOCATION_HOST if to_device else _LOCATION_DEVICE, 0),
-            _Location(_LOCATION_DEVICE if to_device else _LOCATION_HOST, 0), _PREFER_OVERLAP_WITH_COMPUTE)
-            for to_device in (True, False)}
+            _ACCESS_ORDER_STREAM, host if to_device else gpu, gpu if to_device else host,
+            _PREFER_OVERLAP_WITH_COMPUTE) for to_device in (True, False)}
         self._attr_index = (ctypes.c_size_t * 1)(0)  # one attribute set for a whole batch
         self._bind()
 
@@ -79,7 +84,7 @@ class CudaDriver:
             raise CudaError(f"{call} failed: {name} ({result})")
 
     def _bind(self) -> None:
-        if not getattr(self._bound, "done", False):
+        if self._always_bind or not getattr(self._bound, "done", False):
             self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(self._ctx))
             self._bound.done = True
 

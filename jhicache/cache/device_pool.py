@@ -62,6 +62,9 @@ class PagePool:
         zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype), out_shardings=self.sharding)
         self.k: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
         self.v: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
+        # The devices holding each shard, in KV-head order: shard i (heads i*h..(i+1)*h) is on
+        # shard_devices[i], and the host tier's block i and copier i serve that device.
+        self.shard_devices = _shard_devices(self.k[0])
         # An output (never donated) of the newest program that wrote the pool, set by whoever
         # runs it: ready once that program has finished (copies JAX does not see fence on it).
         self.last_compute: jax.Array | None = None
@@ -76,6 +79,18 @@ class PagePool:
             raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != {self.layout.page_shape}")
         self.k[layer], self.v[layer] = k, v
 
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_devices)
+
+    def shard_pointers(self, array: jax.Array) -> list[int]:
+        """Buffer addresses of `array`'s device shards in shard order (one, on one device);
+        `array` may be any array split over the pool's devices on its heads, like its pages."""
+        if len(self.shard_devices) == 1:
+            return [array.unsafe_buffer_pointer()]
+        by_device = {s.device: s.data.unsafe_buffer_pointer() for s in array.addressable_shards}
+        return [by_device[d] for d in self.shard_devices]
+
     def misplaced_layers(self) -> list[int]:
         """Layers whose K or V array is not laid out as the pool's sharding says (a program that
         returned it resharded or gathered): what an invariant check reports."""
@@ -87,6 +102,16 @@ class PagePool:
         """Copies `pages` of one layer to numpy (tests and debugging; blocks)."""
         idx = np.asarray(pages, dtype=np.int64)
         return np.asarray(self.k[layer])[idx], np.asarray(self.v[layer])[idx]
+
+
+def _shard_devices(pages: jax.Array) -> tuple[jax.Device, ...]:
+    """The devices of a page array's shards, ordered by their first KV head (axis 2). A layout
+    that stores some heads on two devices is refused: a page's shards would not be distinct."""
+    shards = sorted(pages.addressable_shards, key=lambda s: s.index[2].start or 0)
+    starts = [s.index[2].start or 0 for s in shards]
+    if len(set(starts)) != len(starts) or len(shards) != len(pages.sharding.device_set):
+        raise ValueError(f"a page pool must be split on its heads, one distinct shard per device: {pages.sharding}")
+    return tuple(s.device for s in shards)
 
 
 class DevicePool(PagePool):

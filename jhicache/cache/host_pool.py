@@ -1,8 +1,12 @@
-"""HostPool: the host tier's K/V pages, in one host allocation made (and pinned) at start.
+"""HostPool: the host tier's K/V pages, in one host allocation per device shard made (and pinned)
+at start.
 
-Layout [layer, K|V, page, page_size, heads, head_dim]: one layer's K (or V) of one page is a
-contiguous `layer_page_bytes` block, the unit a copy moves. Unlike the device tier, no host page
-is reserved: every host page id is usable.
+Layout of each shard's block [layer, K|V, page, page_size, heads / shards, head_dim]: one layer's
+K (or V) of one page of one shard is a contiguous `layer_page_bytes` block, the unit a copy
+moves. With tensor parallelism the pool is split on the KV-head axis exactly as the device pool
+is: block i holds the heads of device shard i (replicated KV heads are stored once per device,
+as the device pool stores them), so a shard's bytes only ever move between one device and one
+block. Unlike the device tier, no host page is reserved: every host page id is usable.
 """
 
 from __future__ import annotations
@@ -18,13 +22,22 @@ from jhicache.cache.host_memory import HostMemory
 
 
 class HostPool:
-    """`layout.num_pages` host pages; pinned when given the driver (on a GPU)."""
+    """`layout.num_pages` host pages (`layout.num_kv_heads` heads over all `shards` together),
+    one block per shard; block i pinned by `drivers[i]` when drivers are given (on a GPU).
 
-    def __init__(self, layout: PoolLayout, driver: CudaDriver | None = None) -> None:
-        self.layout = layout
-        self.layer_page_bytes = layout.page_bytes // (2 * layout.num_layers)
-        self.memory = HostMemory(layout.page_bytes * layout.num_pages, driver)
-        self.address = self.memory.address
+    Why a block per device rather than one allocation cut up: each is pinned through its own
+    device's context, and a block is the natural unit to place near its GPU's NUMA node."""
+
+    def __init__(self, layout: PoolLayout, drivers: Sequence[CudaDriver] = (), shards: int = 1) -> None:
+        if shards < 1 or layout.num_kv_heads % shards:
+            raise ValueError(f"shards={shards} must divide num_kv_heads={layout.num_kv_heads}")
+        if drivers and len(drivers) != shards:
+            raise ValueError(f"{len(drivers)} drivers for {shards} shards")
+        self.layout, self.shards = layout, shards
+        self.layer_page_bytes = layout.page_bytes // (2 * layout.num_layers) // shards
+        block_bytes = layout.page_bytes // shards * layout.num_pages
+        self.blocks = [HostMemory(block_bytes, drivers[i] if drivers else None) for i in range(shards)]
+        self.base = np.asarray([b.address for b in self.blocks], np.uint64)[:, None]  # [shards, 1]
 
     @property
     def num_layers(self) -> int:
@@ -32,25 +45,34 @@ class HostPool:
 
     @property
     def nbytes(self) -> int:
-        return self.memory.nbytes
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def pinned(self) -> bool:
+        return all(b.pinned for b in self.blocks)
 
     def addresses(self, layer: int, kv: int, pages: np.ndarray) -> np.ndarray:
-        """uint64 addresses of `pages` (int array) of one layer's K (kv=0) or V (kv=1)."""
-        return self.addresses_at(np.uint64(layer * 2 + kv), pages)
+        """[shards, len(pages)] uint64 addresses of `pages` (int array) of one layer's K (kv=0) or V."""
+        return self.base + self._offsets(np.uint64(layer * 2 + kv), pages)
 
     def layer_addresses(self, kv: int, pages: np.ndarray) -> np.ndarray:
-        """[layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or V."""
+        """[shards, layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or V."""
         layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
-        return self.addresses_at(layers * 2 + kv, pages)
+        return self.base[:, :, None] + self._offsets(layers * 2 + kv, pages)
 
-    def addresses_at(self, blocks: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    def _offsets(self, blocks: np.ndarray, pages: np.ndarray) -> np.ndarray:
         block = blocks * np.uint64(self.layout.num_pages)
-        return self.address + (block + pages.astype(np.uint64)) * np.uint64(self.layer_page_bytes)
+        return (block + pages.astype(np.uint64)) * np.uint64(self.layer_page_bytes)
 
     def view(self) -> np.ndarray:
-        """The pool as a [layers, 2, pages, page_size, heads, head_dim] array (tests, debugging)."""
-        shape = (self.num_layers, 2) + self.layout.page_shape
-        return self.memory.array.view(jnp.dtype(self.layout.dtype)).reshape(shape)
+        """The pool as a [layers, 2, pages, page_size, heads, head_dim] array (tests, debugging):
+        a view for one shard, the shards' heads concatenated (a copy) for several."""
+        layers, pages, size, heads, dim = (self.num_layers, self.layout.num_pages, self.layout.page_size,
+                                           self.layout.num_kv_heads, self.layout.head_dim)
+        dtype = jnp.dtype(self.layout.dtype)
+        views = [b.array.view(dtype).reshape(layers, 2, pages, size, heads // self.shards, dim)
+                 for b in self.blocks]
+        return views[0] if self.shards == 1 else np.concatenate(views, axis=4)
 
     def read_pages(self, layer: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Copies of `pages` of one layer's K and V (only meaningful once their writes are done)."""
@@ -59,4 +81,5 @@ class HostPool:
         return view[layer, 0, idx].copy(), view[layer, 1, idx].copy()
 
     def close(self) -> None:
-        self.memory.close()
+        for block in self.blocks:
+            block.close()

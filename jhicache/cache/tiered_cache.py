@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from jhicache.cache.copier import Copier, HostCopier
+from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_tier import HostTier
@@ -56,7 +56,9 @@ class TieredCache:
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
         self._stats = dict.fromkeys(_STATS, 0)
-        self.controller = (TransferController(device_pool, host_pool, copier or HostCopier())
+        if copier is None:  # copies at once, one memmove per device shard (the CPU's way)
+            copier = make_copier("cpu", range(device_pool.num_shards))[0]
+        self.controller = (TransferController(device_pool, host_pool, copier)
                            if host_pool is not None else None)
         self.host = HostTier(host_pool, self.tree, self.controller, self._stats) if self.controller else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done

@@ -24,6 +24,13 @@ see them, so this module orders them by hand:
   load already queued (a freed host page may still be read by one).
 - The pool arrays keep their buffers (every program donates them, in place): loads copy into
   addresses read once, and `flush` checks that they are still the pool's.
+
+Tensor parallelism: the pool arrays are split over devices on the KV heads, so a page's layer is
+one block per device shard. Every copy moves all shards of its pages (shard i between device i's
+buffer and the host pool's block i, on copier i of a `ShardedCopier`), the write-back's gather
+keeps the pool's head split (its staging is per device too), and a mark is done only once every
+device's part is: a layer has landed when all its shards have. One device is the same code with
+one shard, on a plain copier.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache.copier import Copier, Direction, Mark
+from jhicache.cache.copier import Copier, Direction, Mark, ShardedCopier
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
@@ -61,11 +68,24 @@ class TransferOp(NamedTuple):
     ticket: LoadTicket | None
 
 
-@jax.jit
-def _gather_kv(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
     """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array (an
     XLA gather: whole pages, every element independent)."""
     return tuple(jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs))
+
+
+_gather_kv = jax.jit(_stack_pages)
+
+
+def _sharded_gather(pool: PagePool):
+    """`_gather_kv` whose staging stays split as the pool's pages are (on the head axis, one
+    contiguous [2, n, S, H / shards, D] buffer per device), so each device's shard of a page is
+    copied to its own host block. Stated, not left to propagation: the copies rely on it."""
+    sharding = pool.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise ValueError(f"a page pool over several devices needs a NamedSharding, got {sharding}")
+    staging = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+    return jax.jit(_stack_pages, out_shardings=staging)
 
 
 def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,15 +142,22 @@ class TransferController:
     def __init__(self, device_pool: PagePool, host_pool: HostPool, copier: Copier) -> None:
         if not device_pool.layout.same_page_shape(host_pool.layout):
             raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
+        shards = device_pool.num_shards
+        if host_pool.shards != shards:
+            raise ValueError(f"host pool has {host_pool.shards} shards, the device pool {shards}")
+        if shards > 1 and not (isinstance(copier, ShardedCopier) and len(copier.copiers) == shards):
+            raise ValueError(f"{shards} device shards need a ShardedCopier of {shards} copiers, got {copier}")
         self.device_pool, self.host_pool, self.copier = device_pool, host_pool, copier
-        self.layer_bytes = host_pool.layer_page_bytes
+        self.shards = shards
+        self.layer_bytes = host_pool.layer_page_bytes  # of one shard
+        self._gather = _gather_kv if shards == 1 else _sharded_gather(device_pool)
         self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
         self._writes: list[_Write] = []  # launched, not retired
         self._loads: list[_Load] = []  # launched, not retired
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
         self._fences: dict[int, list[jax.Array]] = {}  # device page -> compute that may touch it
         self._last_load: Mark | None = None
-        self._buffers: list[tuple[int, int]] | None = None  # per layer (K, V) addresses
+        self._buffers: np.ndarray | None = None  # [layers, K|V, shards] uint64 addresses
         self._next_id = 0
         # *_s: per launch, its first copy's start to its last copy's end, by the copier's
         # timed marks (device-side events on a GPU), summed; a write-back's copies are queued
@@ -200,7 +227,7 @@ class TransferController:
             return None
         ids = np.concatenate([device, np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
         pool = self.device_pool
-        write = _Write(ops, _gather_kv(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
+        write = _Write(ops, self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
         self._writes.append(write)
         for page in host.tolist():
             self._writing[page] = write
@@ -227,9 +254,9 @@ class TransferController:
         while write.next_layer < len(write.staging) and budget > 0:
             layer = write.next_layer
             dsts = np.concatenate([self.host_pool.addresses(layer, 0, dst_pages),
-                                   self.host_pool.addresses(layer, 1, dst_pages)])
-            srcs = write.staging[layer].unsafe_buffer_pointer() + offsets
-            self.copier.copy(Direction.TO_HOST, dsts, srcs, sizes)
+                                   self.host_pool.addresses(layer, 1, dst_pages)], axis=1)
+            staging = np.asarray(self.device_pool.shard_pointers(write.staging[layer]), np.uint64)
+            self._copy(Direction.TO_HOST, dsts, staging[:, None] + offsets, sizes)
             write.next_layer += 1
             budget -= float(sizes.sum())
         if write.next_layer == len(write.staging):
@@ -281,18 +308,25 @@ class TransferController:
         src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
         sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
         offsets = dst_pages.astype(np.uint64) * size
-        buffers = np.asarray(self._pool_buffers(), np.uint64)  # [layers, K|V]
-        dsts = np.concatenate([buffers[:, :1] + offsets, buffers[:, 1:] + offsets], axis=1)
+        buffers = self._pool_buffers().transpose(2, 0, 1)[..., None]  # [shards, layers, K|V, 1]
+        dsts = np.concatenate([buffers[:, :, 0] + offsets, buffers[:, :, 1] + offsets], axis=2)
         srcs = np.concatenate([self.host_pool.layer_addresses(0, src_pages),
-                               self.host_pool.layer_addresses(1, src_pages)], axis=1)
+                               self.host_pool.layer_addresses(1, src_pages)], axis=2)
         load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
         for layer in range(pool.num_layers):  # in layer order, a mark after each
-            self.copier.copy(Direction.TO_DEVICE, dsts[layer], srcs[layer], sizes)
+            self._copy(Direction.TO_DEVICE, dsts[:, layer], srcs[:, layer], sizes)
             load.marks.append(self.copier.mark(Direction.TO_DEVICE, timed=layer == pool.num_layers - 1))
         self._last_load = load.marks[-1]
 
-    def _pool_buffers(self) -> list[tuple[int, int]]:
-        """Each layer's (K, V) buffer addresses, read once: the programs donate the pool arrays
+    def _copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        """Queues [shards, n] copies: row i on device shard i's copier (one device: a plain one)."""
+        if self.shards == 1:
+            self.copier.copy(direction, dsts[0], srcs[0], sizes)
+        else:
+            self.copier.copy(direction, dsts, srcs, sizes)
+
+    def _pool_buffers(self) -> np.ndarray:
+        """Each layer's K and V buffer addresses per device shard, [layers, K|V, shards], read once: the programs donate the pool arrays
         in place, so they never move (`check_buffers`). Read once because the pool's newest
         arrays are usually still being computed when a load is issued."""
         if self._buffers is None:
@@ -300,14 +334,15 @@ class TransferController:
             self._buffers = self._current_buffers()
         return self._buffers
 
-    def _current_buffers(self) -> list[tuple[int, int]]:
+    def _current_buffers(self) -> np.ndarray:
         pool = self.device_pool
-        return [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in zip(pool.k, pool.v)]
+        return np.asarray([(pool.shard_pointers(k), pool.shard_pointers(v)) for k, v in zip(pool.k, pool.v)],
+                          np.uint64)
 
     def check_buffers(self) -> None:
-        """Raises if a pool array left its buffer (a program that did not donate it in place):
-        copies issued into the old buffer would be lost."""
-        if self._buffers is not None and self._current_buffers() != self._buffers:
+        """Raises if a pool array (any device shard of it) left its buffer (a program that did
+        not donate it in place): copies issued into the old buffer would be lost."""
+        if self._buffers is not None and not np.array_equal(self._current_buffers(), self._buffers):
             raise RuntimeError("a device pool array moved to another buffer; loads need the pool "
                                "donated in place by every program that updates it")
 

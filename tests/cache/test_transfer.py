@@ -204,6 +204,61 @@ def test_coalesced_runs() -> None:
     assert n.tolist() == [1, 1]
 
 
+def test_host_pool_shards_split_heads_into_blocks() -> None:
+    """Block i holds heads [i*h, (i+1)*h) of every page; view() joins the blocks on heads."""
+    import jax.numpy as jnp
+
+    from jhicache.cache import HostPool, PoolLayout
+
+    pool = HostPool(PoolLayout(2, 3, 4, 4, 2, jnp.float32), shards=2)  # 2 heads per block
+    assert pool.layer_page_bytes == 4 * 2 * 2 * 4 and len(pool.blocks) == 2
+    addrs = pool.addresses(1, 1, np.array([2, 0]))
+    assert addrs.shape == (2, 2)
+    for shard, block in enumerate(pool.blocks):
+        assert addrs[shard].tolist() == [block.address + ((1 * 2 + 1) * 3 + p) * pool.layer_page_bytes for p in (2, 0)]
+        block.array.view(np.float32)[:] = shard + 1
+    heads = pool.view()[1, 1, 2]  # [S, H, D]
+    assert heads.shape == (4, 4, 2) and heads[:, :2].min() == 1 and heads[:, 2:].min() == 2
+    assert pool.layer_addresses(0, np.array([1])).shape == (2, 2, 1)
+    with pytest.raises(ValueError, match="shards=3"):
+        HostPool(PoolLayout(2, 3, 4, 4, 2, jnp.float32), shards=3)
+    pool.close()
+
+
+def test_sharded_copier_marks_are_done_when_every_device_is() -> None:
+    """Row i of a copy goes to copier i; a mark waits for every device's part."""
+    import ctypes
+
+    from jhicache.cache.copier import Direction, ShardedCopier
+
+    parts = [DeferredCopier(), DeferredCopier()]
+    copier = ShardedCopier(parts)
+    src = (ctypes.c_uint8 * 2)(7, 9)
+    dst = (ctypes.c_uint8 * 2)()
+    base_src, base_dst = ctypes.addressof(src), ctypes.addressof(dst)
+    dsts = np.array([[base_dst], [base_dst + 1]], np.uint64)
+    srcs = np.array([[base_src], [base_src + 1]], np.uint64)
+    copier.copy(Direction.TO_DEVICE, dsts, srcs, np.array([1], np.uint64))
+    mark = copier.mark(Direction.TO_DEVICE)
+    parts[0].wait(mark.parts[0])  # one device's copies done, not the other's
+    assert list(dst) == [7, 0] and not copier.is_done(mark)
+    copier.wait(mark)
+    assert list(dst) == [7, 9] and copier.is_done(mark)
+    with pytest.raises(ValueError, match=">= 2 copiers"):
+        ShardedCopier(parts[:1])
+
+
+def test_controller_refuses_mismatched_shards() -> None:
+    """A host pool, or copier, that is not split as the device pool is cannot be used."""
+    import jax.numpy as jnp
+
+    from jhicache.cache import DevicePool, HostCopier, HostPool, PoolLayout
+
+    layout = PoolLayout(1, 3, 4, 2, 2, jnp.float32)
+    with pytest.raises(ValueError, match="host pool has 2 shards"):
+        TransferController(DevicePool(layout), HostPool(layout, shards=2), HostCopier())
+
+
 def _gpu_copier():
     return make_copier("gpu")[0]
 
