@@ -62,7 +62,8 @@ class TieredCache:
                            if host_pool is not None else None)
         self.host = HostTier(host_pool, self.tree, self.controller, self._stats) if self.controller else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
-        self._loading_nodes: dict[Node, LoadTicket] = {}  # every node of a load in flight
+        # device page -> the load in flight into it (page ids survive node splits; nodes do not)
+        self._loading_pages: dict[int, LoadTicket] = {}
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -170,8 +171,12 @@ class TieredCache:
         if self.controller is not None:
             self.controller.launch_writes()  # every gather reading these pages first ...
             # ... and no load copies into them before the gathers ran (this one or an earlier
-            # one, still queued behind the step in flight)
-            self.controller.fence_device_pages(pages, self.controller.pending_gathers())
+            # one, still queued behind the step in flight), nor before the step in flight ends:
+            # an aborted prefill's pages enter the tree while that step still writes them.
+            computes = self.controller.pending_gathers()
+            if self.device_pool.last_compute is not None:
+                computes.append(self.device_pool.last_compute)
+            self.controller.fence_device_pages(pages, computes)
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------
@@ -243,18 +248,21 @@ class TieredCache:
         self.tree.lock(run[-1])
         ticket = self.controller.queue_load_back(host, device)
         self._loading[ticket.op_id] = run[-1]
-        self._loading_nodes.update(dict.fromkeys(run, ticket))
+        self._loading_pages.update(dict.fromkeys(device, ticket))
         return ticket
 
     def loads_under(self, node: Node) -> list[LoadTicket]:
         """Tickets of the loads in flight into `node` and its ancestors: a forward reading that
-        prefix waits on them (a prefix loaded ahead, or by another request, may not have landed)."""
+        prefix waits on them (a prefix loaded ahead, or by another request, may not have landed).
+        Looked up by page: a match may have split a loading node since its load started."""
         tickets: dict[int, LoadTicket] = {}
-        while node is not None and self._loading_nodes:
-            ticket = self._loading_nodes.get(node)
-            if ticket is not None:
-                tickets[ticket.op_id] = ticket
-            node = node.parent
+        walk: Node | None = node
+        while walk is not None and self._loading_pages:
+            for page in walk.device_pages or ():
+                ticket = self._loading_pages.get(page)
+                if ticket is not None:
+                    tickets[ticket.op_id] = ticket
+            walk = walk.parent
         return list(tickets.values())
 
     # -- stepping ------------------------------------------------------------------------
@@ -284,7 +292,9 @@ class TieredCache:
         for op in ops:
             if op.kind is TransferKind.LOAD_BACK:
                 self.tree.unlock(self._loading.pop(op.op_id))
-                self._loading_nodes = {n: t for n, t in self._loading_nodes.items() if t.op_id != op.op_id}
+                for page in op.device_pages:
+                    if self._loading_pages.get(page) is op.ticket:
+                        del self._loading_pages[page]
         return len(ops)
 
     def clear(self) -> int:

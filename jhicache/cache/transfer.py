@@ -194,8 +194,12 @@ class TransferController:
         """No load copies into `pages` before each of `computes` (outputs of dispatched
         programs that may still touch them) is ready."""
         for page in pages:
-            fences = self._fences.setdefault(page, [])
-            fences += [c for c in computes if all(c is not f for f in fences)]
+            fences = [f for f in self._fences.get(page, ()) if not f.is_ready()]  # none piles up
+            fences += [c for c in computes if all(c is not f for f in fences) and not c.is_ready()]
+            if fences:
+                self._fences[page] = fences
+            else:
+                self._fences.pop(page, None)
 
     def pending_gathers(self) -> list[jax.Array]:
         """The write-back gathers dispatched and not known to have run: they may still read
@@ -292,6 +296,9 @@ class TransferController:
     def force_issue(self, load: _Load) -> None:
         """Blocks on whatever holds `load` back, then issues it (a forward is waiting for it)."""
         fences, staged = self._blockers(load)
+        if staged:  # writes go out oldest first: every one before the newest it needs, too
+            newest = max(self._writes.index(w) for w in staged)
+            staged = [w for w in self._writes[:newest + 1] if w.mark is None]
         for compute in fences + [w.staging[-1] for w in staged]:
             compute.block_until_ready()
         self._advance_writes(budget=math.inf)
@@ -356,15 +363,20 @@ class TransferController:
                 del self._fences[page]
 
     def _advance_writes(self, budget: float = WRITE_PIECE_BYTES) -> None:
-        """Queues host copies of staged writes, oldest first, about `budget` bytes of them."""
+        """Queues host copies of staged writes, strictly oldest first (two may write one host
+        page: the newer must land last), about `budget` bytes of them."""
         for write in self._writes:
             if budget <= 0:
                 return
-            if write.mark is None and write.staging[-1].is_ready():
-                budget = self._issue_write(write, budget)
+            if write.mark is not None:
+                continue
+            if not write.staging[-1].is_ready():
+                return
+            budget = self._issue_write(write, budget)
 
     def poll(self) -> list[TransferOp]:
         """Non-blocking: starts what is no longer held back; returns ops now complete."""
+        self._prune_fences()  # also when no load waits: finished computes are let go
         self._advance_writes()
         for load in self._loads:
             if not load.marks:

@@ -195,6 +195,47 @@ def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) ->
         np.testing.assert_array_equal(k, expected_kv(b, layer, 4)[0])
 
 
+def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
+    """A request sharing part of a prefix whose load is in flight splits its node: the forward
+    must still find (and wait on) that load."""
+    cache = make_cache(2, device_pages=8, host_pages=16, copier=DeferredCopier(), load_back_threshold=0)
+    tokens = list(range(100, 108))  # 4 pages, one node
+    prefill(cache, tokens)
+    cache.evict_device(4)
+    cache.flush()
+    junk = cache.alloc_device(8)  # every free page gets other data: a load must replace it
+    write_kv(cache, list(range(500, 516)), junk)
+    cache.free_device(junk)
+    ticket = cache.load_back(cache.match(tokens))
+    assert ticket is not None
+    cache.launch()
+    shared = cache.match(tokens[:4])  # splits the loading node
+    assert cache.loads_under(shared.last_device_node) == [ticket]
+    ticket.wait_all()
+    assert_device_kv(cache, tokens[:4], shared.device_pages)
+    cache.flush()
+    assert cache.loads_under(cache.match(tokens).last_device_node) == []
+
+
+def test_fences_do_not_pile_up_on_finished_computes() -> None:
+    """A page freed again and again keeps no more than the computes still running."""
+    cache = make_cache(4, device_pages=4, host_pages=4)
+    ctl = cache.controller
+    finished = []
+    for _ in range(20):
+        compute = _Compute()
+        ctl.fence_device_pages([1, 2], [compute])
+        compute.ready = True  # the step ended
+        finished.append(compute)
+    assert len(ctl._fences[1]) == 1  # each new fence let the finished ones go
+    ctl.poll()
+    assert not ctl._fences  # and a poll lets go of the rest, with no load waiting
+    running = _Compute()
+    ctl.fence_device_pages([1], [running])
+    ctl.fence_device_pages([1], [finished[0]])
+    assert ctl._fences[1] == [running]
+
+
 def test_coalesced_runs() -> None:
     from jhicache.cache.transfer import runs
 
