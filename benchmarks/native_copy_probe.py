@@ -15,8 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache.cuda_driver import CudaDriver, as_u64, load_library
+from jhicache.cache.cuda_driver import CudaDriver, load_library
 from jhicache.cache.host_memory import HostMemory
+
+
+def as_u64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.uint64)
+
 
 LAYERS, LAYER_BYTES, PAGE_BYTES = 28, 8192 * 4 * 128 * 2 * 2, 64 * 4 * 128 * 2  # 7B, 8k tokens
 

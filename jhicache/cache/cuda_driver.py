@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -209,7 +208,3 @@ class CudaDriver:
 
     def free_host(self, address: int) -> None:
         self._check("cuMemFreeHost", self._lib.cuMemFreeHost(ctypes.c_void_p(address)))
-
-
-def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.uint64)

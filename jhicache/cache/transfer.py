@@ -223,12 +223,11 @@ class TransferController:
             self.counters[f"{kind.value}_launches"] += 1
         return ops, device, host
 
-    def launch_writes(self) -> jax.Array | None:
-        """Dispatches the gather of every queued write-back (its host copies follow in `poll`);
-        returns an array of the gather (ready once it has read the pages), None if none queued."""
+    def launch_writes(self) -> None:
+        """Dispatches the gather of every queued write-back (its host copies follow in `poll`)."""
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
-            return None
+            return
         ids = np.concatenate([device, np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
         pool = self.device_pool
         write = _Write(ops, self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
@@ -239,7 +238,6 @@ class TransferController:
         # copy is not compute: it must wait for the gather (the cache fences freed pages on
         # every pending gather).
         self._advance_writes()
-        return write.staging[-1]
 
     def _issue_write(self, write: _Write, budget: float) -> float:
         """Queues a staged write's host copies (its staging is ready), layer by layer while
@@ -422,8 +420,4 @@ class TransferController:
         jax.block_until_ready((self.device_pool.k, self.device_pool.v))
         self.check_buffers()
         return self.poll()
-
-    def busy_host_pages(self) -> list[int]:
-        """Host pages whose write-back has not finished (their data is not on host yet)."""
-        return list(self._writing)
 

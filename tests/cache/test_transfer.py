@@ -83,19 +83,27 @@ def _cache_round_trip(policy: WritePolicy, copier) -> None:
     cache.check_invariants()
 
 
+def _launched_load_of_host_only(cache, tokens: list[int]):
+    """`tokens` cached, pushed to host only, every free device page overwritten with other data
+    (so a load must replace it), then their load launched: its ticket."""
+    prefill(cache, tokens)
+    cache.evict_device(cache.tree.evictable_pages)
+    cache.flush()
+    free = cache.device_alloc.num_free
+    junk = cache.alloc_device(free)
+    write_kv(cache, list(range(10_000, 10_000 + free * cache.page_size)), junk)
+    cache.free_device(junk)
+    ticket = cache.load_back(cache.match(tokens))
+    assert ticket is not None
+    cache.launch()
+    return ticket
+
+
 def test_layers_land_in_order_and_only_a_waited_layer_is_safe() -> None:
     """With copies as late as they may run, waiting for layer 0 lands layer 0 and not layer 1."""
     cache = make_cache(4, device_pages=2, host_pages=4, copier=DeferredCopier(), load_back_threshold=0)
     a = list(range(8))
-    prefill(cache, a)
-    cache.evict_device(2)
-    cache.flush()
-    junk = cache.alloc_device(2)  # the freed pages get other data: a load must replace it
-    write_kv(cache, list(range(300, 308)), junk)
-    cache.free_device(junk)
-    ticket = cache.load_back(cache.match(a))
-    assert ticket is not None
-    cache.launch()
+    ticket = _launched_load_of_host_only(cache, a)
     pages = list(ticket.device_pages)
     ticket.wait(0)
     k0, _ = cache.device_pool.read_pages(0, pages)
@@ -200,15 +208,7 @@ def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
     must still find (and wait on) that load."""
     cache = make_cache(2, device_pages=8, host_pages=16, copier=DeferredCopier(), load_back_threshold=0)
     tokens = list(range(100, 108))  # 4 pages, one node
-    prefill(cache, tokens)
-    cache.evict_device(4)
-    cache.flush()
-    junk = cache.alloc_device(8)  # every free page gets other data: a load must replace it
-    write_kv(cache, list(range(500, 516)), junk)
-    cache.free_device(junk)
-    ticket = cache.load_back(cache.match(tokens))
-    assert ticket is not None
-    cache.launch()
+    ticket = _launched_load_of_host_only(cache, tokens)
     shared = cache.match(tokens[:4])  # splits the loading node
     assert cache.loads_under(shared.last_device_node) == [ticket]
     ticket.wait_all()
