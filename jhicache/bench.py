@@ -344,6 +344,7 @@ class MeasuredRun:
     device_kv_tokens: int
     compiles: int
     compile_s: float
+    compiled: tuple[str, ...]  # the programs, as CompileCounter names them
 
 
 # jax.monitoring's event for one XLA backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT)
@@ -351,16 +352,19 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
-    """Counts this process's XLA compiles (any thread) while the `with` block runs."""
+    """Counts this process's XLA compiles (any thread) while the `with` block runs, and names
+    the programs compiled (the event's `fun_name`, where JAX gives one)."""
 
     def __init__(self) -> None:
         self.count, self.seconds = 0, 0.0
+        self.programs: list[str] = []
         self._lock = threading.Lock()
 
-    def _heard(self, event: str, duration_s: float, **_: object) -> None:
+    def _heard(self, event: str, duration_s: float, **kwargs: object) -> None:
         if event == COMPILE_EVENT:
             with self._lock:
                 self.count, self.seconds = self.count + 1, self.seconds + duration_s
+                self.programs.append(f"{kwargs.get('fun_name', '?')} ({duration_s:.2f} s)")
 
     def __enter__(self) -> CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(self._heard)
@@ -390,7 +394,8 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progr
         with CompileCounter() as compiles:  # the last one's: the measured run
             run = (drive or drive_in_process)(engine, run_spec, clients_config(args, seed), progress)
     engine.check_invariants()
-    return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds)
+    return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds,
+                       tuple(compiles.programs))
 
 
 def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm) -> dict:
@@ -401,7 +406,8 @@ def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
 def measured_summary(measured: MeasuredRun, spec: MultiTurnSpec) -> dict:
     return {**run_summary(measured.run, spec), "stats": measured.engine.stats().as_dict(),
             "device_kv_tokens": measured.device_kv_tokens,
-            "compiles_during_run": {"count": measured.compiles, "seconds": measured.compile_s}}
+            "compiles_during_run": {"count": measured.compiles, "seconds": measured.compile_s,
+                                    "programs": list(measured.compiled)}}
 
 
 def run_summary(run: clients.ClientsRun, spec: MultiTurnSpec) -> dict:

@@ -83,6 +83,10 @@ def _mode_lines(name: str, m: dict) -> list[str]:
                  f"host tokens"]
     if "ttft" in m:
         lines.append(f"{'':>14}{latency_text(m['ttft'], m['itl'])}")
+    compiles = m.get("compiles_during_run")
+    if compiles and compiles["count"]:  # a shape the warm-up run did not meet: counts as latency
+        lines.append(f"{'':>14}XLA compiles during the run: {compiles['count']} "
+                     f"({compiles['seconds']:.2f} s): {', '.join(compiles.get('programs', []))}")
     return lines
 
 

@@ -168,3 +168,20 @@ def test_random_ready_queue_is_reproducible_by_seed(monkeypatch) -> None:
     assert first != order("4") and first != order("3", "fifo")
     # fifo: an answered client queues behind those already waiting
     assert order("3", "fifo") == [(c, r) for r in range(2) for c in range(5)]
+
+
+def test_compile_counter_names_what_compiled_in_its_block() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    def shifted_by_seven(x):
+        return x + 7
+
+    program = jax.jit(shifted_by_seven)
+    three, five = jnp.ones(3), jnp.ones(5)
+    program(three)  # compiled before the block: not counted
+    with bench.CompileCounter() as compiles:
+        program(three)
+        program(five)  # a new shape
+    assert compiles.count == 1
+    assert len(compiles.programs) == 1 and "shifted_by_seven" in compiles.programs[0]
