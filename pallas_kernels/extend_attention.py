@@ -20,12 +20,11 @@ from jhicache.pallas_kernels._attention import (
 )
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels.tuning import KernelTuning, default_tuning
 
 __all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference", "token_requests"]
 
-# Split-K policy (see choose_extend_splits). The H200 has 132 SMs; a few programs per SM hide load latency.
-_SMS = 132
-_TARGET_PROGRAMS = 4 * _SMS
+# Split-K policy (see choose_extend_splits); the SM count and programs per SM come from KernelTuning.
 _MIN_SPLIT_BLOCKS = 8  # key blocks per split at least: on the H200 (8k keys) 16 splits beat 32 for both Qwen2 shapes
 _MAX_PARTIAL_BYTES = 64 << 20  # float32 partial accumulators [splits, T * H, D], written once and read once
 
@@ -131,18 +130,20 @@ def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, quer
 
 
 def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, kv_heads: int, dim: int, *,
-                         block_q: int, block_k: int) -> int:
+                         block_q: int, block_k: int, tuning: KernelTuning | None = None) -> int:
     """Key-range splits per extend program, from static shapes only (one compiled kernel per shape bucket).
 
     Split only when the un-split grid cannot fill the GPU once (fewer non-empty programs than SMs: a short new
-    turn over a long prefix). Then aim for ~4 programs per SM, but give each split >= _MIN_SPLIT_BLOCKS key
-    blocks of the longest possible request and keep the float32 partials under _MAX_PARTIAL_BYTES (large chunks
-    already fill the GPU, and their partials would cost more HBM traffic than the keys)."""
+    turn over a long prefix). Then aim for tuning.programs_per_sm programs per SM, but give each split >=
+    _MIN_SPLIT_BLOCKS key blocks of the longest possible request and keep the float32 partials under
+    _MAX_PARTIAL_BYTES (large chunks already fill the GPU, and their partials would cost more HBM traffic than
+    the keys). tuning None: the default device's (default_tuning)."""
+    tuning = default_tuning() if tuning is None else tuning
     num_tiles = -(-tokens * (heads // kv_heads) // block_q)
     live = min(batch * num_tiles, num_tiles + batch) * kv_heads  # non-empty programs at most: sum_b ceil(rows_b)
-    if live >= _SMS:
+    if live >= tuning.num_sms:
         return 1
-    by_grid = -(-_TARGET_PROGRAMS // live)
+    by_grid = -(-tuning.target_programs // live)
     by_keys = max_tokens // (_MIN_SPLIT_BLOCKS * block_k)
     by_bytes = _MAX_PARTIAL_BYTES // (tokens * heads * dim * 4)
     splits = min(by_grid, by_keys, by_bytes)
