@@ -9,15 +9,13 @@ blocked on) for splits=1, the automatic choice and each --sweep value, and the m
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-pa = importlib.import_module("jhicache.pallas_kernels.paged_attention")  # the package re-exports a function of that name
+from jhicache.pallas_kernels import extend_attention as ea
 
 SHAPES = {"qwen2-0.5b": dict(heads=14, kv_heads=2, dim=64), "qwen2-7b": dict(heads=28, kv_heads=4, dim=128)}
 PAGE = 64
@@ -46,13 +44,13 @@ def bench(name: str, heads: int, kv_heads: int, dim: int, *, prefix: int, new: i
     q = jax.random.normal(keys[2], (new, heads, dim), jnp.float32).astype(jnp.bfloat16)
     meta = [jnp.array([x], jnp.int32) for x in (seq, 0, new)]  # seq_lens, query_start, query_lens
     scale = dim**-0.5
-    ref = jax.jit(lambda q, k, v: pa.paged_attention_reference(q, k, v, table, meta[0], meta[1], meta[2],
+    ref = jax.jit(lambda q, k, v: ea.paged_attention_reference(q, k, v, table, meta[0], meta[1], meta[2],
                                                                sm_scale=scale))(q, k, v)
-    auto = pa.choose_extend_splits(new, 1, pages * PAGE, heads, kv_heads, dim, block_q=128, block_k=64)
+    auto = ea.choose_extend_splits(new, 1, pages * PAGE, heads, kv_heads, dim, block_q=128, block_k=64)
     print(f"{name}: prefix {prefix} + {new} new tokens, {heads}/{kv_heads} heads, dim {dim}, auto splits {auto}")
     base = None
     for splits in dict.fromkeys([1, auto, *sweep]):  # ordered, no repeats
-        f = jax.jit(lambda q, k, v, s=splits: pa.paged_attention(q, k, v, table, *meta, sm_scale=scale, splits=s))
+        f = jax.jit(lambda q, k, v, s=splits: ea.paged_attention(q, k, v, table, *meta, sm_scale=scale, splits=s))
         err = float(jnp.abs(f(q, k, v).astype(jnp.float32) - ref.astype(jnp.float32)).max())
         us = median_us(f, q, k, v, reps=reps)
         base = base or us

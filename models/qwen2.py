@@ -8,13 +8,9 @@ from flax import nnx
 from jhicache.models.config import Qwen2Config
 from jhicache.models.metadata import AttentionMetadata
 from jhicache.models.sharding import LOCAL, Collectives
+from jhicache.pallas_kernels.decode_attention import paged_decode_attention
+from jhicache.pallas_kernels.extend_attention import paged_attention
 from jhicache.pallas_kernels.kv_write import write_kv
-from jhicache.pallas_kernels.paged_attention import paged_attention
-
-try:  # older pallas_kernels lack a decode kernel; then decode runs through paged_attention
-    from jhicache.pallas_kernels.paged_attention import paged_decode_attention as _decode_kernel
-except ImportError:
-    _decode_kernel = None
 
 _INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations O(1)
 
@@ -68,15 +64,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata, sm_scale: float) -> jax.Array:
     """Paged attention of q [T, H, D] over the cache, by the decode kernel when the batch is decode-only."""
-    if not meta.decode_only:
-        return paged_attention(
-            q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens, sm_scale=sm_scale
-        )
-    if _decode_kernel is not None:
-        return _decode_kernel(q, k_pages, v_pages, meta.page_table, meta.seq_lens, sm_scale=sm_scale)
-    rows = jnp.arange(meta.num_reqs, dtype=jnp.int32)  # decode: token row b is request b
-    ones = (meta.seq_lens > 0).astype(jnp.int32)
-    return paged_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, rows, ones, sm_scale=sm_scale)
+    if meta.decode_only:
+        return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, sm_scale=sm_scale)
+    return paged_attention(
+        q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens, sm_scale=sm_scale
+    )
 
 
 class Attention(nnx.Module):

@@ -1,5 +1,5 @@
 """Pieces shared by the extend and decode attention kernels: paged key gather, online softmax, split merge,
-cheap argument validation."""
+cheap argument validation, and the pure-jnp reference both kernels are tested against."""
 
 from __future__ import annotations
 
@@ -87,3 +87,33 @@ def check_pages_in_range(table, seq_lens, num_pages: int, page_size: int) -> Non
     live = np.arange(table.shape[1])[None, :] < used[:, None]
     bad = table[live & ((table < 0) | (table >= num_pages))]
     check(bad.size == 0, f"page ids out of range [0, {num_pages}): {bad[:8].tolist()}")
+
+
+# ---------------------------------------------------------------- references (pure jnp)
+def token_requests(query_start: jax.Array, query_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Request index of each of `num_tokens` query rows, -1 for padding rows."""
+    t = jnp.arange(num_tokens)[:, None]
+    inside = (t >= query_start[None, :]) & (t < (query_start + query_lens)[None, :])
+    return jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *, sm_scale):
+    """Pure-jnp reference: gathers every request's pages and runs a masked softmax in float32."""
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = num_heads // num_kv_heads
+    req = token_requests(query_start, query_lens, num_tokens)
+    safe_req = jnp.maximum(req, 0)
+    pos = seq_lens[safe_req] - query_lens[safe_req] + (jnp.arange(num_tokens) - query_start[safe_req])
+    max_len = page_table.shape[1] * page_size
+    keys = k_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)
+    values = v_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)
+    k_tok = jnp.repeat(keys[safe_req], group, axis=2).astype(jnp.float32)  # [T, L, H, D]
+    v_tok = jnp.repeat(values[safe_req], group, axis=2).astype(jnp.float32)
+    scores = jnp.einsum("thd,tlhd->thl", q.astype(jnp.float32), k_tok) * sm_scale
+    key_pos = jnp.arange(max_len)
+    visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < seq_lens[safe_req][:, None])
+    scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("thl,tlhd->thd", probs, v_tok)
+    return jnp.where((req >= 0)[:, None, None], out, 0.0).astype(q.dtype)

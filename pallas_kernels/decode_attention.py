@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jhicache.pallas_kernels._attention import attend, check_pages_in_range, combine_splits, validate_common
+from jhicache.pallas_kernels._attention import (
+    attend,
+    check_pages_in_range,
+    combine_splits,
+    paged_attention_reference,
+    validate_common,
+)
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
 
@@ -85,8 +91,6 @@ def paged_decode_attention(
 
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale):
     """Pure-jnp reference for decode: the extend reference with one query row per request."""
-    from jhicache.pallas_kernels.paged_attention import paged_attention_reference  # that module re-exports this one
-
     start = jnp.arange(q.shape[0], dtype=jnp.int32)
     lens = (seq_lens > 0).astype(jnp.int32)
     return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, start, lens, sm_scale=sm_scale)

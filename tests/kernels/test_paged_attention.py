@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 
 import chex
 import jax.numpy as jnp
@@ -11,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-pa = importlib.import_module("jhicache.pallas_kernels.paged_attention")  # the package re-exports a function of that name
+from jhicache.pallas_kernels import decode_attention as da
+from jhicache.pallas_kernels import extend_attention as ea
 from jhicache.pallas_kernels._attention import NEG
 
 from tests.kernels.batches import make_batch
@@ -39,8 +38,8 @@ def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pa
     k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
     q = jnp.asarray(rand(rng, (batch.token_req.shape[0], heads, dim), np.float32) - 3.0).astype(dtype)
     meta = [jnp.asarray(x) for x in (batch.page_table, batch.seq_lens, batch.query_start, batch.query_lens)]
-    got = pa.paged_attention(q, k, v, *meta, sm_scale=dim**-0.5, **kw)
-    _close(got, pa.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5), dtype)
+    got = ea.paged_attention(q, k, v, *meta, sm_scale=dim**-0.5, **kw)
+    _close(got, ea.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5), dtype)
     assert not np.asarray(got, np.float32)[batch.token_req < 0].any()  # zeros at padding rows
 
 
@@ -50,10 +49,10 @@ def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16,
     k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
     q = jnp.asarray(rand(rng, (len(seq_lens), heads, dim), np.float32) - 3.0).astype(dtype)
     table, lens = jnp.asarray(batch.page_table), jnp.asarray(batch.seq_lens)
-    got = pa.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5, **kw)
+    got = da.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5, **kw)
     if not seq_lens:
         return chex.assert_shape(got, (0, heads, dim))
-    _close(got, pa.paged_decode_attention_reference(q, k, v, table, lens, sm_scale=dim**-0.5), dtype)
+    _close(got, da.paged_decode_attention_reference(q, k, v, table, lens, sm_scale=dim**-0.5), dtype)
     assert not np.asarray(got, np.float32)[np.asarray(seq_lens) == 0].any()
 
 
@@ -92,7 +91,7 @@ def test_extend_split_k(splits, heads, dtype):
 
 def test_choose_extend_splits():
     """Automatic splits: many for a short turn over a long prefix, one where the grid fills the GPU."""
-    choose = functools.partial(pa.choose_extend_splits, block_q=128, block_k=64)
+    choose = functools.partial(ea.choose_extend_splits, block_q=128, block_k=64)
     assert choose(64, 1, 8256, 14, 2, 64) == 16  # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 128
     assert choose(64, 1, 8256, 28, 4, 128) == 16  # Qwen2-7B: 16 programs -> 256
     assert choose(64, 8, 8256, 14, 2, 64) > 1  # padding requests in the batch bucket
@@ -117,7 +116,7 @@ def test_merge_partials_zeroes_unwritten_padding_rows(junk):
     pad = np.array([False, False, True, False, True])
     for x in (acc, m, l):
         x[:, pad] = junk
-    got = pa._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens, splits=splits,
+    got = ea._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens, splits=splits,
                              heads=heads)
     w = np.exp(m - m.max(axis=0))
     want = (acc * w[..., None]).sum(axis=0) / (l * w).sum(axis=0)[..., None]
@@ -139,7 +138,7 @@ def _bad_calls():
     q = jnp.asarray(rand(rng, (5, 4, 16), np.float32))
     table = np.array([[0, 1], [2, 3]], np.int32)
     seq, start, qlen = (np.array(x, np.int32) for x in ([20, 3], [0, 4], [4, 1]))
-    ext = lambda *a, **kw: pa.paged_attention(*a, sm_scale=0.25, **kw)  # noqa: E731
+    ext = lambda *a, **kw: ea.paged_attention(*a, sm_scale=0.25, **kw)  # noqa: E731
     return [
         lambda: ext(q, k, v, np.array([[0, 7], [2, 3]], np.int32), seq, start, qlen),  # page id out of range
         lambda: ext(q, k, v, table, np.array([40, 3], np.int32), start, qlen),  # beyond the table
@@ -148,8 +147,8 @@ def _bad_calls():
         lambda: ext(q[..., :8], k, v, table, seq, start, qlen),  # head_dim
         lambda: ext(q, k, v.astype(jnp.bfloat16), table, seq, start, qlen),  # K/V dtypes
         lambda: ext(q, k, v, table, seq.astype(np.int64), start, qlen),
-        lambda: pa.paged_decode_attention(q[:2], k, v, np.array([[0, 9], [2, 3]], np.int32), seq, sm_scale=0.25),
-        lambda: pa.paged_decode_attention(q[:3], k, v, table, seq, sm_scale=0.25),  # batch mismatch
+        lambda: da.paged_decode_attention(q[:2], k, v, np.array([[0, 9], [2, 3]], np.int32), seq, sm_scale=0.25),
+        lambda: da.paged_decode_attention(q[:3], k, v, table, seq, sm_scale=0.25),  # batch mismatch
     ]
 
 
@@ -163,10 +162,10 @@ def test_empty_batches():
     rng = np.random.default_rng(2)
     k, v = _pages(rng, 3, 16, 2, 16, np.float32)
     empty = np.zeros((0,), np.int32)
-    out = pa.paged_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty, empty, empty,
+    out = ea.paged_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty, empty, empty,
                              sm_scale=0.25)
     chex.assert_shape(out, (0, 4, 16))
-    chex.assert_shape(pa.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty,
+    chex.assert_shape(da.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty,
                                                 sm_scale=0.25), (0, 4, 16))
 
 
@@ -196,5 +195,5 @@ def test_gpu_rejects_head_dim_below_16() -> None:
     pages = jnp.ones((3, 16, 1, 8), jnp.bfloat16)
     lens = jnp.array([4], jnp.int32)
     with pytest.raises(ValueError, match="head_dim"):
-        pa.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens, jnp.array([0], jnp.int32), lens,
+        ea.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens, jnp.array([0], jnp.int32), lens,
                            sm_scale=0.3)

@@ -1,5 +1,5 @@
 """Paged extend attention over per-layer KV pages: ragged, causal, GQA, float32 accumulation, split-K when the
-grid would be small and the cached prefix long. The decode kernel lives in decode_attention (re-exported here)."""
+grid would be small and the cached prefix long."""
 
 from __future__ import annotations
 
@@ -10,17 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jhicache.pallas_kernels._attention import attend, check_pages_in_range, combine_splits, validate_common
+from jhicache.pallas_kernels._attention import (
+    attend,
+    check_pages_in_range,
+    combine_splits,
+    paged_attention_reference,
+    token_requests,
+    validate_common,
+)
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
-from jhicache.pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from jhicache.pallas_kernels.tuning import KernelTuning, default_tuning
 
-__all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference", "paged_decode_attention",
-           "paged_decode_attention_reference", "token_requests"]
+__all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference", "token_requests"]
 
-# Split-K policy (see choose_extend_splits). The H200 has 132 SMs; a few programs per SM hide load latency.
-_SMS = 132
-_TARGET_PROGRAMS = 4 * _SMS
+# Split-K policy (see choose_extend_splits); the SM count and programs per SM come from KernelTuning.
 _MIN_SPLIT_BLOCKS = 8  # key blocks per split at least: on the H200 (8k keys) 16 splits beat 32 for both Qwen2 shapes
 _MAX_PARTIAL_BYTES = 64 << 20  # float32 partial accumulators [splits, T * H, D], written once and read once
 
@@ -126,18 +130,20 @@ def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, quer
 
 
 def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, kv_heads: int, dim: int, *,
-                         block_q: int, block_k: int) -> int:
+                         block_q: int, block_k: int, tuning: KernelTuning | None = None) -> int:
     """Key-range splits per extend program, from static shapes only (one compiled kernel per shape bucket).
 
     Split only when the un-split grid cannot fill the GPU once (fewer non-empty programs than SMs: a short new
-    turn over a long prefix). Then aim for ~4 programs per SM, but give each split >= _MIN_SPLIT_BLOCKS key
-    blocks of the longest possible request and keep the float32 partials under _MAX_PARTIAL_BYTES (large chunks
-    already fill the GPU, and their partials would cost more HBM traffic than the keys)."""
+    turn over a long prefix). Then aim for tuning.programs_per_sm programs per SM, but give each split >=
+    _MIN_SPLIT_BLOCKS key blocks of the longest possible request and keep the float32 partials under
+    _MAX_PARTIAL_BYTES (large chunks already fill the GPU, and their partials would cost more HBM traffic than
+    the keys). tuning None: the default device's (default_tuning)."""
+    tuning = default_tuning() if tuning is None else tuning
     num_tiles = -(-tokens * (heads // kv_heads) // block_q)
     live = min(batch * num_tiles, num_tiles + batch) * kv_heads  # non-empty programs at most: sum_b ceil(rows_b)
-    if live >= _SMS:
+    if live >= tuning.num_sms:
         return 1
-    by_grid = -(-_TARGET_PROGRAMS // live)
+    by_grid = -(-tuning.target_programs // live)
     by_keys = max_tokens // (_MIN_SPLIT_BLOCKS * block_k)
     by_bytes = _MAX_PARTIAL_BYTES // (tokens * heads * dim * 4)
     splits = min(by_grid, by_keys, by_bytes)
@@ -209,33 +215,3 @@ def _check_extend_values(num_tokens: int, pages_shape, table, seq_lens, query_st
     check(bool((query_start[live] >= 0).all() and (query_start + query_lens)[live].max(initial=0) <= num_tokens),
           f"query ranges beyond the {num_tokens} query rows")
     check_pages_in_range(table, seq_lens, *pages_shape)
-
-
-# ---------------------------------------------------------------- references (pure jnp)
-def token_requests(query_start: jax.Array, query_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """Request index of each of `num_tokens` query rows, -1 for padding rows."""
-    t = jnp.arange(num_tokens)[:, None]
-    inside = (t >= query_start[None, :]) & (t < (query_start + query_lens)[None, :])
-    return jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
-
-
-def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *, sm_scale):
-    """Pure-jnp reference: gathers every request's pages and runs a masked softmax in float32."""
-    num_tokens, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_heads // num_kv_heads
-    req = token_requests(query_start, query_lens, num_tokens)
-    safe_req = jnp.maximum(req, 0)
-    pos = seq_lens[safe_req] - query_lens[safe_req] + (jnp.arange(num_tokens) - query_start[safe_req])
-    max_len = page_table.shape[1] * page_size
-    keys = k_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)
-    values = v_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)
-    k_tok = jnp.repeat(keys[safe_req], group, axis=2).astype(jnp.float32)  # [T, L, H, D]
-    v_tok = jnp.repeat(values[safe_req], group, axis=2).astype(jnp.float32)
-    scores = jnp.einsum("thd,tlhd->thl", q.astype(jnp.float32), k_tok) * sm_scale
-    key_pos = jnp.arange(max_len)
-    visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < seq_lens[safe_req][:, None])
-    scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("thl,tlhd->thd", probs, v_tok)
-    return jnp.where((req >= 0)[:, None, None], out, 0.0).astype(q.dtype)
