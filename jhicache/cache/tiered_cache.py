@@ -277,11 +277,6 @@ class TieredCache:
             return 0
         return self._retire(self.controller.poll())
 
-    def on_step(self) -> int:
-        """Per engine step: launch what is queued, retire what completed."""
-        self.launch()
-        return self.poll()
-
     def flush(self) -> int:
         """Launches and waits for every transfer, then retires them."""
         if self.controller is None:

@@ -134,8 +134,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.device_alloc.num_free == before + freed
 
     @rule()
-    def step(self) -> None:
-        self.cache.on_step()
+    def step(self) -> None:  # what an engine step does with the cache's copies
+        self.cache.launch()
+        self.cache.poll()
 
     @rule()
     def flush_and_verify_all(self) -> None:
