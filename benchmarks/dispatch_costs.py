@@ -28,7 +28,8 @@ def main() -> None:
     dev = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    arrays = [jax.device_put(jnp.ones((2, 128, 64, 2, 64), jnp.bfloat16) * i, host) for i in range(8)]
+    arrays = [jax.device_put(jnp.ones((2, 128, 64, 2, 64), jnp.bfloat16) * i, host)
+              for i in range(8)]
     one = host_us(lambda: jax.device_put(arrays[0], device))
     each = host_us(lambda: [jax.device_put(a, device) for a in arrays])
     listed = host_us(lambda: jax.device_put(arrays, device))
@@ -39,8 +40,10 @@ def main() -> None:
           f"8 arrays as one list: {listed:.0f} us; a small jit call: {jit_us:.0f} us")
 
 
-def layer_loads(variant: str, layers: int = 24, pages: int = 128, pool_pages: int = 520) -> tuple[float, float]:
-    """(host ms to dispatch, ms until done) of a 24-layer segment load: DMA then on-device scatter."""
+def layer_loads(variant: str, layers: int = 24, pages: int = 128,
+                pool_pages: int = 520) -> tuple[float, float]:
+    """(host ms to dispatch, ms until done) of a 24-layer segment load: DMA then on-device
+    scatter."""
     import functools
 
     dev = jax.devices()[0]

@@ -33,8 +33,10 @@ def matmuls(x: jax.Array, w: jax.Array) -> jax.Array:
     return x
 
 
-def median_times(copy: Callable[[], list], x: jax.Array, w: jax.Array, order: str, reps: int = 5) -> list[float]:
-    """Median (dispatch, landed, all done) milliseconds; `order`: alone, before or after the matmuls."""
+def median_times(copy: Callable[[], list], x: jax.Array, w: jax.Array, order: str,
+                 reps: int = 5) -> list[float]:
+    """Median (dispatch, landed, all done) milliseconds; `order`: alone, before or after the
+    matmuls."""
     rows = []
     for _ in range(reps + 1):
         start = time.perf_counter()
@@ -49,7 +51,8 @@ def median_times(copy: Callable[[], list], x: jax.Array, w: jax.Array, order: st
     return [statistics.median(r[i] for r in rows[1:]) * 1e3 for i in range(3)]
 
 
-def landing_times(arrays: list[jax.Array], groups: list[list[int]], device: jax.sharding.Sharding) -> list[float]:
+def landing_times(arrays: list[jax.Array], groups: list[list[int]],
+                  device: jax.sharding.Sharding) -> list[float]:
     """Milliseconds from the first dispatch until each group's copies are first seen ready, with
     all groups dispatched at once: do they land in order (as at full speed one after another) or
     together, sharing the bandwidth?"""
@@ -66,27 +69,33 @@ def landing_times(arrays: list[jax.Array], groups: list[list[int]], device: jax.
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--pages", type=int, default=128, help="pages per layer array (64 tokens, 4 KV heads x 128)")
+    p.add_argument("--pages", type=int, default=128,
+                   help="pages per layer array (64 tokens, 4 KV heads x 128)")
     p.add_argument("--dim", type=int, default=8192, help="matmul size")
     a = p.parse_args()
     dev = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    arrays = [jax.device_put(np.ones((2, a.pages, 64, 4, 128), np.float16), host) for _ in range(LAYERS)]
+    arrays = [jax.device_put(np.ones((2, a.pages, 64, 4, 128), np.float16), host)
+              for _ in range(LAYERS)]
     groups = [[0], [1, 2]] + [list(range(s, min(s + 4, LAYERS))) for s in range(3, LAYERS, 4)]
     copies = {"one call": lambda: jax.device_put(arrays, device),
-              "9 groups": lambda: [a for g in groups for a in jax.device_put([arrays[i] for i in g], device)],
+              "9 groups": lambda: [a for g in groups
+                                   for a in jax.device_put([arrays[i] for i in g], device)],
               "28 calls": lambda: [jax.device_put(a, device) for a in arrays]}
     x = w = jnp.ones((a.dim, a.dim), jnp.bfloat16)
     matmuls(x, w).block_until_ready()
     start = time.perf_counter()
     matmuls(x, w).block_until_ready()
     nbytes = sum(a.nbytes for a in arrays)
-    print(f"matmuls alone {(time.perf_counter() - start) * 1e3:.2f} ms; {nbytes / 1e6:.0f} MB to move")
-    cumulative = [round(sum(arrays[i].nbytes for g in groups[: k + 1] for i in g) / nbytes, 3) for k in range(len(groups))]
+    print(f"matmuls alone {(time.perf_counter() - start) * 1e3:.2f} ms; "
+          f"{nbytes / 1e6:.0f} MB to move")
+    cumulative = [round(sum(arrays[i].nbytes for g in groups[: k + 1] for i in g) / nbytes, 3)
+                  for k in range(len(groups))]
     print(f"9 groups, share of the bytes up to each: {cumulative}")
     for _ in range(3):
-        print(f"9 groups, each landed at (ms after the first dispatch): {landing_times(arrays, groups, device)}")
+        print("9 groups, each landed at (ms after the first dispatch): "
+              f"{landing_times(arrays, groups, device)}")
     for name, copy in copies.items():
         for order in ("alone", "before", "after"):
             dispatched, landed, done = median_times(copy, x, w, order)

@@ -39,7 +39,8 @@ def pinning(drv: CudaDriver, gib: int) -> dict:
     return {"gib": gib, "mmap_touch_register_s": register_s, "cuMemHostAlloc_s": alloc_s}
 
 
-def timed_copies(drv: CudaDriver, stream: int, jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+def timed_copies(drv: CudaDriver, stream: int,
+                 jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
                  to_device: bool = True) -> tuple[float, list[float]]:
     """Issues `jobs` (one event after each) -> (host issue ms, landing ms of each from start)."""
     start, events = drv.event(timing=True), [drv.event(timing=True) for _ in jobs]
@@ -101,13 +102,15 @@ def main() -> None:
     jobs = []
     for i in range(LAYERS):
         dst_pages = rng.permutation(pages_per_half * 2)
-        src = host.address + i * LAYER_BYTES + np.arange(pages_per_half * 2, dtype=np.uint64) * PAGE_BYTES
+        src = (host.address + i * LAYER_BYTES
+               + np.arange(pages_per_half * 2, dtype=np.uint64) * PAGE_BYTES)
         jobs.append((as_u64(dptr[i] + dst_pages.astype(np.uint64) * PAGE_BYTES), as_u64(src),
                      as_u64(np.full(pages_per_half * 2, PAGE_BYTES))))
     for trial in range(2):
         issue, landed = timed_copies(drv, h2d, jobs)
         out[f"paged_batched_{trial}"] = {"issue_ms": issue, "landed_ms": landed[-1],
-                                         "first_ms": landed[0], "GBps": LAYERS * LAYER_BYTES / landed[-1] / 1e6}
+                                         "first_ms": landed[0],
+                                         "GBps": LAYERS * LAYER_BYTES / landed[-1] / 1e6}
     batch = drv._batch
     drv._batch = None
     issue, landed = timed_copies(drv, h2d, jobs)

@@ -1,6 +1,7 @@
-"""Host (Python) time of one engine step's plan: `scheduler.schedule()` and `model_inputs()`.
+r"""Host (Python) time of one engine step's plan: `scheduler.schedule()` and `model_inputs()`.
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python benchmarks/step_host_costs.py [--repeats 20] [--top 25]
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python benchmarks/step_host_costs.py \
+        [--repeats 20] [--top 25]
 
 Three steps, each rebuilt and timed `--repeats` times (no forward runs; cache contents are zeros,
 only page bookkeeping matters here):
@@ -71,19 +72,22 @@ def cache_tokens(engine: Engine, tokens: list[int]) -> None:
     """Puts `tokens` (page-aligned) in the cache as a finished request would (scheduler._finish)."""
     cache = engine.cache
     match = cache.match(tokens)
-    pages = match.device_pages + cache.alloc_device(len(tokens) // PAGE_SIZE - len(match.device_pages))
+    pages = match.device_pages + cache.alloc_device(len(tokens) // PAGE_SIZE
+                                                    - len(match.device_pages))
     known = cache.insert(tokens, pages)
     cache.free_device(pages[match.device_len // PAGE_SIZE: known // PAGE_SIZE])
 
 
 def push_to_host(engine: Engine) -> None:
-    """As jhicache/bench.py: evict every unlocked device page (writing back) and wait for the copies."""
+    """As jhicache/bench.py: evict every unlocked device page (writing back) and wait for the
+    copies."""
     engine.cache.evict_device(engine.cache.tree.evictable_pages)
     engine.cache.flush()
 
 
 def add_request(engine: Engine, prompt: list[int]) -> Request:
-    return engine._submit(np.asarray(prompt), SamplingParams(max_new_tokens=64), None, time.perf_counter())
+    return engine._submit(np.asarray(prompt), SamplingParams(max_new_tokens=64), None,
+                          time.perf_counter())
 
 
 def drop_all(engine: Engine) -> None:
@@ -144,10 +148,12 @@ def host_hit(rec: Recorder, model, repeats: int, rng: np.random.Generator) -> No
 
 def batch_prompts(rng: np.random.Generator, vocab: int, count: int) -> list[list[int]]:
     systems = [rng.integers(0, vocab, SYSTEM_LEN).tolist() for _ in range(SYSTEM_PREFIXES)]
-    return [systems[i % SYSTEM_PREFIXES] + rng.integers(0, vocab, HISTORY_LEN).tolist() for i in range(count)]
+    return [systems[i % SYSTEM_PREFIXES] + rng.integers(0, vocab, HISTORY_LEN).tolist()
+            for i in range(count)]
 
 
-def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator, decode_steps: int) -> None:
+def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator,
+                decode_steps: int) -> None:
     """A fresh engine per repeat: admission evicts fillers, so the state changes."""
     for _ in range(repeats + 1):
         # Exactly the cached pages: every new page of the step comes from evicting a filler.
@@ -162,7 +168,8 @@ def batch_steps(rec: Recorder, model, repeats: int, rng: np.random.Generator, de
         batch = step_inputs(rec, engine, spent, "batch-prefill")
         assert len(batch.chunks) == BATCH and not batch.is_decode
         for _ in range(decode_steps):
-            engine.scheduler.commit(batch, np.ones(len(batch.chunks), np.int32), time.perf_counter())
+            engine.scheduler.commit(batch, np.ones(len(batch.chunks), np.int32),
+                                    time.perf_counter())
             batch = step_inputs(rec, engine, spent, "batch-decode")
             assert batch.is_decode and len(batch.chunks) == BATCH
         drop_all(engine)
@@ -181,11 +188,13 @@ def report(rec: Recorder, top: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--decode-steps", type=int, default=4)
-    p.add_argument("--top", type=int, default=0, help="print a cProfile top-N per call (0: timing only)")
+    p.add_argument("--top", type=int, default=0,
+                   help="print a cProfile top-N per call (0: timing only)")
     a = p.parse_args()
     model = init_random(preset_config(a.preset), seed=0)
     rng = np.random.default_rng(0)

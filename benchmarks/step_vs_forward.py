@@ -5,7 +5,8 @@ step's jitted programs dispatched back to back on the same inputs (the host hidd
 
 Rows, each with overlap scheduling on and off:
 - decode: 8 requests of 512 prompt tokens decoding (context ~550 tokens); engine time per step.
-- device hit: a 64-token turn over an 8192-token (--prefix) prefix cached on device; engine TTFT (median).
+- device hit: a 64-token turn over an 8192-token (--prefix) prefix cached on device; engine TTFT
+  (median).
 "Forward alone" reaches into the engine (scheduler, runner, model_inputs): a measurement, not
 an API. It runs the model programs only; the engine step also samples and reads the tokens back.
 """
@@ -29,7 +30,8 @@ def forward_alone_ms(engine: Engine, n: int) -> float:
     batch = engine.scheduler.schedule()
     assert batch is not None
     inputs = model_inputs(batch, engine.config.page_size)
-    run = lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index, ()).logits  # noqa: E731
+    run = lambda: engine.runner.run(inputs.tokens, inputs.meta,  # noqa: E731
+                                    inputs.last_index, ()).logits
     jax.block_until_ready(run())
     start = time.perf_counter()
     out = [run() for _ in range(n)]
@@ -60,10 +62,12 @@ def device_hit_row(preset: str, overlap: bool, prefix_len: int, rng: np.random.G
     prefix = rng.integers(0, vocab, prefix_len).tolist()
     turn = lambda: prefix + rng.integers(0, vocab, 64).tolist()  # noqa: E731
     engine.generate([turn()], SamplingParams(max_new_tokens=1))
-    ttfts = [engine.generate([turn()], SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3 for _ in range(8)]
+    ttfts = [engine.generate([turn()], SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3
+             for _ in range(8)]
     phases = [ttft_phases_ms(engine, turn()) for _ in range(5)]
     engine.add_request(turn(), SamplingParams(max_new_tokens=1))
-    return {"engine_ttft_ms": statistics.median(ttfts[1:]), "forward_alone_ms": forward_alone_ms(engine, 10),
+    return {"engine_ttft_ms": statistics.median(ttfts[1:]),
+            "forward_alone_ms": forward_alone_ms(engine, 10),
             "host_phases_ms": {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}}
 
 
@@ -84,12 +88,14 @@ def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
     np.asarray(sampled)
     marks.append(time.perf_counter())
     engine.abort(rid)
-    names = ("submit", "schedule", "model_inputs", "forward_dispatch", "sample_dispatch", "device_wait")
+    names = ("submit", "schedule", "model_inputs", "forward_dispatch", "sample_dispatch",
+             "device_wait")
     return {name: (b - a) * 1e3 for name, a, b in zip(names, marks, marks[1:])}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen2-7b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prefix", type=int, default=8192, help="device-hit prefix tokens")
@@ -103,12 +109,13 @@ def main() -> None:
         result[key] = {"device_hit": device_hit_row(args.preset, overlap, args.prefix, rng)}
         if not args.no_decode:
             d = result[key]["decode"] = decode_row(args.preset, overlap, args.batch, rng)
-            print(f"{args.preset} {key}: decode batch {args.batch} step {d['engine_step_ms']:.2f} ms vs "
-                  f"forward alone {d['forward_alone_ms']:.2f} ms "
+            print(f"{args.preset} {key}: decode batch {args.batch} step {d['engine_step_ms']:.2f} "
+                  f"ms vs forward alone {d['forward_alone_ms']:.2f} ms "
                   f"({d['engine_step_ms'] / d['forward_alone_ms']:.2f}x)", flush=True)
         h = result[key]["device_hit"]
-        print(f"{args.preset} {key}: device hit {args.prefix}+64 TTFT {h['engine_ttft_ms']:.2f} ms vs forward alone "
-              f"{h['forward_alone_ms']:.2f} ms ({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
+        print(f"{args.preset} {key}: device hit {args.prefix}+64 TTFT {h['engine_ttft_ms']:.2f} ms "
+              f"vs forward alone {h['forward_alone_ms']:.2f} ms "
+              f"({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
         print("  device-hit first step by phase (ms, median): "
               + ", ".join(f"{k} {v:.2f}" for k, v in h["host_phases_ms"].items()), flush=True)
     if args.out:

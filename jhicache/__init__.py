@@ -6,7 +6,8 @@ from pathlib import Path as _Path
 # `pallas_kernels/`. An install maps them in (pyproject's package-dir); from a bare checkout on
 # PYTHONPATH, the repo root joins this package's search path so that they are found there too.
 _ROOT = _Path(__file__).resolve().parent.parent
-if all((_ROOT / f).is_file() for f in ("pyproject.toml", "models/__init__.py", "pallas_kernels/__init__.py")):
+if all((_ROOT / f).is_file()
+       for f in ("pyproject.toml", "models/__init__.py", "pallas_kernels/__init__.py")):
     __path__.append(str(_ROOT))  # noqa: F821 (a package's __path__)
 
 # The public names load on first use, so that `import jhicache.config` (settings, enums) needs

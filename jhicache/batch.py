@@ -63,27 +63,33 @@ def model_inputs(batch: Batch, page_size: int) -> StepInputs:
     arrays = metadata_arrays(
         [c.start for c in chunks], lengths, [c.request.device_pages for c in chunks],
         page_size=page_size, num_tokens=num_tokens, num_reqs=num_reqs,
-        max_pages=pow2_bucket(max(len(c.request.device_pages) for c in chunks), 4), decode_only=batch.is_decode,
+        max_pages=pow2_bucket(max(len(c.request.device_pages) for c in chunks), 4),
+        decode_only=batch.is_decode,
     )
-    tokens = pack_token_array([c.request.token_slice(c.start, c.start + c.length) for c in chunks], num_tokens)
+    tokens = pack_token_array([c.request.token_slice(c.start, c.start + c.length) for c in chunks],
+                              num_tokens)
     last_index = np.zeros(num_reqs, np.int32)
     last_index[: len(chunks)] = np.cumsum(lengths) - 1
-    host = {**arrays, "tokens": tokens, "last_index": last_index, **_patch_arrays(chunks, last_index, num_tokens)}
+    host = {**arrays, "tokens": tokens, "last_index": last_index,
+            **_patch_arrays(chunks, last_index, num_tokens)}
     # The step's host arrays in one transfer (see put_int32): each separate transfer costs
     # a dispatch of its own, hundreds of microseconds of host time per step on the H200.
     put = put_int32(host)
     tokens, last_index = put.pop("tokens"), put.pop("last_index")
     patches = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
-    return StepInputs(tokens, AttentionMetadata(**put, decode_only=batch.is_decode), last_index, patches)
+    return StepInputs(tokens, AttentionMetadata(**put, decode_only=batch.is_decode), last_index,
+                      patches)
 
 
-def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray, num_tokens: int) -> dict[str, np.ndarray]:
+def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray,
+                  num_tokens: int) -> dict[str, np.ndarray]:
     """Rows whose input token is pending: only a chunk's last token can be (a decode token)."""
     rows = [(i, c.request.pending_row) for i, c in enumerate(chunks)
             if c.start + c.length > c.request.known_len]
     if not rows:
         return {}
-    assert all(chunks[i].start + chunks[i].length == chunks[i].request.known_len + 1 for i, _ in rows)
+    assert all(chunks[i].start + chunks[i].length == chunks[i].request.known_len + 1
+               for i, _ in rows)
     patch_rows = np.full(len(last_index), num_tokens, np.int32)  # out of range: dropped
     patch_from = np.zeros(len(last_index), np.int32)
     for k, (i, row) in enumerate(rows):
@@ -92,7 +98,8 @@ def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray, num_tokens: int) 
 
 
 @jax.jit
-def patch_tokens(tokens: jax.Array, rows: jax.Array, source_rows: jax.Array, sampled: jax.Array) -> jax.Array:
+def patch_tokens(tokens: jax.Array, rows: jax.Array, source_rows: jax.Array,
+                 sampled: jax.Array) -> jax.Array:
     """tokens[rows] = sampled[source_rows]: pending tokens fed from the previous step's samples
     without a round trip through the host (out-of-range rows are padding)."""
     return tokens.at[rows].set(sampled[source_rows], mode="drop")

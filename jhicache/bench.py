@@ -40,7 +40,8 @@ from jhicache.models.qwen2_weights import CONFIG_FILE
 from jhicache.sampling import SamplingParams
 from jhicache.workload import MultiTurnSpec, user_turns
 
-MODES = ("off", "device", "hierarchical", "unbounded")  # unbounded: the device cache holding the whole working set
+# unbounded: the device cache holding the whole working set
+MODES = ("off", "device", "hierarchical", "unbounded")
 
 
 def positive_int(text: str) -> int:
@@ -208,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: on, every client ends round r before any starts r + 1; "
                         "off, a client's next turn is ready once its answer arrives")
     p.add_argument("--write-policy", action=Given, default=WritePolicy.WRITE_BACK.value,
-                   choices=_values(WritePolicy), help="when device pages are copied to the host tier")
+                   choices=_values(WritePolicy),
+                   help="when device pages are copied to the host tier")
     p.add_argument("--host-hit-prefix", **count, default=8192 if gpu else 256,
                    help="host-hit: cached prefix tokens")
     p.add_argument("--host-hit-turn", **count, default=64 if gpu else 16,
@@ -239,7 +241,8 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--plot draws the multiturn benchmark; use it with `multiturn` or `all`")
     check_url(p, args)
     if args.what == "serve-overhead":
-        missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("fastapi", "uvicorn", "httpx")
+                   if importlib.util.find_spec(m) is None]
         if missing:
             p.error(f"serve-overhead needs {', '.join(missing)}: pip install -e '.[serve]'")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -288,7 +291,8 @@ def make_engine(args: argparse.Namespace, **overrides) -> Engine:
     return Engine.from_preset(args.preset, config, seed=args.seed)
 
 
-def random_prompts(rng: np.random.Generator, vocab: int, count: int, length: int) -> list[list[int]]:
+def random_prompts(rng: np.random.Generator, vocab: int, count: int,
+                   length: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(count)]
 
 
@@ -298,12 +302,15 @@ def bench_model(args: argparse.Namespace) -> dict:
     """Prefill and decode tokens/s of the model alone (cache off), after a warm-up run."""
     prompt_len, batch = (512, 8) if jax.default_backend() == "gpu" else (64, 4)
     new_tokens = 32 if jax.default_backend() == "gpu" else 8
-    engine = make_engine(args, cache_mode="off", device_kv_tokens=4 * batch * (prompt_len + new_tokens + args.page_size))
+    engine = make_engine(args, cache_mode="off",
+                         device_kv_tokens=4 * batch * (prompt_len + new_tokens + args.page_size))
     rng = np.random.default_rng(args.seed)
     vocab = engine.model_config.vocab_size
-    engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
+    engine.generate(random_prompts(rng, vocab, batch, prompt_len),
+                    SamplingParams(max_new_tokens=new_tokens))
     before = engine.stats().as_dict()
-    engine.generate(random_prompts(rng, vocab, batch, prompt_len), SamplingParams(max_new_tokens=new_tokens))
+    engine.generate(random_prompts(rng, vocab, batch, prompt_len),
+                    SamplingParams(max_new_tokens=new_tokens))
     after = engine.stats().as_dict()
     delta = {k: after[k] - before[k] for k in ("computed_prompt_tokens", "prefill_forward_s",
                                                "decode_tokens", "decode_forward_s")}
@@ -317,8 +324,9 @@ def bench_model(args: argparse.Namespace) -> dict:
 # ---- multi-turn ----------------------------------------------------------------------------
 
 def multiturn_spec(args: argparse.Namespace, vocab: int) -> MultiTurnSpec:
-    return MultiTurnSpec(num_clients=args.clients, num_rounds=args.rounds, request_length=args.request_length,
-                         output_length=args.output_length, vocab_size=vocab, seed=args.seed)
+    return MultiTurnSpec(num_clients=args.clients, num_rounds=args.rounds,
+                         request_length=args.request_length, output_length=args.output_length,
+                         vocab_size=vocab, seed=args.seed)
 
 
 def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
@@ -377,7 +385,8 @@ class CompileCounter:
 def mode_engine(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> tuple[str, int]:
     """The engine's cache mode and device pool tokens for a bench mode."""
     cache_mode, device_tokens = mode, args._device_tokens
-    if mode == "unbounded":  # the reference for hit rates: what reuse a big enough device pool gives
+    # the reference for hit rates: what reuse a big enough device pool gives
+    if mode == "unbounded":
         margin = spec.num_clients * 2 * args.page_size  # each conversation's partial last pages
         cache_mode, device_tokens = "device", max(device_tokens, spec.working_set_tokens + margin)
     return cache_mode, device_tokens
@@ -392,13 +401,15 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progr
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
         run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
         with CompileCounter() as compiles:  # the last one's: the measured run
-            run = (drive or drive_in_process)(engine, run_spec, clients_config(args, seed), progress)
+            run = (drive or drive_in_process)(engine, run_spec, clients_config(args, seed),
+                                              progress)
     engine.check_invariants()
     return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds,
                        tuple(compiles.programs))
 
 
-def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm) -> dict:
+def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
+                       progress: tqdm) -> dict:
     """One mode's measured run, in process, summarised."""
     return measured_summary(measured_run(args, spec, mode, progress), spec)
 
@@ -465,7 +476,8 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
     result: dict = {"spec": {**dataclasses.asdict(spec), **sending(args)}, "modes": {}}
     requests = spec.num_clients * spec.num_rounds
     with tqdm(total=2 * len(modes) * requests, desc="multiturn", unit="request", file=sys.stderr,
-              disable=None) as progress:  # None: no bar unless stderr is a terminal (no fragments in logs)
+              # None: no bar unless stderr is a terminal (no fragments in logs)
+              disable=None) as progress:
         for mode in modes:
             result["modes"][mode] = run_multiturn_mode(args, spec, mode, progress)
             save(result)
@@ -577,7 +589,8 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
 def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[int],
                                  turns: list[list[int]]) -> float:
     """TTFT of a device hit on `prefix` while `other`'s pages are being written back."""
-    ttft_of(engine, other + turns[0])  # `other` cached on device, written back by the eviction below
+    # `other` cached on device, written back by the eviction below
+    ttft_of(engine, other + turns[0])
     ttft_of(engine, prefix + turns[1])  # `prefix` used last: the eviction takes `other`
     engine.cache.evict_device(engine.cache.match(other).device_len // engine.config.page_size)
     ttft_s, _ = ttft_of(engine, prefix + turns[2])
@@ -587,7 +600,8 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
 
 def bench_host_hit(args: argparse.Namespace) -> dict:
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens, load_back_threshold=1)
+    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
+                         load_back_threshold=1)
     rng = np.random.default_rng(args.seed + 1)
     host_hit_trial(engine, rng, args)  # compiles every shape involved
     trial = host_hit_trial(engine, rng, args)
@@ -600,7 +614,8 @@ def bench_host_hit(args: argparse.Namespace) -> dict:
     trial["write_back_gbps"] = trial["write_back_bytes"] / trial["write_back_s"] / 1e9
     trial["write_back_copy_gbps"] = trial["write_back_bytes"] / trial["write_back_copy_s"] / 1e9
     trial["pcie_to_host_gbps"] = load_bytes / pcie_copy_seconds(load_bytes, to_host=True) / 1e9
-    trial["host_hit_ratio"] = trial["host_hit_ttft_s"] / max(trial["pcie_s"], trial["device_hit_ttft_s"])
+    trial["host_hit_ratio"] = trial["host_hit_ttft_s"] / max(trial["pcie_s"],
+                                                             trial["device_hit_ttft_s"])
     trial["prefix_tokens"], trial["turn_tokens"] = args.host_hit_prefix, args.host_hit_turn
     return trial
 
@@ -630,9 +645,11 @@ def bytes_per_token(engine: Engine) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     """Runs what `args.what` names; writes the JSON to `args.out` after each part and at the end."""
-    result: dict = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0].device_kind),
-                    "backend": jax.default_backend(), "jax": jax.__version__, "preset": args.weights or args.preset,
-                    "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy}
+    result: dict = {"date": datetime.date.today().isoformat(),
+                    "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+                    "jax": jax.__version__, "preset": args.weights or args.preset,
+                    "page_size": args.page_size, "dtype": args.dtype,
+                    "write_policy": args.write_policy}
     if args.what in ("all", "model"):
         result["model"] = bench_model(args)
         print(report.model_table(result["model"]))
@@ -653,7 +670,8 @@ def run(args: argparse.Namespace) -> dict:
         from jhicache.serve import overhead
 
         result["serve_overhead"] = overhead.bench_serve_overhead(
-            args, model_vocab(args), lambda part: save_json({**result, "serve_overhead": part}, args.out))
+            args, model_vocab(args),
+            lambda part: save_json({**result, "serve_overhead": part}, args.out))
         print(report.serve_overhead_table(result["serve_overhead"]))
     if args.what in ("all", "host-hit"):
         result["host_hit"] = bench_host_hit(args)
@@ -682,8 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.what == "kernels":
         if jax.default_backend() != "gpu":
-            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: it needs a GPU",
-                  file=sys.stderr)
+            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
+                  "it needs a GPU", file=sys.stderr)
             return 2
         from jhicache import bench_kernels
 
@@ -705,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def timing_note(backend: str) -> str | None:
-    """What a non-GPU run's timings are worth: the bench is tuned for, and only meaningful on, a GPU."""
+    """What a non-GPU run's timings are worth: the bench is tuned for, and only meaningful on, a
+    GPU."""
     if backend == "gpu":
         return None
     return (f"note: on the {backend.upper()} backend, timings only check that the bench runs; "

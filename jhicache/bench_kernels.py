@@ -1,4 +1,5 @@
-"""Kernel benchmark on the GPU: every pallas_kernels op at Qwen2 shapes, page 64, bf16, with ceilings."""
+"""Kernel benchmark on the GPU: every pallas_kernels op at Qwen2 shapes, page 64, bf16, with
+ceilings."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def ceilings(res: dict) -> None:
     res["hbm_copy_note"] = "elementwise x+1 on 1 GiB bf16, bytes read + written"
 
 
-def transfers(res: dict, layers=24, kv_heads=2, dim=64, n=512, host_pages=2048, dev_pages=1024) -> None:
+def transfers(res: dict, layers=24, kv_heads=2, dim=64, n=512, host_pages=2048,
+              dev_pages=1024) -> None:
     """The host tier's own copies (TransferController over the platform's copier): write-back
     (gather + device->host) and load-back (host->device, layer by layer) of `n` scattered pages."""
     layout = PoolLayout(layers, dev_pages + 1, PAGE, kv_heads, dim, DT)
@@ -100,15 +102,17 @@ def _safe(fn):
         return f"ERROR {type(e).__name__}: {str(e)[:300]}"
 
 
-def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=65536, pages=2048, **_) -> None:
-    """Three timings: eager calls (host checks of concrete metadata included, as in the first round), one call
-    inside jit (how the model calls it: no host checks), and every layer of a step in one jit (dispatch amortised)."""
+def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=65536, pages=2048,
+             **_) -> None:
+    """Three timings: eager calls (host checks of concrete metadata included, as in the first
+    round), one call inside jit (how the model calls it: no host checks), and every layer of a step
+    in one jit (dispatch amortised)."""
     k = jnp.zeros((pages, PAGE, kv_heads, dim), DT)
     v = jnp.zeros_like(k)
     kn, vn = _rand(1, (tokens, kv_heads, dim)), _rand(2, (tokens, kv_heads, dim))
     per_req = tokens // 8
-    table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: 8 * (per_req // PAGE)].reshape(8, -1)
-                        .astype(np.int32))
+    table = jnp.asarray(np.random.default_rng(0).permutation(pages)[: 8 * (per_req // PAGE)]
+                        .reshape(8, -1).astype(np.int32))
     req = jnp.repeat(jnp.arange(8, dtype=jnp.int32), per_req)
     pos = jnp.tile(jnp.arange(per_req, dtype=jnp.int32), 8)
     box = [k, v]
@@ -116,7 +120,8 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
     out = {}
 
     def eager(tpp=64, warps=4):
-        box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp, num_warps=warps)
+        box[:] = pk.write_kv(box[0], box[1], kn, vn, table, req, pos, tokens_per_program=tpp,
+                             num_warps=warps)
         return box
 
     out["eager_pallas_t64_w4"] = _safe(lambda: nbytes / timeit(eager) / GB)
@@ -124,18 +129,22 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
                       ("pallas_t64_w4", dict(tokens_per_program=64, num_warps=4)),
                       ("pallas_t128_w8", dict(tokens_per_program=128, num_warps=8)),
                       ("xla_scatter", dict(method="xla"))):
-        f = jax.jit(lambda k, v, *meta, kw=kw: pk.write_kv(k, v, *meta, **kw), donate_argnums=(0, 1))
+        f = jax.jit(lambda k, v, *meta, kw=kw: pk.write_kv(k, v, *meta, **kw),
+                    donate_argnums=(0, 1))
 
-        def step(f=f):  # metadata as arguments (tracers inside), as in the model: no closed-over constants
+        # metadata as arguments (tracers inside), as in the model: no closed-over constants
+        def step(f=f):
             box[:] = f(box[0], box[1], kn, vn, table, req, pos)
             return box
         out[f"jit_{label}"] = _safe(lambda step=step: nbytes / timeit(step) / GB)
     del box[:], k, v
     lk = [jnp.zeros((pages, PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
-    new = [_rand(10 + i, (tokens, kv_heads, dim)) for i in range(2 * layers)]  # per layer: no L2 reuse
+    # per layer: no L2 reuse
+    new = [_rand(10 + i, (tokens, kv_heads, dim)) for i in range(2 * layers)]
     for label, kw in (("pallas_t64_w4", {}), ("xla_scatter", dict(method="xla"))):
         def all_layers(pages_kv, rows, *meta, kw=kw):
-            done = [pk.write_kv(pages_kv[2 * i], pages_kv[2 * i + 1], rows[2 * i], rows[2 * i + 1], *meta, **kw)
+            done = [pk.write_kv(pages_kv[2 * i], pages_kv[2 * i + 1], rows[2 * i], rows[2 * i + 1],
+                                *meta, **kw)
                     for i in range(layers)]
             return [x for pair in done for x in pair]
         f = jax.jit(all_layers, donate_argnums=(0,))
@@ -143,15 +152,18 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
         def step(f=f):
             lk[:] = f(lk, new, table, req, pos)
             return lk
-        out[f"jit_{layers}_layers_{label}"] = _safe(lambda step=step: layers * nbytes / timeit(step) / GB)
+        out[f"jit_{layers}_layers_{label}"] = _safe(
+            lambda step=step: layers * nbytes / timeit(step) / GB)
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
 
 
-def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, decode: bool = True, **_) -> None:
+def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, decode: bool = True,
+              **_) -> None:
     rng = np.random.default_rng(0)
     b, t = 4, 2048
     pages_per = t // PAGE
-    table = jnp.asarray(rng.permutation(b * pages_per + 8)[: b * pages_per].reshape(b, -1).astype(np.int32))
+    table = jnp.asarray(rng.permutation(b * pages_per + 8)[: b * pages_per].reshape(b, -1)
+                        .astype(np.int32))
     k = _rand(3, (b * pages_per + 8, PAGE, kv_heads, dim))
     v = _rand(4, k.shape)
     q = _rand(5, (b * t, heads, dim))
@@ -160,14 +172,18 @@ def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, decode:
     scale = dim**-0.5
     r = {"batch": b, "tokens_per_request": t, "prefix": 0,
          "note": "block_q = packed (token, GQA-group head) rows per program; s = num_stages"}
-    for bq, bk, w, st in ((128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)):
-        f = jax.jit(lambda q, k, v: pk.paged_attention(q, k, v, table, lens, start, lens, sm_scale=scale,
-                                                       block_q=bq, block_k=bk, num_warps=w, num_stages=st))
-        r[f"extend_ms_bq{bq}_bk{bk}_w{w}_s{st}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
+    for bq, bk, w, st in ((128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2),
+                          (128, 128, 8, 2)):
+        f = jax.jit(lambda q, k, v: pk.paged_attention(q, k, v, table, lens, start, lens,
+                                                       sm_scale=scale, block_q=bq, block_k=bk,
+                                                       num_warps=w, num_stages=st))
+        r[f"extend_ms_bq{bq}_bk{bk}_w{w}_s{st}"] = _safe(
+            lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
     kc = k[table].reshape(b, t, kv_heads, dim)
     vc = v[table].reshape(b, t, kv_heads, dim)
     qc = q.reshape(b, t, heads, dim)
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                 scale=scale,
                                                                  implementation="cudnn"))
     r["cudnn_ms"] = _safe(lambda: timeit(lambda: cudnn(qc, kc, vc)) * 1e3)
     res.setdefault("extend_attention", {})[name] = r
@@ -188,8 +204,9 @@ def decode_attention(res: dict, name: str, kv_heads: int, dim: int, heads: int) 
     lens = jnp.full((b,), seq, jnp.int32)
     r = {"batch": b, "seq_len": seq, "kv_bytes": 2 * b * seq * kv_heads * dim * 2}
     for splits, bk in ((8, 64), (16, 64), (32, 64), (16, 128)):
-        f = jax.jit(lambda q, k, v: pk.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5,
-                                                              splits=splits, block_k=bk))
+        f = jax.jit(lambda q, k, v: pk.paged_decode_attention(q, k, v, table, lens,
+                                                              sm_scale=dim**-0.5, splits=splits,
+                                                              block_k=bk))
         r[f"ours_ms_splits{splits}_bk{bk}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
     kh, vh = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))  # jax's layout [Hkv, pages, S, D]
     g = jax.jit(lambda q, k, v: jax_paged.paged_attention(q, k, v, table, lens))
@@ -234,17 +251,20 @@ PARTS = ("ceilings", "transfers", "kv_write", "extend", "decode", "gathers")
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
-    parser.add_argument("--merge", default=None, help="earlier result JSON whose parts not re-run are kept")
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--merge", default=None,
+                        help="earlier result JSON whose parts not re-run are kept")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     res = json.load(open(args.merge)) if args.merge else {}
     if args.merge:  # the kernels' numbers before this round stay on record beside the new ones
-        res.setdefault("previous_round", {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write", "extend_attention")
-                                          if k in res})
+        res.setdefault("previous_round",
+                       {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write", "extend_attention")
+                        if k in res})
     res.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "page_size": PAGE,
-                "dtype": "bfloat16"})
+                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                "page_size": PAGE, "dtype": "bfloat16"})
     if args.merge:
         res["parts_rerun"] = {"parts": sorted(only), "date": res["date"],
                               "note": "other fields come from the earlier run in --merge"}
@@ -253,16 +273,19 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
     for name, shape in SHAPES.items():
-        parts = [("kv_write", kv_write), ("extend", functools.partial(attention, decode="decode" in only)),
+        parts = [("kv_write", kv_write),
+                 ("extend", functools.partial(attention, decode="decode" in only)),
                  ("gathers", gathers)]
         for key, part in parts:
             if key in only:
                 err = _safe(lambda part=part: part(res, name, **shape))
                 if isinstance(err, str):
                     res.setdefault("errors", []).append(f"{name} {key}: {err}")
-    best = lambda d: min((v for k, v in d.items() if k.startswith(("extend_ms", "ours_ms")) and isinstance(v, float)),  # noqa: E731
+    best = lambda d: min((v for k, v in d.items()  # noqa: E731
+                          if k.startswith(("extend_ms", "ours_ms")) and isinstance(v, float)),
                          default=None)
-    res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values() for v in s["gbps"].values()
+    res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values()
+                                for v in s["gbps"].values()
                                 if isinstance(v, float)), default=None)
     for name in SHAPES:
         for key in ("extend_attention", "decode_attention"):

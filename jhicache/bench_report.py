@@ -26,17 +26,20 @@ def format_rate(gbps: float) -> str:
 
 
 def model_table(result: dict) -> str:
-    return (f"model: batch {result['batch']} x {result['prompt_len']} prompt tokens, {result['new_tokens']} new\n"
-            f"  prefill {result['prefill_tokens_per_s']:,.0f} tok/s   decode {result['decode_tokens_per_s']:,.0f} tok/s")
+    return (f"model: batch {result['batch']} x {result['prompt_len']} prompt tokens, "
+            f"{result['new_tokens']} new\n"
+            f"  prefill {result['prefill_tokens_per_s']:,.0f} tok/s   "
+            f"decode {result['decode_tokens_per_s']:,.0f} tok/s")
 
 
 def multiturn_table(result: dict) -> str:
     modes = result["modes"]
     spec = result["spec"]
+    working_set = (spec["num_clients"] * spec["num_rounds"]
+                   * (spec["request_length"] + spec["output_length"]))
     lines = [f"multiturn: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
              f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
-             f"device pool {_smallest_pool(modes)} tokens, "
-             f"working set {spec['num_clients'] * spec['num_rounds'] * (spec['request_length'] + spec['output_length'])}"]
+             f"device pool {_smallest_pool(modes)} tokens, working set {working_set}"]
     if "request_rate" in spec:  # results from before the clients went through AsyncEngine lack it
         lines.append(f"  sent at {spec['request_rate']} req/s, at most {spec['max_parallel']} in "
                      f"flight, {spec['ready_queue_policy']} ready queue, "
@@ -113,7 +116,8 @@ def serve_overhead_table(result: dict) -> str:
                   f"  {'':<22}{'in process':>12}{'HTTP':>12}{'HTTP - in process':>20}"]
         lines += [_overhead_row(label, m, keys) for label, keys in _OVERHEAD_ROWS]
         ratio = m["overhead"]["throughput_ratio"]
-        lines.append(f"  {'throughput tok/s':<22}{m['in_process']['throughput_tokens_per_s']:>12,.0f}"
+        lines.append(f"  {'throughput tok/s':<22}"
+                     f"{m['in_process']['throughput_tokens_per_s']:>12,.0f}"
                      f"{m['http']['throughput_tokens_per_s']:>12,.0f}{f'x {ratio:.3f}':>20}")
         lines.append("  XLA compiles during the measured run (their seconds count as latency): "
                      + ", ".join(_compiles(path, m[path]) for path in ("in_process", "http")))
@@ -143,12 +147,16 @@ def _overhead_row(label: str, m: dict, keys: tuple[str, str]) -> str:
 
 
 def host_hit_table(result: dict) -> str:
-    return (f"host hit: {result['prefix_tokens']}-token prefix + {result['turn_tokens']}-token turn\n"
+    return (f"host hit: {result['prefix_tokens']}-token prefix + "
+            f"{result['turn_tokens']}-token turn\n"
             f"  TTFT no cache {result['no_cache_ttft_s'] * 1e3:.1f} ms | prefix on device "
-            f"{result['device_hit_ttft_s'] * 1e3:.1f} ms | prefix on host {result['host_hit_ttft_s'] * 1e3:.1f} ms\n"
-            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms ({format_rate(result['load_gbps'])}), "
+            f"{result['device_hit_ttft_s'] * 1e3:.1f} ms | prefix on host "
+            f"{result['host_hit_ttft_s'] * 1e3:.1f} ms\n"
+            f"  load alone {result['load_alone_s'] * 1e3:.2f} ms "
+            f"({format_rate(result['load_gbps'])}), "
             f"hidden under compute {result['load_hidden_fraction']:.0%}; "
-            f"PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms ({format_rate(result['pcie_gbps'])})\n"
+            f"PCIe copy of the same bytes {result['pcie_s'] * 1e3:.2f} ms "
+            f"({format_rate(result['pcie_gbps'])})\n"
             f"  host hit / max(PCIe, device hit) = {result['host_hit_ratio']:.2f}\n"
             f"  write-back {format_rate(result['write_back_gbps'])} end to end, its copies "
             f"{format_rate(result['write_back_copy_gbps'])} "
@@ -166,8 +174,8 @@ def plot_title(result: dict) -> str:
     model = Path(result["preset"]).name  # a checkpoint directory reads as its folder name
     spec = result["spec"]
     pool = min(m["device_kv_tokens"] for m in result["modes"].values())
-    title = (f"{model} on {result['device']}: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
-             f"device pool {pool} tokens")
+    title = (f"{model} on {result['device']}: {spec['num_clients']} clients x "
+             f"{spec['num_rounds']} rounds, device pool {pool} tokens")
     if result.get("backend") != "gpu":
         title += "\n(CPU run: timings only check that the bench runs)"
     return title

@@ -61,8 +61,8 @@ def _page_multiple(field: str, tokens: int, page_size: int) -> None:
     """Pools hold whole pages: a size that is not a multiple is refused rather than rounded."""
     if tokens % page_size:
         down, up = tokens // page_size * page_size, -(-tokens // page_size) * page_size
-        raise ValueError(f"EngineConfig.{field}={tokens} is not a multiple of page_size={page_size}; "
-                         f"use {down or up} or {up}")
+        raise ValueError(f"EngineConfig.{field}={tokens} is not a multiple of "
+                         f"page_size={page_size}; use {down or up} or {up}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,8 @@ class EngineConfig:
             _real("device_memory_fraction", self.device_memory_fraction, 0.0, 0.95, low_open=True))
         for field in ("check_invariants_every_step", "overlap_schedule"):
             if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: expected True or False")
+                raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: "
+                                 "expected True or False")
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()
@@ -149,9 +150,10 @@ class EngineConfig:
         """Host pool capacity for a device pool of `device_tokens` (whole pages)."""
         tokens = self.host_kv_tokens
         if tokens is None:
-            tokens = int(self.host_to_device_ratio * device_tokens) // self.page_size * self.page_size
+            tokens = (int(self.host_to_device_ratio * device_tokens) // self.page_size
+                      * self.page_size)
         if tokens <= device_tokens:
-            raise ValueError(f"EngineConfig: the host pool ({tokens} tokens) must exceed the device "
-                             f"pool's capacity ({device_tokens} tokens); raise host_kv_tokens or "
-                             f"host_to_device_ratio")
+            raise ValueError(f"EngineConfig: the host pool ({tokens} tokens) must exceed the "
+                             f"device pool's capacity ({device_tokens} tokens); raise "
+                             f"host_kv_tokens or host_to_device_ratio")
         return tokens

@@ -15,10 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.batch import Batch, Chunk, StepInputs, model_inputs, patch_tokens
-from jhicache.cache import RESERVED_PAGES, DevicePool, HostPool, InvariantError, PoolLayout, TieredCache, make_copier
+from jhicache.cache import (
+    RESERVED_PAGES,
+    DevicePool,
+    HostPool,
+    InvariantError,
+    PoolLayout,
+    TieredCache,
+    make_copier,
+)
 from jhicache.cache.host_memory import available_bytes
 from jhicache.config import CacheMode, EngineConfig, KVDtype
-from jhicache.models import Qwen2Config, Qwen2ForCausalLM, init_random, load_pretrained, preset_config
+from jhicache.models import (
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    init_random,
+    load_pretrained,
+    preset_config,
+)
 from jhicache.models.qwen2_weights import read_config
 from jhicache.models.sharding import TensorParallel
 from jhicache.request import Request, RequestOutput
@@ -41,7 +55,8 @@ class Engine:
         self.config = config
         self.tp = _tensor_parallel(model.config, config)  # None: one device, no mesh
         layout = self._device_layout(model.config, config, self.tp)
-        self.device_pool = DevicePool(layout, sharding=None if self.tp is None else self.tp.kv_pages_sharding)
+        self.device_pool = DevicePool(
+            layout, sharding=None if self.tp is None else self.tp.kv_pages_sharding)
         host_pool, copier = None, None
         if config.cache_mode is CacheMode.HIERARCHICAL:
             host_tokens = self._host_tokens(layout, config)
@@ -52,7 +67,8 @@ class Engine:
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier)
-        from jhicache.scheduler import Scheduler  # local: keeps the import graph one-way at a glance
+        # local: keeps the import graph one-way at a glance
+        from jhicache.scheduler import Scheduler
 
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
@@ -75,18 +91,23 @@ class Engine:
         """An engine over seeded random weights of a preset shape (`tiny`, `qwen2-0.5b`, ...)."""
         model_config = preset_config(name)
         tp = _tensor_parallel(model_config, config)
-        return cls(init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp), config)
+        return cls(init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp),
+                   config)
 
     @staticmethod
-    def _device_layout(model: Qwen2Config, config: EngineConfig, tp: TensorParallel | None) -> PoolLayout:
+    def _device_layout(model: Qwen2Config, config: EngineConfig,
+                       tp: TensorParallel | None) -> PoolLayout:
         dtype = _jnp_dtype(config.dtype)
         heads = model.num_key_value_heads if tp is None else tp.storage_kv_heads
         shards = 1 if tp is None else tp.size
         # per device: the default size is taken from one device's free memory
-        token_bytes = 2 * model.num_hidden_layers * heads // shards * model.head_dim * dtype.itemsize
-        tokens = config.device_kv_tokens or _default_device_tokens(token_bytes, config.device_memory_fraction)
-        return PoolLayout(num_layers=model.num_hidden_layers, num_pages=tokens // config.page_size + 1,
-                          page_size=config.page_size, num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
+        token_bytes = (2 * model.num_hidden_layers * heads // shards * model.head_dim
+                       * dtype.itemsize)
+        tokens = config.device_kv_tokens or _default_device_tokens(token_bytes,
+                                                                   config.device_memory_fraction)
+        return PoolLayout(num_layers=model.num_hidden_layers,
+                          num_pages=tokens // config.page_size + 1, page_size=config.page_size,
+                          num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
 
     @staticmethod
     def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
@@ -96,7 +117,8 @@ class Engine:
         available = available_bytes()
         if config.host_kv_tokens is None and available is not None:
             cap = int(0.8 * available) // layout.page_bytes * config.page_size
-            config = dataclasses.replace(config, host_kv_tokens=min(config.host_tokens_for(device_tokens), cap))
+            config = dataclasses.replace(
+                config, host_kv_tokens=min(config.host_tokens_for(device_tokens), cap))
         return config.host_tokens_for(device_tokens)
 
     # ---- public API ----------------------------------------------------------------------
@@ -138,7 +160,8 @@ class Engine:
         return bool(self._requests)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 ) -> list[RequestOutput]:
         """Runs `prompts` (a list of token-id lists) to completion with continuous batching;
         returns their outputs in order (`new_token_ids` then holds every generated token).
 
@@ -152,7 +175,8 @@ class Engine:
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
                 self._validate(f"prompt {i}", prompt, p)
             now = time.perf_counter()
-            requests = [self._submit(prompt, p, None, now) for prompt, p in zip(prompts, per_prompt)]
+            requests = [self._submit(prompt, p, None, now)
+                        for prompt, p in zip(prompts, per_prompt)]
             try:
                 while not all(r.finished for r in requests):
                     self._step()
@@ -166,7 +190,8 @@ class Engine:
     def stats(self) -> EngineStats:
         """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
         with self._lock:
-            return EngineStats(**self.counters.as_dict(), **self.scheduler.counters, **self.cache.stats())
+            return EngineStats(**self.counters.as_dict(), **self.scheduler.counters,
+                               **self.cache.stats())
 
     def occupancy(self) -> Occupancy:
         """Queue lengths and the pool sizes and free pages of both tiers, now."""
@@ -195,7 +220,8 @@ class Engine:
         the devices as the pool's sharding says, or when any shard of a layer left the buffer
         the host tier's copies target."""
         with self._lock:
-            self.cache.check_invariants(extra_owned_device_pages=self.scheduler.owned_device_pages())
+            self.cache.check_invariants(
+                extra_owned_device_pages=self.scheduler.owned_device_pages())
             misplaced = self.device_pool.misplaced_layers()
             if misplaced:
                 raise InvariantError(f"device pages of layers {misplaced} are not laid out as "
@@ -255,7 +281,8 @@ class Engine:
         """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
         ids = np.asarray(step.sampled)
         now = time.perf_counter()
-        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s, step.layered)
+        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s,
+                                     step.layered)
         gained = self.scheduler.commit(step.batch, ids, now)
         finished = [r for r in gained if r.finished]
         self.counters.record_finished(finished)
@@ -278,7 +305,8 @@ class Engine:
         self.cache.flush()
         self._idle_steps += 1
         if self._idle_steps > 2 * len(self.scheduler.running) + 8:
-            raise RuntimeError("scheduler made no progress: device pool too small for the running requests")
+            raise RuntimeError("scheduler made no progress: device pool too small for the "
+                               "running requests")
 
     def _drain(self) -> None:
         """Ends the step in flight and every transfer: the engine is idle afterwards."""
@@ -295,7 +323,8 @@ class Engine:
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
         if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-            raise ValueError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
+            raise ValueError("params must be SamplingParams or a list of them, "
+                             f"got {type(params).__name__}")
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -303,7 +332,8 @@ class Engine:
 
     def _validate(self, where: str, tokens: np.ndarray, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params for {where} must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params for {where} must be SamplingParams, "
+                             f"got {type(params).__name__}")
         if len(tokens) == 0:
             raise ValueError(f"{where} is empty")
         vocab = self.model_config.vocab_size
@@ -316,8 +346,8 @@ class Engine:
                              f"vocabulary [0, {vocab})")
         total = len(tokens) + params.max_new_tokens
         if total > self.model_config.max_position_embeddings:
-            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the model's context "
-                             f"({self.model_config.max_position_embeddings})")
+            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the model's "
+                             f"context ({self.model_config.max_position_embeddings})")
         capacity = (self.device_pool.layout.num_pages - 1) * self.config.page_size
         if total > capacity:
             raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the device pool "
@@ -329,8 +359,8 @@ class Engine:
             # A fresh seed per submission (as vLLM does): unseeded output is random, yet the
             # request then samples the same way however it is batched or cached.
             params = dataclasses.replace(params, seed=int(self._seeds.integers(SEED_LIMIT)))
-        req = Request(request_id=request_id or uuid.uuid4().hex, prompt=prompt.tolist(), params=params,
-                      arrival_s=now)
+        req = Request(request_id=request_id or uuid.uuid4().hex, prompt=prompt.tolist(),
+                      params=params, arrival_s=now)
         self._requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -375,7 +405,8 @@ def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel
     programs then run without a mesh or shard_map."""
     if config.tensor_parallel_size == 1:
         return None
-    return TensorParallel.create(config.tensor_parallel_size, model, field="EngineConfig.tensor_parallel_size")
+    return TensorParallel.create(config.tensor_parallel_size, model,
+                                 field="EngineConfig.tensor_parallel_size")
 
 
 def _ordinal(device: jax.Device) -> int:
@@ -403,7 +434,8 @@ def prompt_arrays(prompts: object) -> list[np.ndarray]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
-        raise ValueError(f"prompts must be a list of token-id lists, got a flat list of ints{flat_hint}")
+        raise ValueError("prompts must be a list of token-id lists, "
+                         f"got a flat list of ints{flat_hint}")
     return [_token_array(f"prompt {i}", p) for i, p in enumerate(prompts)]
 
 

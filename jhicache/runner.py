@@ -31,7 +31,8 @@ class ForwardResult(NamedTuple):
 class ModelRunner:
     """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
-    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool, tp: TensorParallel | None = None) -> None:
+    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool,
+                 tp: TensorParallel | None = None) -> None:
         self.programs = ModelPrograms(model, tp)  # with tp, the pool's pages are sharded as tp says
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
@@ -48,9 +49,10 @@ class ModelRunner:
         self.pool.last_compute = logits  # pages freed from now on are fenced on this forward
         return ForwardResult(logits, waited, bool(landing))
 
-    def _fused(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
-        logits, new_k, new_v = self.programs.fused(tuple(self.pool.k), tuple(self.pool.v), tokens, meta,
-                                                   last_index)
+    def _fused(self, tokens: jax.Array, meta: AttentionMetadata,
+               last_index: jax.Array) -> jax.Array:
+        logits, new_k, new_v = self.programs.fused(tuple(self.pool.k), tuple(self.pool.v), tokens,
+                                                   meta, last_index)
         for layer in range(self.num_layers):
             self.pool.set_layer(layer, new_k[layer], new_v[layer])
         return logits
@@ -64,7 +66,8 @@ class ModelRunner:
             for ticket in tickets:
                 ticket.wait(group[-1])  # the one place a forward syncs with loaded pages
             waited += time.perf_counter() - start
-            hidden, ks, vs = self.programs.layers(group, hidden, tuple(self.pool.k[i] for i in group),
+            hidden, ks, vs = self.programs.layers(group, hidden,
+                                                  tuple(self.pool.k[i] for i in group),
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)

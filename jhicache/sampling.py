@@ -78,7 +78,8 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sampling_arrays(params: list[SamplingParams], steps: list[int], rows: int) -> tuple[np.ndarray, ...]:
+def sampling_arrays(params: list[SamplingParams], steps: list[int],
+                    rows: int) -> tuple[np.ndarray, ...]:
     """Per-row temperature, top-k (0 = off), top-p, and (seed low, seed high, step) words, padded
     to `rows`. Sampled rows must carry a seed (the engine gives unseeded requests one)."""
     temperature = np.zeros(rows, np.float32)

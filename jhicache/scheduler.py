@@ -31,7 +31,8 @@ class Scheduler:
         self.page_size = config.page_size
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens", "retracted_requests"), 0)
+        self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens",
+                                       "retracted_requests"), 0)
 
     @property
     def reuse(self) -> bool:
@@ -53,7 +54,8 @@ class Scheduler:
         another being retracted."""
         batch = self._prefill_batch() or self._decode_batch(may_retract)
         if batch is None:
-            blocked = [r for r in self.running if not self._last_token_dispatched(r)] if may_retract else []
+            blocked = ([r for r in self.running if not self._last_token_dispatched(r)]
+                       if may_retract else [])
             if blocked:
                 # Nothing could run (prefills without pages, or decoders that retracted
                 # themselves): free the newest running request's pages so the others can move.
@@ -129,9 +131,10 @@ class Scheduler:
         self.running.append(req)
         return chunk
 
-    def _attach_prefix(self, req: Request, budget: int, tickets: list[LoadTicket]) -> tuple[int, int] | None:
-        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks it;
-        returns the (device, host) hit tokens.
+    def _attach_prefix(self, req: Request, budget: int,
+                       tickets: list[LoadTicket]) -> tuple[int, int] | None:
+        """Points `req` at its cached prefix (device hit plus any host run loaded back) and locks
+        it; returns the (device, host) hit tokens.
 
         None (nothing done) when its host run cannot be loaded now but running requests will free
         pages: waiting for them beats recomputing a prefix the host tier holds."""
@@ -205,7 +208,8 @@ class Scheduler:
         available = self.cache.device_alloc.num_free + self.cache.tree.evictable_pages
         cached = match.device_len + match.host_len
         first_chunk = min(req.num_tokens - cached, budget)
-        return available - (_pages_for(cached + first_chunk, self.page_size) - cached // self.page_size) - 1
+        return (available - (_pages_for(cached + first_chunk, self.page_size)
+                             - cached // self.page_size) - 1)
 
     # ---- decode --------------------------------------------------------------------------
 
@@ -312,7 +316,8 @@ class Scheduler:
         """Inserts the full pages of `req`'s first `kv_len` tokens into the cache, frees the
         rest and unlocks its prefix (`kv_len` >= `shared_len`: the shared prefix is computed)."""
         full_pages = kv_len // self.page_size
-        known = self.cache.insert(req.tokens[: full_pages * self.page_size], req.device_pages[:full_pages])
+        known = self.cache.insert(req.tokens[: full_pages * self.page_size],
+                                  req.device_pages[:full_pages])
         shared_pages = req.shared_len // self.page_size
         duplicates = req.device_pages[shared_pages: known // self.page_size]
         self.cache.free_device(duplicates + req.device_pages[full_pages:])

@@ -25,7 +25,8 @@ class StepCounters:
     layered_forward_s: float = 0.0
     load_wait_s: float = 0.0  # host time blocked in ticket.wait, waiting for loaded layers to land
 
-    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float, layered: bool) -> None:
+    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float,
+                       layered: bool) -> None:
         if batch.is_decode:
             self.decode_forward_s += seconds
             self.decode_steps += 1

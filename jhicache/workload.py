@@ -1,4 +1,5 @@
-"""Multi-turn chat workload shaped like SGLang's bench_multiturn.py: N clients x R rounds, seeded."""
+"""Multi-turn chat workload shaped like SGLang's bench_multiturn.py: N clients x R rounds,
+seeded."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def user_turns(spec: MultiTurnSpec) -> list[list[list[int]]]:
 
 
 class MultiTurnChats:
-    """Conversation histories; `prompts()` gives this round's prompts, `extend()` records outputs."""
+    """Conversation histories; `prompts()` gives this round's prompts, `extend()` records
+    outputs."""
 
     def __init__(self, spec: MultiTurnSpec) -> None:
         self.spec = spec

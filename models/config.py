@@ -12,12 +12,13 @@ _MODEL_TYPE = "qwen2"
 _FULL_ATTENTION = "full_attention"
 
 # config.json fields without a usable default: a published checkpoint always carries them.
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
 _POSITIVE_INTS = _REQUIRED + ("num_key_value_heads", "max_position_embeddings")
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 _BOOLS = ("tie_word_embeddings", "use_sliding_window")
-# name -> minimum; the sliding-window fields are recorded but unused (use_sliding_window is refused),
-# so a 0 there is let through rather than refusing a checkpoint that loads fine
+# name -> minimum; the sliding-window fields are recorded but unused (use_sliding_window is
+# refused), so a 0 there is let through rather than refusing a checkpoint that loads fine
 _OPTIONAL_INTS = {"sliding_window": 0, "max_window_layers": 0, "head_dim": 1}
 
 
@@ -35,7 +36,8 @@ class Qwen2Config:
     `head_dim` None means hidden_size // num_attention_heads (as transformers' Qwen2 reads it) and
     is resolved to that int on construction, so `config.head_dim` is always an int. Because of that,
     `dataclasses.replace(config, hidden_size=...)` keeps the old head_dim: pass head_dim=None too.
-    Every field is type- and range-checked here, so direct construction is validated like config.json.
+    Every field is type- and range-checked here, so direct construction is validated like
+    config.json.
     """
 
     vocab_size: int
@@ -90,7 +92,8 @@ class Qwen2Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Qwen2Config:
-        """Builds a config from a parsed config.json; rejects other architectures and unsupported features.
+        """Builds a config from a parsed config.json; rejects other architectures and unsupported
+        features.
 
         A null field counts as absent. num_key_value_heads defaults to num_attention_heads, as in
         transformers; `layer_types`, when present, must list one "full_attention" per layer.
@@ -167,7 +170,8 @@ def _check_architecture(d: dict[str, Any]) -> None:
     if archs and _ARCHITECTURE not in archs:
         raise ValueError(f"unsupported architecture {archs}: only {_ARCHITECTURE} is implemented")
     if model_type != _MODEL_TYPE:
-        raise ValueError(f"unsupported model_type {model_type!r}: only {_MODEL_TYPE!r} is implemented")
+        raise ValueError(f"unsupported model_type {model_type!r}: "
+                         f"only {_MODEL_TYPE!r} is implemented")
 
 
 def _rope_spec(d: dict[str, Any], name: str) -> dict[str, Any]:
@@ -183,7 +187,8 @@ def _rope_spec(d: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _rope_theta(d: dict[str, Any]) -> Any:
-    """rope_theta from the top level (published checkpoints) or `rope_parameters` (recent transformers).
+    """rope_theta from the top level (published checkpoints) or `rope_parameters` (recent
+    transformers).
 
     Returned unconverted: Qwen2Config checks its type and range and names the field.
     """
@@ -193,7 +198,8 @@ def _rope_theta(d: dict[str, Any]) -> Any:
     return theta if theta is not None else 10_000.0
 
 
-# Shapes of the published Qwen2 base checkpoints (config.json of Qwen/Qwen2-*), plus a CPU-test size.
+# Shapes of the published Qwen2 base checkpoints (config.json of Qwen/Qwen2-*), plus a CPU-test
+# size.
 PRESETS: dict[str, Qwen2Config] = {
     "tiny": Qwen2Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -234,8 +240,8 @@ PRESETS: dict[str, Qwen2Config] = {
 
 
 def preset_config(name: str) -> Qwen2Config:
-    """The config of a named preset (case-insensitive): 'tiny', 'tiny-tp', 'qwen2-0.5b', 'qwen2-1.5b',
-    'qwen2-7b' or 'qwen2-72b'."""
+    """The config of a named preset (case-insensitive): 'tiny', 'tiny-tp', 'qwen2-0.5b',
+    'qwen2-1.5b', 'qwen2-7b' or 'qwen2-72b'."""
     key = name.lower().replace("qwen/", "").replace("_", "-")
     if key not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")

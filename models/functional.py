@@ -1,4 +1,5 @@
-"""ModelPrograms: the jitted programs a runner calls, over a Qwen2 model split into embed, layers, head.
+"""ModelPrograms: the jitted programs a runner calls, over a Qwen2 model split into embed, layers,
+head.
 
 Usage by a runner that drives layers one by one:
 
@@ -16,8 +17,8 @@ time hashing it (more than a 0.5B layer's GPU time). So the graphdefs and state 
 are closed over when the programs are built (once per model structure: engines of the same shape
 share the compiled programs), and each call passes only flat lists of arrays.
 Every layer has the same graphdef, so `layers` compiles once per (group size, T, B, decode_only),
-not once per layer. The k/v page arguments are donated: the caller must replace its references with the
-returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a one-off whole-model entry
+not once per layer. The k/v page arguments are donated: the caller must replace its references with
+the returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a one-off whole-model entry
 point for tests and scripts.
 """
 
@@ -62,8 +63,9 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
     def embed(leaves: Leaves, tokens: jax.Array) -> jax.Array:  # [T] int32 -> [T, hidden]
         return comm.lookup(nnx.merge(embed_def, jax.tree.unflatten(embed_tree, leaves)), tokens)
 
-    def layers(leaves: list[Leaves], hidden: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
-               meta: AttentionMetadata) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    def layers(leaves: list[Leaves], hidden: jax.Array, ks: tuple[jax.Array, ...],
+               vs: tuple[jax.Array, ...], meta: AttentionMetadata
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         new_k, new_v = [], []
         for layer_leaves, k, v in zip(leaves, ks, vs):
             layer = nnx.merge(layer_def, jax.tree.unflatten(layer_tree, layer_leaves))
@@ -75,8 +77,9 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
     def head(leaves: Leaves, hidden: jax.Array, rows: jax.Array) -> jax.Array:  # -> [B, vocab] f32
         return nnx.merge(head_def, jax.tree.unflatten(head_tree, leaves))(hidden[rows], comm)
 
-    def fused(embed_l: Leaves, layers_l: list[Leaves], head_l: Leaves, k_pages: tuple[jax.Array, ...],
-              v_pages: tuple[jax.Array, ...], tokens: jax.Array, meta: AttentionMetadata,
+    def fused(embed_l: Leaves, layers_l: list[Leaves], head_l: Leaves,
+              k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+              tokens: jax.Array, meta: AttentionMetadata,
               rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         hidden, new_k, new_v = layers(layers_l, embed(embed_l, tokens), k_pages, v_pages, meta)
         return head(head_l, hidden, rows), new_k, new_v
@@ -126,7 +129,8 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     if specs is None:
         programs = _programs(embed_def, layer_def, head_def, trees, LOCAL)
     else:
-        programs = _over_mesh(_programs(embed_def, layer_def, head_def, trees, specs.tp.collectives), specs)
+        programs = _over_mesh(_programs(embed_def, layer_def, head_def, trees,
+                                        specs.tp.collectives), specs)
     return _Jitted(jax.jit(programs.embed), jax.jit(programs.layers, donate_argnums=(2, 3)),
                    jax.jit(programs.head), jax.jit(programs.fused, donate_argnums=(3, 4)))
 
@@ -144,7 +148,8 @@ class ModelPrograms:
         splits = [nnx.split(layer) for layer in model.layers]
         layer_def = splits[0][0]
         if any(d != layer_def for d, _ in splits):
-            raise ValueError("decoder layers differ in structure; cannot share one compiled layer function")
+            raise ValueError("decoder layers differ in structure; "
+                             "cannot share one compiled layer function")
         head_def, head_state = nnx.split(model.head_module)
         self.embed_leaves, embed_tree = jax.tree.flatten(embed_state)
         flat_layers = [jax.tree.flatten(state) for _, state in splits]
@@ -158,7 +163,8 @@ class ModelPrograms:
             self.head_leaves, head_specs = tp.place(head_state)
             specs = _Specs(tp, embed_specs, placed[0][1], head_specs)
         self.tp = tp
-        self._jit = _jitted(embed_def, layer_def, head_def, (embed_tree, flat_layers[0][1], head_tree), specs)
+        self._jit = _jitted(embed_def, layer_def, head_def,
+                            (embed_tree, flat_layers[0][1], head_tree), specs)
 
     @property
     def num_layers(self) -> int:
@@ -171,22 +177,26 @@ class ModelPrograms:
     def layers(self, group: range, hidden: jax.Array, k_pages: tuple[jax.Array, ...],
                v_pages: tuple[jax.Array, ...], meta: AttentionMetadata
                ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """Decoder layers `group` in one program: hidden [T, hidden], per layer k/v [pages, page_size,
-        kv_heads, head_dim] (donated) -> (hidden, new k, new v). Compiles once per group size."""
-        return self._jit.layers([self.layer_leaves[i] for i in group], hidden, k_pages, v_pages, meta)
+        """Decoder layers `group` in one program: hidden [T, hidden], per layer k/v [pages,
+        page_size, kv_heads, head_dim] (donated) -> (hidden, new k, new v). Compiles once per group
+        size."""
+        return self._jit.layers([self.layer_leaves[i] for i in group], hidden,
+                                k_pages, v_pages, meta)
 
     def head(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
         """Final norm + lm_head on `rows` [B] of hidden [T, hidden] -> logits [B, vocab] float32."""
         return self._jit.head(self.head_leaves, hidden, rows)
 
-    def fused(self, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...], tokens: jax.Array,
-              meta: AttentionMetadata, rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """The whole model in one program: (logits [B, vocab] f32 of `rows`, new k, new v per layer)."""
+    def fused(self, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+              tokens: jax.Array, meta: AttentionMetadata,
+              rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """The whole model in one program: (logits [B, vocab] f32 of `rows`, new k, new v per
+        layer)."""
         return self._jit.fused(self.embed_leaves, self.layer_leaves, self.head_leaves,
                                k_pages, v_pages, tokens, meta, rows)
 
-    def lower_fused(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any, meta: AttentionMetadata,
-                    rows: Any) -> jax.stages.Lowered:
+    def lower_fused(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
+                    meta: AttentionMetadata, rows: Any) -> jax.stages.Lowered:
         """The fused program lowered for these arguments (arrays or ShapeDtypeStructs): with
         programs built over an `nnx.eval_shape` model, a dry run that compiles for a mesh
         without allocating a weight."""
@@ -200,7 +210,9 @@ class ModelPrograms:
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def forward_apply(
-    graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, kv: list[KVPages], meta: AttentionMetadata
+    graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, kv: list[KVPages],
+    meta: AttentionMetadata
 ) -> tuple[jax.Array, list[KVPages]]:
-    """Whole model in one jit, from `graphdef, state = nnx.split(model)`: (logits [T, vocab] f32, new kv)."""
+    """Whole model in one jit, from `graphdef, state = nnx.split(model)`: (logits [T, vocab] f32,
+    new kv)."""
     return nnx.merge(graphdef, state).forward(tokens, kv, meta)

@@ -62,8 +62,9 @@ def build_metadata(
     pages `page_ids[b]` must cover prefix + new tokens. Unset sizes default to the exact fit.
     With `decode_only`, every new_len must be 1 and T is padded to B.
     """
-    arrays = metadata_arrays(prefix_lens, new_lens, page_ids, page_size=page_size, num_tokens=num_tokens,
-                             num_reqs=num_reqs, max_pages=max_pages, decode_only=decode_only)
+    arrays = metadata_arrays(prefix_lens, new_lens, page_ids, page_size=page_size,
+                             num_tokens=num_tokens, num_reqs=num_reqs, max_pages=max_pages,
+                             decode_only=decode_only)
     return AttentionMetadata(**put_int32(arrays), decode_only=decode_only)
 
 
@@ -78,15 +79,19 @@ def put_int32(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {}
     host = {name: np.asarray(a) for name, a in arrays.items()}
     for name, a in host.items():
-        wide = a.dtype.itemsize > 4 or a.dtype == np.uint32  # only these can hold values int32 cannot
-        if a.dtype.kind not in "iub" or (wide and a.size and (a.min() < -(2**31) or a.max() >= 2**31)):
-            raise ValueError(f"put_int32: {name} must hold integers in the int32 range, got {a.dtype}")
+        # only these can hold values int32 cannot
+        wide = a.dtype.itemsize > 4 or a.dtype == np.uint32
+        if a.dtype.kind not in "iub" or (wide and a.size
+                                         and (a.min() < -(2**31) or a.max() >= 2**31)):
+            raise ValueError(f"put_int32: {name} must hold integers in the int32 range, "
+                             f"got {a.dtype}")
     shapes = tuple((name, a.shape) for name, a in host.items())
     return _unpack(np.concatenate([a.astype(np.int32).ravel() for a in host.values()]), shapes)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _unpack(flat: jax.Array, shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, jax.Array]:
+def _unpack(flat: jax.Array,
+            shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> dict[str, jax.Array]:
     out, offset = {}, 0
     for name, shape in shapes:
         size = math.prod(shape)
@@ -115,21 +120,25 @@ def metadata_arrays(
     total = int(sum(new_lens))
     if decode_only:
         if any(n != 1 for n in new_lens):
-            raise ValueError(f"decode_only needs one new token per request, got new_lens={list(new_lens)}")
+            raise ValueError("decode_only needs one new token per request, "
+                             f"got new_lens={list(new_lens)}")
         num_tokens = num_reqs if num_tokens is None else num_tokens
         if num_tokens != num_reqs:
-            raise ValueError(f"decode_only needs num_tokens == num_reqs, got {num_tokens} != {num_reqs}")
+            raise ValueError("decode_only needs num_tokens == num_reqs, "
+                             f"got {num_tokens} != {num_reqs}")
     num_tokens = total if num_tokens is None else num_tokens
     _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_reqs, max_pages)
     return _layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages)
 
 
 def pack_tokens(token_lists: Sequence[Sequence[int]], num_tokens: int | None = None) -> jax.Array:
-    """Concatenates requests' new token ids in the order `build_metadata` lays them out; pads with 0."""
+    """Concatenates requests' new token ids in the order `build_metadata` lays them out; pads with
+    0."""
     return jnp.asarray(pack_token_array(token_lists, num_tokens))
 
 
-def pack_token_array(token_lists: Sequence[Sequence[int]], num_tokens: int | None = None) -> np.ndarray:
+def pack_token_array(token_lists: Sequence[Sequence[int]],
+                     num_tokens: int | None = None) -> np.ndarray:
     """`pack_tokens` as a host int32 array [T] (numpy converts each list in C, not per token)."""
     total = sum(len(toks) for toks in token_lists)
     num_tokens = total if num_tokens is None else num_tokens
@@ -143,11 +152,13 @@ def pack_token_array(token_lists: Sequence[Sequence[int]], num_tokens: int | Non
     return out
 
 
-def _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_reqs, max_pages) -> None:
+def _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_reqs,
+                 max_pages) -> None:
     if not len(prefix_lens) == len(new_lens) == len(page_ids):
         raise ValueError("prefix_lens, new_lens and page_ids must have one entry per request")
     if len(new_lens) > num_reqs or sum(new_lens) > num_tokens:
-        raise ValueError(f"{len(new_lens)} requests / {sum(new_lens)} tokens exceed buckets {num_reqs} / {num_tokens}")
+        raise ValueError(f"{len(new_lens)} requests / {sum(new_lens)} tokens exceed buckets "
+                         f"{num_reqs} / {num_tokens}")
     for b, (pre, new, pages) in enumerate(zip(prefix_lens, new_lens, page_ids)):
         if len(pages) > max_pages or len(pages) * page_size < pre + new:
             raise ValueError(
@@ -156,7 +167,8 @@ def _check_sizes(prefix_lens, new_lens, page_ids, page_size, num_tokens, num_req
             )
 
 
-def _layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages) -> dict[str, np.ndarray]:
+def _layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs,
+            max_pages) -> dict[str, np.ndarray]:
     """Vectorised over requests and tokens: this runs on the host every step, before the forward."""
     num_real = len(new_lens)
     pre = np.asarray(prefix_lens, np.int32).reshape(num_real)

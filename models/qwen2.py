@@ -22,7 +22,8 @@ def _normal() -> nnx.Initializer:
 
 
 def _precision(dtype: jnp.dtype) -> jax.lax.Precision | None:
-    """float32 models are for exactness (tests, HF parity): keep GPUs from using TF32 in their matmuls."""
+    """float32 models are for exactness (tests, HF parity): keep GPUs from using TF32 in their
+    matmuls."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
@@ -62,12 +63,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata, sm_scale: float) -> jax.Array:
-    """Paged attention of q [T, H, D] over the cache, by the decode kernel when the batch is decode-only."""
+def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+           sm_scale: float) -> jax.Array:
+    """Paged attention of q [T, H, D] over the cache, by the decode kernel when the batch is
+    decode-only."""
     if meta.decode_only:
-        return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, sm_scale=sm_scale)
+        return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens,
+                                      sm_scale=sm_scale)
     return paged_attention(
-        q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens, sm_scale=sm_scale
+        q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens,
+        sm_scale=sm_scale
     )
 
 
@@ -98,7 +103,8 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_proj(x).reshape(t, -1, d), cos, sin)  # [T, H, D]
         k = apply_rope(self.k_proj(x).reshape(t, -1, d), cos, sin)  # [T, KV, D]
         v = self.v_proj(x).reshape(t, -1, d)  # [T, KV, D]
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req, meta.positions)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req,
+                                    meta.positions)
         out = attend(q, k_pages, v_pages, meta, sm_scale=d**-0.5)  # [T, H, D]
         return comm.sum(self.o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
 
@@ -111,7 +117,8 @@ class MLP(nnx.Module):
         self.up_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, rngs)
 
-    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:  # [T, hidden] -> [T, hidden]
+    # [T, hidden] -> [T, hidden]
+    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:
         return comm.sum(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
@@ -128,7 +135,8 @@ class DecoderLayer(nnx.Module):
         self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
         comm: Collectives = LOCAL,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden]
-        attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta, comm)
+        attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta,
+                                                comm)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), comm), k_pages, v_pages
 
@@ -137,28 +145,36 @@ class LMHead(nnx.Module):
     """Final norm and vocabulary projection; reuses the embedding table when tied. Sharded, each
     device projects onto its slice of the vocabulary and `comm` gathers the slices."""
 
-    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, embed: nnx.Embed | None, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen2Config, dtype: jnp.dtype, embed: nnx.Embed | None,
+                 rngs: nnx.Rngs):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embed = embed
         shape = (config.hidden_size, config.vocab_size)
-        self.kernel = None if embed is not None else nnx.Param(_normal()(rngs.params(), shape, dtype))
+        self.kernel = (None if embed is not None
+                       else nnx.Param(_normal()(rngs.params(), shape, dtype)))
 
-    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:  # [T, hidden] -> [T, vocab] f32
+    # [T, hidden] -> [T, vocab] f32
+    def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:
         x = self.norm(x)
-        weight = self.embed.embedding[...].T if self.embed is not None else self.kernel[...]  # [hidden, vocab]
-        return comm.gather_last(jnp.dot(x, weight, precision=_precision(x.dtype), preferred_element_type=jnp.float32))
+        # [hidden, vocab]
+        weight = self.embed.embedding[...].T if self.embed is not None else self.kernel[...]
+        return comm.gather_last(jnp.dot(x, weight, precision=_precision(x.dtype),
+                                        preferred_element_type=jnp.float32))
 
 
 class Qwen2ForCausalLM(nnx.Module):
-    """Qwen2 decoder exposed in pieces (embed, layer i, head) so a runner can drive layers one by one."""
+    """Qwen2 decoder exposed in pieces (embed, layer i, head) so a runner can drive layers one by
+    one."""
 
     def __init__(self, config: Qwen2Config, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, embedding_init=_normal(), rngs=rngs
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=_normal(), rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs)
+                                for _ in range(config.num_hidden_layers)])
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.head_module = LMHead(config, dtype, tied, rngs)
 
@@ -166,7 +182,8 @@ class Qwen2ForCausalLM(nnx.Module):
         return self.embed_tokens(tokens)
 
     def layer(
-        self, i: int, hidden: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata
+        self, i: int, hidden: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+        meta: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Decoder layer i; writes this step's K/V into the layer's pages and returns the new pages.
 
@@ -190,7 +207,9 @@ class Qwen2ForCausalLM(nnx.Module):
     __call__ = forward
 
 
-def init_kv_pages(config: Qwen2Config, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> list[KVPages]:
+def init_kv_pages(config: Qwen2Config, num_pages: int, page_size: int,
+                  dtype: jnp.dtype = jnp.float32) -> list[KVPages]:
     """Zeroed per-layer (k_pages, v_pages), each [num_pages, page_size, num_kv_heads, head_dim]."""
     shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_hidden_layers)]
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(config.num_hidden_layers)]

@@ -1,4 +1,5 @@
-"""Qwen2 weights: Hugging Face safetensors checkpoints in and out, and seeded random init for presets."""
+"""Qwen2 weights: Hugging Face safetensors checkpoints in and out, and seeded random init for
+presets."""
 
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ _TOP_TABLE: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 )
 _LM_HEAD = ("lm_head.weight", ("head_module", "kernel"), True)
 _LAYER_TABLE: tuple[tuple[str, tuple[str, ...], bool], ...] = tuple(
-    [(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    + [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False) for p in ("q_proj", "k_proj", "v_proj")]
-    + [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True) for p in ("gate_proj", "up_proj", "down_proj")]
-    + [(f"{n}.weight", (n, "weight"), False) for n in ("input_layernorm", "post_attention_layernorm")]
+    [(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True)
+     for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    + [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False)
+       for p in ("q_proj", "k_proj", "v_proj")]
+    + [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True)
+       for p in ("gate_proj", "up_proj", "down_proj")]
+    + [(f"{n}.weight", (n, "weight"), False)
+       for n in ("input_layernorm", "post_attention_layernorm")]
 )
 
 
@@ -47,7 +52,8 @@ def weight_table(config: Qwen2Config) -> list[tuple[str, tuple[Any, ...], bool]]
     """Every HF tensor of a checkpoint of this config with its model path and transpose flag."""
     table = list(_TOP_TABLE)
     for i in range(config.num_hidden_layers):
-        table += [(f"model.layers.{i}.{name}", ("layers", i, *path), t) for name, path, t in _LAYER_TABLE]
+        table += [(f"model.layers.{i}.{name}", ("layers", i, *path), t)
+                  for name, path, t in _LAYER_TABLE]
     if not config.tie_word_embeddings:
         table.append(_LM_HEAD)
     return table
@@ -85,7 +91,8 @@ def read_config(ckpt_dir: str | Path) -> Qwen2Config:
     and every ValueError (bad JSON, a missing or ill-typed field) starts with the file's path."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {Path(ckpt_dir)}: {path} is missing")
+        raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {Path(ckpt_dir)}: "
+                                f"{path} is missing")
     data = _read_json(path)
     try:
         return Qwen2Config.from_hf_dict(data)
@@ -117,7 +124,8 @@ def _open_shard(path: Path) -> Iterator[Any]:
 
 
 def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
-    """HF tensor name -> safetensors file holding it, single-file or sharded; checks the files exist."""
+    """HF tensor name -> safetensors file holding it, single-file or sharded; checks the files
+    exist."""
     ckpt_dir = Path(ckpt_dir)
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
@@ -138,9 +146,9 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32,
     """Loads a HF Qwen2 checkpoint directory into a model whose parameters are `dtype`.
 
     The model is built abstractly (no random init) and each parameter is set straight from its
-    tensor, so peak memory is one copy of the weights plus one tensor. `model.config` holds the config.
-    With `tp` (built for this checkpoint's config), each device's shard is read from the file's
-    slice and put on that device alone: no tensor is ever whole on one device.
+    tensor, so peak memory is one copy of the weights plus one tensor. `model.config` holds the
+    config. With `tp` (built for this checkpoint's config), each device's shard is read from the
+    file's slice and put on that device alone: no tensor is ever whole on one device.
     A damaged safetensors file raises CheckpointError (a ValueError) naming the file and tensor.
     """
     config = read_config(ckpt_dir)
@@ -170,7 +178,8 @@ def _load_file(
             raise CheckpointError(f"tensor {name} is not in {path}")
         var = _variable(model, var_path)
         if tp is not None:
-            _set(var, _read_sharded(f, name, path, var_path, _hf_shape(var, False), transpose, dtype, tp))
+            _set(var, _read_sharded(f, name, path, var_path, _hf_shape(var, False), transpose,
+                                    dtype, tp))
             continue
         array = _read_tensor(f, name, path, _hf_shape(var, transpose))
         array = np.ascontiguousarray(array.T) if transpose else array
@@ -178,7 +187,8 @@ def _load_file(
 
 
 def _read_tensor(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name` of open file `f`, its shape and dtype checked from the header before reading."""
+    """Tensor `name` of open file `f`, its shape and dtype checked from the header before
+    reading."""
     def read() -> np.ndarray:
         _checked_slice(f, name, path, expected)
         return f.get_tensor(name)
@@ -201,7 +211,8 @@ def _checked_slice(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> 
     if shape != expected:
         raise CheckpointError(f"tensor {name} in {path} has shape {shape}, expected {expected}")
     if kind not in _FLOAT_DTYPES:  # casting ints or bools to weights would load garbage silently
-        raise CheckpointError(f"tensor {name} in {path} has dtype {kind}, expected one of {_FLOAT_DTYPES}")
+        raise CheckpointError(f"tensor {name} in {path} has dtype {kind}, "
+                              f"expected one of {_FLOAT_DTYPES}")
     return header
 
 
@@ -210,7 +221,8 @@ def _read_sharded(f: Any, name: str, path: Path, var_path: tuple[Any, ...], shap
     """Tensor `name` as a sharded array in the model's layout (`shape`, KV heads stored as `tp`
     repeats them), each device's block read from the file's slice of it."""
     names = param_names(var_path)
-    header = _reading(name, path, lambda: _checked_slice(f, name, path, shape[::-1] if transpose else shape))
+    header = _reading(name, path,
+                      lambda: _checked_slice(f, name, path, shape[::-1] if transpose else shape))
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         index = (*index[:-1], tp.source_columns(names, index[-1]))  # stored columns -> file columns
@@ -227,13 +239,16 @@ def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
         yield name, np.ascontiguousarray(value.T) if transpose else value
 
 
-def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str | Path, *, shards: int = 1) -> Path:
-    """Writes `model` as a HF checkpoint (config.json + safetensors; sharded with an index when shards > 1)."""
+def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str | Path, *,
+                    shards: int = 1) -> Path:
+    """Writes `model` as a HF checkpoint (config.json + safetensors; sharded with an index when
+    shards > 1)."""
     if config != model.config:
         raise ValueError("config does not match model.config")
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    hf_config = {**config.to_hf_dict(), "torch_dtype": "bfloat16" if model.dtype == jnp.bfloat16 else "float32"}
+    hf_config = {**config.to_hf_dict(),
+                 "torch_dtype": "bfloat16" if model.dtype == jnp.bfloat16 else "float32"}
     (ckpt_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
     tensors = dict(_hf_tensors(model))
     if shards <= 1:
@@ -256,7 +271,8 @@ def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str 
 
 def init_random(config: Qwen2Config, seed: int = 0, dtype: jnp.dtype = jnp.float32,
                 tp: TensorParallel | None = None) -> Qwen2ForCausalLM:
-    """A model with seeded random weights (normal, std 0.02; norms at 1), e.g. for presets without weights.
+    """A model with seeded random weights (normal, std 0.02; norms at 1), e.g. for presets without
+    weights.
 
     With `tp`, the weights are drawn sharded: one jitted init whose outputs are in `tp`'s layout,
     so each device computes its own shard (a 72B preset never exists whole on one device).
@@ -268,7 +284,8 @@ def init_random(config: Qwen2Config, seed: int = 0, dtype: jnp.dtype = jnp.float
 
     def stored_state() -> nnx.State:
         state = nnx.split(build())[1]
-        return jax.tree_util.tree_map_with_path(lambda p, x: tp.to_storage(param_names(p), x), state)
+        return jax.tree_util.tree_map_with_path(lambda p, x: tp.to_storage(param_names(p), x),
+                                                state)
 
     state = jax.jit(stored_state, out_shardings=tp.state_shardings(abstract))()
     return nnx.merge(graphdef, state)

@@ -43,7 +43,8 @@ class Collectives:
 
     def gather_last(self, x: jax.Array) -> jax.Array:
         """Concatenates the devices' slices of the last axis (vocab-parallel logits)."""
-        return x if self.axis is None else jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+        return (x if self.axis is None
+                else jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True))
 
     def lookup(self, embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
         """Vocab-parallel embedding: each device looks up the ids in its rows, zeros elsewhere,
@@ -190,7 +191,8 @@ class TensorParallel:
 
     def state_shardings(self, state: Any) -> Any:
         """A pytree like `state` (an nnx.State) with each leaf's NamedSharding."""
-        return jax.tree_util.tree_map_with_path(lambda p, _: self.sharding(self.spec(param_names(p))), state)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: self.sharding(self.spec(param_names(p))), state)
 
     def place(self, state: Any) -> tuple[list[Any], tuple[P, ...]]:
         """`state`'s leaves in the stored, sharded layout (copied only where they are not yet),
@@ -209,7 +211,8 @@ class TensorParallel:
         if isinstance(leaf, jax.ShapeDtypeStruct):
             shape = self.storage_shape(names, leaf.shape) if repeat else leaf.shape
             return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=target)
-        if not repeat and isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
+        if (not repeat and isinstance(leaf, jax.Array)
+                and leaf.sharding.is_equivalent_to(target, leaf.ndim)):
             return leaf  # loaded or drawn in this layout already
         return jax.jit(lambda x: self.to_storage(names, x), out_shardings=target)(leaf)
 

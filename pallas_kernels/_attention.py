@@ -1,5 +1,5 @@
-"""Pieces shared by the extend and decode attention kernels: paged key gather, online softmax, split merge,
-cheap argument validation, and the pure-jnp reference both kernels are tested against."""
+"""Pieces shared by the extend and decode attention kernels: paged key gather, online softmax, split
+merge, cheap argument validation, and the pure-jnp reference both kernels are tested against."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ NEG = -1e30  # finite: a fully masked block then gives exp(-huge) = 0, never inf
 
 # ---------------------------------------------------------------- kernel pieces
 def key_slots(pt_ref, b, start, *, block_k: int, page_size: int, max_pages: int, num_slots: int):
-    """Flat slots of tokens start..start+block_k of request b; clamped so masked lanes stay in bounds."""
+    """Flat slots of tokens start..start+block_k of request b; clamped so masked lanes stay in
+    bounds."""
     tok = start + jnp.arange(block_k, dtype=jnp.int32)
     page = pt_ref[b, jnp.minimum(tok // page_size, max_pages - 1)]
     return jnp.clip(page * page_size + tok % page_size, 0, num_slots - 1), tok
 
 
 def online_softmax_step(q, k, v, visible, carry, *, sm_scale: float):
-    """One key block of flash attention; acc, m, l in float32. visible None: every key of the block is visible."""
+    """One key block of flash attention; acc, m, l in float32. visible None: every key of the block
+    is visible."""
     acc, m, l = carry
     exact = None if q.dtype != jnp.float32 else False  # f32 storage: no TF32 rounding
     s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact).astype(jnp.float32) * sm_scale
@@ -34,13 +36,16 @@ def online_softmax_step(q, k, v, visible, carry, *, sm_scale: float):
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
     alpha = jnp.exp(m - m_new)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact).astype(jnp.float32)
+    acc = (acc * alpha[:, None]
+           + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact).astype(jnp.float32))
     return acc, m_new, l * alpha + p.sum(axis=1)
 
 
-def attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale, block_k, page_size, init=None):
-    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k, continuing from `init`.
-    visible_fn None: the caller promises [lo, hi) is whole blocks all visible to every row (no mask work)."""
+def attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale, block_k, page_size,
+           init=None):
+    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k, continuing from
+    `init`. visible_fn None: the caller promises [lo, hi) is whole blocks all visible to every row
+    (no mask work)."""
     max_pages, num_slots = pt_ref.shape[1], k_ref.shape[0]
 
     def body(i, carry):
@@ -59,8 +64,8 @@ def attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale,
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> jax.Array:
-    """Merges per-split softmax states (acc [..., D], m and l [...], splits on `axis`) in float32; rows that saw
-    no key in any split (all l = 0) come out as zeros."""
+    """Merges per-split softmax states (acc [..., D], m and l [...], splits on `axis`) in float32;
+    rows that saw no key in any split (all l = 0) come out as zeros."""
     m_all = m.max(axis=axis, keepdims=True)
     w = jnp.exp(m - m_all)
     total = (l * w).sum(axis=axis)
@@ -71,19 +76,26 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> jax
 # ---------------------------------------------------------------- validation (outside jit, cheap)
 def validate_common(q, k_pages, v_pages, page_table, seq_lens, query_lens) -> None:
     check_pages_pair("attention pages", k_pages, v_pages)
-    check(q.ndim == 3 and q.shape[2] == k_pages.shape[3], f"q {q.shape} head_dim != pages' {k_pages.shape[3]}")
-    check(q.shape[1] % k_pages.shape[2] == 0, f"{q.shape[1]} query heads not a multiple of {k_pages.shape[2]}")
+    check(q.ndim == 3 and q.shape[2] == k_pages.shape[3],
+          f"q {q.shape} head_dim != pages' {k_pages.shape[3]}")
+    check(q.shape[1] % k_pages.shape[2] == 0,
+          f"{q.shape[1]} query heads not a multiple of {k_pages.shape[2]}")
     # Triton's dots need inner dims >= 16: on the H200, bf16 with head_dim 8 gave wrong results.
-    check(use_interpreter() or q.shape[2] >= 16, f"head_dim {q.shape[2]} < 16 is not supported by the Triton kernels")
-    check(page_table.ndim == 2 and page_table.dtype == np.int32, "page_table must be int32 [B, max_pages]")
+    check(use_interpreter() or q.shape[2] >= 16,
+          f"head_dim {q.shape[2]} < 16 is not supported by the Triton kernels")
+    check(page_table.ndim == 2 and page_table.dtype == np.int32,
+          "page_table must be int32 [B, max_pages]")
     for name, x in (("seq_lens", seq_lens), ("query_lens", query_lens)):
-        check(x.shape == page_table.shape[:1] and x.dtype == np.int32, f"{name} must be int32 [B], got {x.shape}")
+        check(x.shape == page_table.shape[:1] and x.dtype == np.int32,
+              f"{name} must be int32 [B], got {x.shape}")
 
 
 def check_pages_in_range(table, seq_lens, num_pages: int, page_size: int) -> None:
-    """Columns a request uses (ceil(seq_len / page_size)) must be in the table and in [0, num_pages)."""
+    """Columns a request uses (ceil(seq_len / page_size)) must be in the table and in [0,
+    num_pages)."""
     used = -(-seq_lens // page_size)
-    check(bool((seq_lens >= 0).all()) and bool((used <= table.shape[1]).all()), "seq_lens beyond the page table")
+    check(bool((seq_lens >= 0).all()) and bool((used <= table.shape[1]).all()),
+          "seq_lens beyond the page table")
     live = np.arange(table.shape[1])[None, :] < used[:, None]
     bad = table[live & ((table < 0) | (table >= num_pages))]
     check(bad.size == 0, f"page ids out of range [0, {num_pages}): {bad[:8].tolist()}")
@@ -97,14 +109,16 @@ def token_requests(query_start: jax.Array, query_lens: jax.Array, num_tokens: in
     return jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *, sm_scale):
+def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *,
+                              sm_scale):
     """Pure-jnp reference: gathers every request's pages and runs a masked softmax in float32."""
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_heads // num_kv_heads
     req = token_requests(query_start, query_lens, num_tokens)
     safe_req = jnp.maximum(req, 0)
-    pos = seq_lens[safe_req] - query_lens[safe_req] + (jnp.arange(num_tokens) - query_start[safe_req])
+    pos = (seq_lens[safe_req] - query_lens[safe_req]
+           + (jnp.arange(num_tokens) - query_start[safe_req]))
     max_len = page_table.shape[1] * page_size
     keys = k_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)
     values = v_pages[page_table].reshape(page_table.shape[0], max_len, num_kv_heads, head_dim)

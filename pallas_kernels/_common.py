@@ -26,12 +26,14 @@ def check(cond: bool, message: str) -> None:
 
 def check_pages_pair(name: str, k: jax.Array, v: jax.Array) -> None:
     """K and V page arrays must be 4-D [pages, page_size, kv_heads, head_dim] and alike."""
-    check(k.ndim == 4, f"{name}: expected [num_pages, page_size, num_kv_heads, head_dim], got {k.shape}")
+    check(k.ndim == 4,
+          f"{name}: expected [num_pages, page_size, num_kv_heads, head_dim], got {k.shape}")
     check(k.shape == v.shape, f"{name}: K shape {k.shape} != V shape {v.shape}")
     check(k.dtype == v.dtype, f"{name}: K dtype {k.dtype} != V dtype {v.dtype}")
 
 
-def check_ids(name: str, ids: jax.Array, limit: int, *, length: int | None = None, unique: bool = False) -> None:
+def check_ids(name: str, ids: jax.Array, limit: int, *, length: int | None = None,
+              unique: bool = False) -> None:
     """Page ids: 1-D int32; when concrete, inside [0, limit) and (if `unique`) without repeats."""
     check(ids.ndim == 1, f"{name}: expected a 1-D array, got shape {ids.shape}")
     check(ids.dtype == np.int32, f"{name}: expected int32, got {ids.dtype}")
@@ -41,4 +43,5 @@ def check_ids(name: str, ids: jax.Array, limit: int, *, length: int | None = Non
     values = np.asarray(ids)
     bad = values[(values < 0) | (values >= limit)]
     check(bad.size == 0, f"{name}: page ids out of range [0, {limit}): {bad[:8].tolist()}")
-    check(not unique or np.unique(values).size == values.size, f"{name}: repeated destination page ids")
+    check(not unique or np.unique(values).size == values.size,
+          f"{name}: repeated destination page ids")

@@ -1,4 +1,5 @@
-"""Paged decode attention: one query token per request over all of its cached pages, split-K, GQA."""
+"""Paged decode attention: one query token per request over all of its cached pages, split-K,
+GQA."""
 
 from __future__ import annotations
 
@@ -22,45 +23,53 @@ from jhicache.pallas_kernels.backend import use_interpreter
 
 def _decode_kernel(pt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scale, block_k,
                    page_size, split_tokens):
-    """Program (b, kv head, split): the padded query-head group of request b over one token range."""
+    """Program (b, kv head, split): the padded query-head group of request b over one token
+    range."""
     b, hk, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo = s * split_tokens
     hi = jnp.minimum(lens_ref[b], lo + split_tokens)
     q = q_ref[b, hk, :, :].astype(k_ref.dtype)
-    acc, m, l = attend(pt_ref, k_ref, v_ref, q, b, hk, lo, hi, lambda tok: jnp.full((1, tok.shape[0]), True),
-                       sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+    acc, m, l = attend(pt_ref, k_ref, v_ref, q, b, hk, lo, hi,
+                       lambda tok: jnp.full((1, tok.shape[0]), True), sm_scale=sm_scale,
+                       block_k=block_k, page_size=page_size)
     o_ref[b, hk, s, :, :] = acc
     m_ref[b, hk, s, :] = m
     l_ref[b, hk, s, :] = l
 
 
-def _decode_call(q_groups, k_flat, v_flat, page_table, seq_lens, *, splits, split_tokens, sm_scale, block_k,
-                 page_size, num_warps, num_stages):
-    """q_groups: [B, Hkv, Gp, D] -> per-split (acc [B, Hkv, splits, Gp, D], m, l [B, Hkv, splits, Gp])."""
+def _decode_call(q_groups, k_flat, v_flat, page_table, seq_lens, *, splits, split_tokens, sm_scale,
+                 block_k, page_size, num_warps, num_stages):
+    """q_groups: [B, Hkv, Gp, D] -> per-split (acc [B, Hkv, splits, Gp, D], m, l [B, Hkv, splits,
+    Gp])."""
     batch, kv_heads, gp, dim = q_groups.shape
-    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, block_k=block_k, page_size=page_size,
-                               split_tokens=split_tokens)
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, block_k=block_k,
+                               page_size=page_size, split_tokens=split_tokens)
     stats = jax.ShapeDtypeStruct((batch, kv_heads, splits, gp), jnp.float32)
     return pl.pallas_call(
         kernel, grid=(batch, kv_heads, splits), interpret=use_interpreter(),
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, gp, dim), jnp.float32), stats, stats],
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, gp, dim), jnp.float32),
+                   stats, stats],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(page_table, seq_lens, q_groups, k_flat, v_flat)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "splits", "num_warps", "num_stages"))
-def _decode(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_k, splits, num_warps, num_stages):
+@functools.partial(jax.jit,
+                   static_argnames=("sm_scale", "block_k", "splits", "num_warps", "num_stages"))
+def _decode(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_k, splits, num_warps,
+            num_stages):
     batch, heads, dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
     gp = max(16, pl.next_power_of_2(group))  # Triton dots need >= 16 rows
-    q_groups = jnp.pad(q.reshape(batch, kv_heads, group, dim), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    q_groups = jnp.pad(q.reshape(batch, kv_heads, group, dim),
+                       ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     max_tokens = page_table.shape[1] * page_size
     split_tokens = pl.cdiv(pl.cdiv(max_tokens, splits), block_k) * block_k
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
     acc, m, l = _decode_call(q_groups, flat(k_pages), flat(v_pages), page_table, seq_lens,
-                             splits=pl.cdiv(max_tokens, split_tokens), split_tokens=split_tokens, sm_scale=sm_scale,
-                             block_k=block_k, page_size=page_size, num_warps=num_warps, num_stages=num_stages)
+                             splits=pl.cdiv(max_tokens, split_tokens), split_tokens=split_tokens,
+                             sm_scale=sm_scale, block_k=block_k, page_size=page_size,
+                             num_warps=num_warps, num_stages=num_stages)
     out = combine_splits(acc, m, l, axis=2)[:, :, :group]  # [B, Hkv, group, D]
     return out.reshape(batch, heads, dim).astype(q.dtype)
 
@@ -70,7 +79,8 @@ def paged_decode_attention(
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     page_table: jax.Array,  # [B, max_pages] int32
-    seq_lens: jax.Array,  # [B] int32 tokens in the cache including this one; 0 = padding row -> zeros
+    # [B] int32 tokens in the cache including this one; 0 = padding row -> zeros
+    seq_lens: jax.Array,
     *,
     sm_scale: float,
     block_k: int = 128,
@@ -78,19 +88,22 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:  # [B, num_heads, head_dim]
-    """Decode attention: each request's single query over all of its cached tokens (split-K, merged in f32)."""
-    check(q.ndim == 3 and q.shape[0] == page_table.shape[0], f"q must be [B, H, D] with B = {page_table.shape[0]}")
+    """Decode attention: each request's single query over all of its cached tokens (split-K, merged
+    in f32)."""
+    check(q.ndim == 3 and q.shape[0] == page_table.shape[0],
+          f"q must be [B, H, D] with B = {page_table.shape[0]}")
     validate_common(q, k_pages, v_pages, page_table, seq_lens, seq_lens)
     if all(is_concrete(x) for x in (page_table, seq_lens)):
         check_pages_in_range(np.asarray(page_table), np.asarray(seq_lens), *k_pages.shape[:2])
     if q.shape[0] == 0:
         return jnp.zeros_like(q)
-    return _decode(q, k_pages, v_pages, page_table, seq_lens, sm_scale=float(sm_scale), block_k=block_k,
-                   splits=splits, num_warps=num_warps, num_stages=num_stages)
+    return _decode(q, k_pages, v_pages, page_table, seq_lens, sm_scale=float(sm_scale),
+                   block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale):
     """Pure-jnp reference for decode: the extend reference with one query row per request."""
     start = jnp.arange(q.shape[0], dtype=jnp.int32)
     lens = (seq_lens > 0).astype(jnp.int32)
-    return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, start, lens, sm_scale=sm_scale)
+    return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, start, lens,
+                                     sm_scale=sm_scale)

@@ -1,4 +1,5 @@
-"""Paged KV write: new tokens' K and V of one layer into their page slots (donated, aliased pages)."""
+"""Paged KV write: new tokens' K and V of one layer into their page slots (donated, aliased
+pages)."""
 
 from __future__ import annotations
 
@@ -12,33 +13,38 @@ from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
 
-# Path: the Pallas kernel below (method="pallas", the default), because it measured 4-5x faster than an XLA
-# scatter on the donated flat buffer (method="xla", kept as the alternative). H200, jax 0.11.2, 65,536 tokens,
-# bf16, inside jit (benchmarks/results/kernels_h200.json, "kv_write"): every layer of a step in one jit,
-# 0.5B (2x64) 1549 vs 379 GB/s, 7B (4x128) 2658 vs 491 GB/s; one layer per call, 451 vs 101 and 1278 vs 346.
+# Path: the Pallas kernel below (method="pallas", the default), because it measured 4-5x faster than
+# an XLA scatter on the donated flat buffer (method="xla", kept as the alternative). H200, jax
+# 0.11.2, 65,536 tokens, bf16, inside jit (benchmarks/results/kernels_h200.json, "kv_write"): every
+# layer of a step in one jit, 0.5B (2x64) 1549 vs 379 GB/s, 7B (4x128) 2658 vs 491 GB/s; one layer
+# per call, 451 vs 101 and 1278 vs 346.
 
 # ---------------------------------------------------------------- kernel
 def _slots_of_block(pt_ref, req_ref, pos_ref, *, block_t, count, page_size, max_pages):
-    """Token rows and flat slots of this program's block_t tokens, computed once per token (no XLA prologue).
+    """Token rows and flat slots of this program's block_t tokens, computed once per token (no XLA
+    prologue).
 
-    Padding lanes (token_req -1, or past the last token) repeat the block's first live token's row and slot, so
-    a repeated store writes identical bytes (the interpreter's masked store is a read-modify-write scatter, where
-    a masked lane aliasing a live one could write stale bytes). A block with no live token is masked off."""
+    Padding lanes (token_req -1, or past the last token) repeat the block's first live token's row
+    and slot, so a repeated store writes identical bytes (the interpreter's masked store is a
+    read-modify-write scatter, where a masked lane aliasing a live one could write stale bytes). A
+    block with no live token is masked off."""
     lane = jnp.arange(block_t, dtype=jnp.int32)
     t = jnp.minimum(pl.program_id(0) * block_t + lane, count - 1)
     req, pos = req_ref[t], pos_ref[t]
     live = (pl.program_id(0) * block_t + lane < count) & (req >= 0)
     col = jnp.clip(pos // page_size, 0, max_pages - 1)
     slot = pt_ref[jnp.maximum(req, 0) * max_pages + col] * page_size + pos % page_size
-    pick = lane == jnp.min(jnp.where(live, lane, block_t))  # one-hot on the first live lane, or all False
+    # one-hot on the first live lane, or all False
+    pick = lane == jnp.min(jnp.where(live, lane, block_t))
     first_t, first_slot = jnp.sum(jnp.where(pick, t, 0)), jnp.sum(jnp.where(pick, slot, 0))
-    return jnp.where(live, t, first_t), jnp.where(live, slot, first_slot), jnp.max(live.astype(jnp.int32)) > 0
+    return (jnp.where(live, t, first_t), jnp.where(live, slot, first_slot),
+            jnp.max(live.astype(jnp.int32)) > 0)
 
 
-def _write_kernel(pt_ref, req_ref, pos_ref, k_new_ref, v_new_ref, _k_in, _v_in, k_out, v_out, *, block_t, count,
-                  chunk, page_size, max_pages):
-    """block_t tokens per program: whole [H*D] rows, loaded as one 2-D block and stored as one 2-D scatter
-    (each row contiguous and 16-byte aligned, so Triton emits vector loads/stores)."""
+def _write_kernel(pt_ref, req_ref, pos_ref, k_new_ref, v_new_ref, _k_in, _v_in, k_out, v_out, *,
+                  block_t, count, chunk, page_size, max_pages):
+    """block_t tokens per program: whole [H*D] rows, loaded as one 2-D block and stored as one 2-D
+    scatter (each row contiguous and 16-byte aligned, so Triton emits vector loads/stores)."""
     src, dst, any_live = _slots_of_block(pt_ref, req_ref, pos_ref, block_t=block_t, count=count,
                                          page_size=page_size, max_pages=max_pages)
     shape = (block_t, chunk)
@@ -56,17 +62,18 @@ def _write_kernel(pt_ref, req_ref, pos_ref, k_new_ref, v_new_ref, _k_in, _v_in, 
 
 
 # ---------------------------------------------------------------- pallas_call builder
-def _write_call(k_flat, v_flat, k_rows, v_rows, page_table, token_req, positions, *, page_size: int, block_t: int,
-                num_warps: int):
+def _write_call(k_flat, v_flat, k_rows, v_rows, page_table, token_req, positions, *, page_size: int,
+                block_t: int, num_warps: int):
     """k_flat/v_flat: [num_pages*page_size, H*D] aliased to the outputs; k_rows/v_rows: [T, H*D]."""
     count = token_req.shape[0]
     block_t = min(block_t, pl.next_power_of_2(count))
     chunk = row_chunk(k_flat.shape[-1], limit=max(16, 8192 // block_t))
-    kernel = functools.partial(_write_kernel, block_t=block_t, count=count, chunk=chunk, page_size=page_size,
-                               max_pages=page_table.shape[1])
+    kernel = functools.partial(_write_kernel, block_t=block_t, count=count, chunk=chunk,
+                               page_size=page_size, max_pages=page_table.shape[1])
     return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype), jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k_flat.shape, k_flat.dtype),
+                   jax.ShapeDtypeStruct(v_flat.shape, v_flat.dtype)],
         grid=(pl.cdiv(count, block_t),),
         input_output_aliases={5: 0, 6: 1},
         interpret=use_interpreter(),
@@ -74,7 +81,8 @@ def _write_call(k_flat, v_flat, k_rows, v_rows, page_table, token_req, positions
     )(page_table.reshape(-1), token_req, positions, k_rows, v_rows, k_flat, v_flat)
 
 
-def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Array,
+                page_size: int) -> jax.Array:
     """[T] flat slot page*page_size + offset of each token, -1 for padding tokens."""
     safe_req = jnp.maximum(token_req, 0)
     col = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
@@ -83,20 +91,23 @@ def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Arra
 
 
 # ---------------------------------------------------------------- jitted public function
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("block_t", "num_warps", "method"))
-def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, block_t: int, num_warps: int,
-              method: str):
+@functools.partial(jax.jit, donate_argnums=(0, 1),
+                   static_argnames=("block_t", "num_warps", "method"))
+def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, block_t: int,
+              num_warps: int, method: str):
     num_pages, page_size = k_pages.shape[:2]
     flat = lambda x: x.reshape(num_pages * page_size, -1)  # noqa: E731  [pages*S, H*D], a bitcast
     rows = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  [T, H*D]
-    if method == "xla":  # scatter into the donated buffer, in place; padding (slot -1 -> past the end) dropped
+    # scatter into the donated buffer, in place; padding (slot -1 -> past the end) dropped
+    if method == "xla":
         slots = token_slots(page_table, token_req, positions, page_size)
         slots = jnp.where(slots >= 0, slots, num_pages * page_size)
         k = flat(k_pages).at[slots].set(rows(k_new).astype(k_pages.dtype), mode="drop")
         v = flat(v_pages).at[slots].set(rows(v_new).astype(v_pages.dtype), mode="drop")
     else:
-        k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), page_table, token_req, positions,
-                           page_size=page_size, block_t=block_t, num_warps=num_warps)
+        k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), page_table,
+                           token_req, positions, page_size=page_size, block_t=block_t,
+                           num_warps=num_warps)
     return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
 
 
@@ -116,33 +127,40 @@ def write_kv(
     """Writes each token at page_table[req, pos // page_size], offset pos % page_size."""
     check(method in ("pallas", "xla"), f"method must be 'pallas' or 'xla', got {method!r}")
     _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions)
-    if k_new.shape[0] == 0 or page_table.size == 0:  # nothing to write (with no requests every token pads)
+    # nothing to write (with no requests every token pads)
+    if k_new.shape[0] == 0 or page_table.size == 0:
         return k_pages, v_pages
     return _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions,
-                     block_t=pl.next_power_of_2(tokens_per_program), num_warps=num_warps, method=method)
+                     block_t=pl.next_power_of_2(tokens_per_program), num_warps=num_warps,
+                     method=method)
 
 
 def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) -> None:
     check_pages_pair("write_kv pages", k_pages, v_pages)
     t = k_new.shape[0]
-    check(k_new.shape == (t, *k_pages.shape[2:]), f"k_new shape {k_new.shape} != [T, {k_pages.shape[2:]}]")
+    check(k_new.shape == (t, *k_pages.shape[2:]),
+          f"k_new shape {k_new.shape} != [T, {k_pages.shape[2:]}]")
     check(v_new.shape == k_new.shape, f"v_new shape {v_new.shape} != k_new shape {k_new.shape}")
-    check(page_table.ndim == 2 and page_table.dtype == np.int32, "page_table must be int32 [B, max_pages]")
+    check(page_table.ndim == 2 and page_table.dtype == np.int32,
+          "page_table must be int32 [B, max_pages]")
     for name, x in (("token_req", token_req), ("positions", positions)):
-        check(x.shape == (t,) and x.dtype == np.int32, f"{name} must be int32 [{t}], got {x.dtype} {x.shape}")
+        check(x.shape == (t,) and x.dtype == np.int32,
+              f"{name} must be int32 [{t}], got {x.dtype} {x.shape}")
     if all(is_concrete(x) for x in (page_table, token_req, positions)):
-        _check_referenced_pages(np.asarray(page_table), np.asarray(token_req), np.asarray(positions),
-                                k_pages.shape[0], k_pages.shape[1])
+        _check_referenced_pages(np.asarray(page_table), np.asarray(token_req),
+                                np.asarray(positions), k_pages.shape[0], k_pages.shape[1])
 
 
 def _check_referenced_pages(table, req, pos, num_pages: int, page_size: int) -> None:
-    """Only the entries the tokens use must be valid: padding columns of the table may hold anything."""
+    """Only the entries the tokens use must be valid: padding columns of the table may hold
+    anything."""
     live = req >= 0
     req, pos = req[live], pos[live]
     check(bool((req < table.shape[0]).all()), f"token_req beyond the batch of {table.shape[0]}")
     check(bool((pos >= 0).all()), "negative positions")
     cols = pos // page_size
-    check(bool((cols < table.shape[1]).all()), f"positions beyond the page table ({table.shape[1]} pages)")
+    check(bool((cols < table.shape[1]).all()),
+          f"positions beyond the page table ({table.shape[1]} pages)")
     pages = table[req, cols]
     bad = pages[(pages < 0) | (pages >= num_pages)]
     check(bad.size == 0, f"page ids out of range [0, {num_pages}): {bad[:8].tolist()}")
@@ -153,7 +171,8 @@ def write_kv_reference(k_pages, v_pages, k_new, v_new, page_table, token_req, po
     """Pure-jnp reference: a scatter into the flattened token slots; padding tokens dropped."""
     num_pages, page_size = k_pages.shape[:2]
     page = page_table[jnp.maximum(token_req, 0), positions // page_size]
-    slot = jnp.where(token_req >= 0, page * page_size + positions % page_size, num_pages * page_size)
+    slot = jnp.where(token_req >= 0, page * page_size + positions % page_size,
+                     num_pages * page_size)
     flat_k = k_pages.reshape(num_pages * page_size, *k_pages.shape[2:])
     flat_v = v_pages.reshape(num_pages * page_size, *v_pages.shape[2:])
     flat_k = flat_k.at[slot].set(k_new.astype(k_pages.dtype), mode="drop")

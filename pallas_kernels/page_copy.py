@@ -15,7 +15,8 @@ Arrays = tuple[jax.Array, ...]
 
 
 # ---------------------------------------------------------------- kernel
-def _copy_kernel(src_ids_ref, dst_ids_ref, *refs, num_arrays, stacked_src, stacked_dst, per_program, count, chunk):
+def _copy_kernel(src_ids_ref, dst_ids_ref, *refs, num_arrays, stacked_src, stacked_dst, per_program,
+                 count, chunk):
     """Copies page src_ids[i] -> dst_ids[i] of every array; a program owns `per_program` pairs."""
     srcs = refs[: 1 if stacked_src else num_arrays]
     outs = refs[-(1 if stacked_dst else num_arrays) :]
@@ -23,7 +24,8 @@ def _copy_kernel(src_ids_ref, dst_ids_ref, *refs, num_arrays, stacked_src, stack
     base = pl.program_id(0) * per_program
 
     def pair(j, carry):
-        i = jnp.minimum(base + j, count - 1)  # tail programs repeat the last pair: same bytes, harmless
+        # tail programs repeat the last pair: same bytes, harmless
+        i = jnp.minimum(base + j, count - 1)
         s, d = src_ids_ref[i], dst_ids_ref[i]
         for a in range(num_arrays):
             src, s_at = (srcs[0], (a, s)) if stacked_src else (srcs[a], (s,))
@@ -41,7 +43,8 @@ def _copy_kernel(src_ids_ref, dst_ids_ref, *refs, num_arrays, stacked_src, stack
 
 
 # ---------------------------------------------------------------- pallas_call builder
-def _copy_call(srcs: Sequence[jax.Array], dsts: Sequence, src_ids, dst_ids, *, num_arrays: int, num_programs: int):
+def _copy_call(srcs: Sequence[jax.Array], dsts: Sequence, src_ids, dst_ids, *, num_arrays: int,
+               num_programs: int):
     """Row-major copy of pages. srcs/dsts: m arrays [pages, row] or one stacked [m, pages, row].
 
     A dst given as a ShapeDtypeStruct is a fresh output (every page of it must be listed in
@@ -52,8 +55,9 @@ def _copy_call(srcs: Sequence[jax.Array], dsts: Sequence, src_ids, dst_ids, *, n
     per_program = pl.cdiv(count, grid)
     aliased = [d for d in dsts if isinstance(d, jax.Array)]
     kernel = functools.partial(
-        _copy_kernel, num_arrays=num_arrays, stacked_src=srcs[0].ndim == 3, stacked_dst=dsts[0].ndim == 3,
-        per_program=per_program, count=count, chunk=row_chunk(dsts[0].shape[-1]),
+        _copy_kernel, num_arrays=num_arrays, stacked_src=srcs[0].ndim == 3,
+        stacked_dst=dsts[0].ndim == 3, per_program=per_program, count=count,
+        chunk=row_chunk(dsts[0].shape[-1]),
     )
     first_alias = 2 + len(srcs)
     return pl.pallas_call(
@@ -66,7 +70,8 @@ def _copy_call(srcs: Sequence[jax.Array], dsts: Sequence, src_ids, dst_ids, *, n
 
 
 def _rows(x: jax.Array) -> jax.Array:
-    """[pages, page_size, heads, dim] -> [pages, page_size*heads*dim] (a bitcast: pages are contiguous)."""
+    """[pages, page_size, heads, dim] -> [pages, page_size*heads*dim] (a bitcast: pages are
+    contiguous)."""
     return x.reshape(x.shape[0], -1)
 
 
@@ -84,10 +89,12 @@ def _check_staging_arrays(arrays: Sequence[jax.Array]) -> None:
     check(len(arrays) > 0, "need at least one page array")
     for a in arrays:
         check(a.ndim == 4 and a.shape == arrays[0].shape and a.dtype == arrays[0].dtype,
-              f"page arrays must all be [pages, S, H, D] of one shape/dtype; got {a.shape} {a.dtype}")
+              "page arrays must all be [pages, S, H, D] of one shape/dtype; "
+              f"got {a.shape} {a.dtype}")
 
 
-def gather_pages_layers(arrays: Sequence[jax.Array], page_ids, *, num_programs: int = 64) -> jax.Array:
+def gather_pages_layers(arrays: Sequence[jax.Array], page_ids, *,
+                        num_programs: int = 64) -> jax.Array:
     """Pages `page_ids` of each array -> one contiguous staging array [len(arrays), n, S, H, D]."""
     _check_staging_arrays(arrays)
     check_ids("page ids", page_ids, arrays[0].shape[0])

@@ -11,7 +11,8 @@ if os.environ.get("JHICACHE_GPU_TESTS") != "1":
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips GPU-marked tests when JAX has no GPU, so `-m gpu` on a CPU box reports skips, not errors."""
+    """Skips GPU-marked tests when JAX has no GPU, so `-m gpu` on a CPU box reports skips, not
+    errors."""
     import jax
 
     if jax.default_backend() == "gpu":

@@ -36,7 +36,8 @@ from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
 DEVICES = 4
 # 3 clients x 2 rounds of 40-token turns: 3 x 86 tokens at the end, over a 160-token pool
-SPEC = MultiTurnSpec(num_clients=3, num_rounds=2, request_length=40, output_length=3, vocab_size=512, seed=7)
+SPEC = MultiTurnSpec(num_clients=3, num_rounds=2, request_length=40, output_length=3,
+                     vocab_size=512, seed=7)
 POOL_TOKENS = 160
 HOST_TOKENS = 640
 
@@ -51,13 +52,17 @@ def tp_model() -> Qwen2ForCausalLM:
 def replicated_model() -> Qwen2ForCausalLM:
     """2 KV heads: at tp 4 each KV head is stored on two devices. Untied, so greedy decoding
     does not just echo the prompt."""
-    return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False), seed=2)
+    return init_random(dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False),
+                       seed=2)
 
 
-def engine(model: Qwen2ForCausalLM, tp: int, cache_mode: str = "device", **overrides: object) -> Engine:
-    host = dict(host_kv_tokens=HOST_TOKENS, load_back_threshold=1) if cache_mode == "hierarchical" else {}
-    return Engine(model, EngineConfig(**{**dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32",
-                                                cache_mode=cache_mode, check_invariants_every_step=True,
+def engine(model: Qwen2ForCausalLM, tp: int, cache_mode: str = "device",
+           **overrides: object) -> Engine:
+    host = (dict(host_kv_tokens=HOST_TOKENS, load_back_threshold=1)
+            if cache_mode == "hierarchical" else {})
+    return Engine(model, EngineConfig(**{**dict(page_size=16, device_kv_tokens=POOL_TOKENS,
+                                                dtype="float32", cache_mode=cache_mode,
+                                                check_invariants_every_step=True,
                                                 max_running_requests=8, tensor_parallel_size=tp),
                                          **host, **overrides}))
 
@@ -87,7 +92,8 @@ def assert_pool_sharded(eng: Engine, tp: int) -> None:
     for array in (*pool.k, *pool.v):
         shards = array.addressable_shards
         assert len({s.device for s in shards}) == tp, array.sharding
-        assert all(s.data.shape == (pool.layout.num_pages, 16, local_heads, config.head_dim) for s in shards)
+        assert all(s.data.shape == (pool.layout.num_pages, 16, local_heads, config.head_dim)
+                   for s in shards)
         assert array.sharding.spec[2] == "tp", array.sharding
 
 
@@ -127,7 +133,8 @@ def assert_host_tier_used(eng: Engine) -> None:
         assert_pool_sharded(eng, tp)
 
 
-def _check_hierarchical_tokens(policy: str, sizes: tuple[int, ...], spec: MultiTurnSpec = SPEC) -> None:
+def _check_hierarchical_tokens(policy: str, sizes: tuple[int, ...],
+                               spec: MultiTurnSpec = SPEC) -> None:
     """Greedy histories with the host tier at each tp equal one device's with no cache, with
     eviction, write-back and load-back happening (invariants checked every step)."""
     for tp in sizes:
@@ -146,7 +153,8 @@ def check_hierarchical_write_through() -> None:
 
 def check_hierarchical_write_through_selective() -> None:
     # a node is written at its second visit: a third round reads back what the second wrote
-    _check_hierarchical_tokens("write_through_selective", (2, 4), dataclasses.replace(SPEC, num_rounds=3))
+    _check_hierarchical_tokens("write_through_selective", (2, 4),
+                               dataclasses.replace(SPEC, num_rounds=3))
 
 
 def check_hierarchical_replicated_kv_heads() -> None:
@@ -242,30 +250,35 @@ def check_checkpoint_loads_sharded() -> None:
     config = dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32", cache_mode="device")
     with tempfile.TemporaryDirectory() as tmp:
         for model, tp in ((tp_model(), 2), (replicated_model(), 4)):
-            ckpt = save_checkpoint(model, model.config, Path(tmp) / f"{tp}-{model.config.num_key_value_heads}",
-                                   shards=2)
+            ckpt = save_checkpoint(model, model.config,
+                                   Path(tmp) / f"{tp}-{model.config.num_key_value_heads}", shards=2)
             layout = TensorParallel.create(tp, model.config)
             loaded = load_pretrained(ckpt, tp=layout)
             _assert_weights_sharded(loaded, model, layout)
             expected = Engine(model, EngineConfig(**config)).generate(prompts, params)
             got = Engine.from_pretrained(str(ckpt), EngineConfig(**config, tensor_parallel_size=tp))
-            assert [o.token_ids for o in got.generate(prompts, params)] == [o.token_ids for o in expected]
+            assert ([o.token_ids for o in got.generate(prompts, params)]
+                    == [o.token_ids for o in expected])
             assert_pool_sharded(got, tp)
 
 
-def _assert_weights_sharded(loaded: Qwen2ForCausalLM, model: Qwen2ForCausalLM, tp: TensorParallel) -> None:
+def _assert_weights_sharded(loaded: Qwen2ForCausalLM, model: Qwen2ForCausalLM,
+                            tp: TensorParallel) -> None:
     """Each loaded weight is split as its spec says, and equals the model's (KV heads repeated)."""
     q = loaded.layers[0].self_attn.q_proj.kernel[...]
     assert all(s.data.shape == (q.shape[0], q.shape[1] // tp.size) for s in q.addressable_shards)
     embed = loaded.embed_tokens.embedding[...]
-    assert all(s.data.shape == (embed.shape[0] // tp.size, embed.shape[1]) for s in embed.addressable_shards)
+    assert all(s.data.shape == (embed.shape[0] // tp.size, embed.shape[1])
+               for s in embed.addressable_shards)
     down = loaded.layers[0].mlp.down_proj.kernel[...]
-    assert all(s.data.shape == (down.shape[0] // tp.size, down.shape[1]) for s in down.addressable_shards)
+    assert all(s.data.shape == (down.shape[0] // tp.size, down.shape[1])
+               for s in down.addressable_shards)
     k = loaded.layers[1].self_attn.k_proj.kernel[...]
     assert k.shape[1] == tp.storage_kv_heads * model.config.head_dim
     expected = tp.to_storage(("k_proj", "kernel"), model.layers[1].self_attn.k_proj.kernel[...])
     np.testing.assert_array_equal(np.asarray(k), np.asarray(expected))
-    np.testing.assert_array_equal(np.asarray(loaded.head_module.kernel[...]), np.asarray(model.head_module.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(loaded.head_module.kernel[...]),
+                                  np.asarray(model.head_module.kernel[...]))
 
 
 def check_sharded_random_init() -> None:
@@ -283,7 +296,8 @@ def check_layer_programs_match_fused() -> None:
     """Sharded embed, layer groups and head (the layer-split path) give the fused logits."""
     tp = TensorParallel.create(2, tp_model().config)
     programs = ModelPrograms(tp_model(), tp)
-    meta = build_metadata([0, 0], [5, 3], [[1], [2]], page_size=16, num_tokens=8, num_reqs=2, max_pages=2)
+    meta = build_metadata([0, 0], [5, 3], [[1], [2]], page_size=16, num_tokens=8, num_reqs=2,
+                          max_pages=2)
     tokens, rows = pack_tokens([[1, 2, 3, 4, 5], [6, 7, 8]], 8), jnp.array([4, 7], jnp.int32)
 
     def pages() -> tuple[jax.Array, ...]:
@@ -307,11 +321,12 @@ def check_bad_sizes_rejected() -> None:
     for size, reason in bad.items():
         for mode in ("device", "hierarchical"):
             _expect_value_error(lambda s=size, m=mode: engine(model, s, m), reason)
-    odd_heads = Qwen2Config(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
-                            num_attention_heads=6, num_key_value_heads=3)
+    odd_heads = Qwen2Config(vocab_size=512, hidden_size=96, intermediate_size=128,
+                            num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3)
     _expect_value_error(lambda: TensorParallel.create(4, odd_heads), "num_attention_heads")
     _expect_value_error(lambda: TensorParallel.create(2, odd_heads), "num_key_value_heads")
-    three_kv = dataclasses.replace(odd_heads, num_attention_heads=12, hidden_size=192, head_dim=None)
+    three_kv = dataclasses.replace(odd_heads, num_attention_heads=12, hidden_size=192,
+                                   head_dim=None)
     _expect_value_error(lambda: TensorParallel.create(4, three_kv), "num_key_value_heads")
 
 
@@ -350,7 +365,8 @@ CHECKS: dict[str, Callable[[], None]] = {
 
 def main(argv: list[str]) -> None:
     if jax.device_count() < DEVICES:
-        raise SystemExit(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count="
+        raise SystemExit(f"needs {DEVICES} devices "
+                         "(XLA_FLAGS=--xla_force_host_platform_device_count="
                          f"{DEVICES}), got {jax.device_count()}")
     for name in argv:
         CHECKS[name]()

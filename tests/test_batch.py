@@ -1,4 +1,5 @@
-"""Batch inputs: the vectorised metadata layout and the packed transfer match a per-request reference."""
+"""Batch inputs: the vectorised metadata layout and the packed transfer match a per-request
+reference."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from jhicache.request import Request
 from jhicache.sampling import SamplingParams
 
 
-def reference_layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs, max_pages) -> dict[str, np.ndarray]:
+def reference_layout(prefix_lens, new_lens, page_ids, num_tokens, num_reqs,
+                     max_pages) -> dict[str, np.ndarray]:
     """The layout one request at a time (the loop `_layout` replaced)."""
-    out = dict(positions=np.zeros(num_tokens, np.int32), token_req=np.full(num_tokens, -1, np.int32),
-               page_table=np.zeros((num_reqs, max_pages), np.int32), seq_lens=np.zeros(num_reqs, np.int32),
-               query_start=np.full(num_reqs, sum(new_lens), np.int32), query_lens=np.zeros(num_reqs, np.int32))
+    out = dict(positions=np.zeros(num_tokens, np.int32),
+               token_req=np.full(num_tokens, -1, np.int32),
+               page_table=np.zeros((num_reqs, max_pages), np.int32),
+               seq_lens=np.zeros(num_reqs, np.int32),
+               query_start=np.full(num_reqs, sum(new_lens), np.int32),
+               query_lens=np.zeros(num_reqs, np.int32))
     start = 0
     for b, (pre, new, pages) in enumerate(zip(prefix_lens, new_lens, page_ids)):
         out["positions"][start:start + new] = np.arange(pre, pre + new)
@@ -32,7 +37,8 @@ def test_metadata_arrays_match_the_per_request_layout(seed: int) -> None:
     page_size, count = 4, int(rng.integers(1, 6))
     prefix = [int(x) for x in rng.integers(0, 20, count)]
     new = [int(x) for x in rng.integers(1, 9, count)]
-    pages = [[int(p) for p in rng.integers(1, 100, -(-(a + b) // page_size))] for a, b in zip(prefix, new)]
+    pages = [[int(p) for p in rng.integers(1, 100, -(-(a + b) // page_size))]
+             for a, b in zip(prefix, new)]
     sizes = dict(num_tokens=sum(new) + 3, num_reqs=count + 2, max_pages=max(map(len, pages)) + 1)
     got = metadata_arrays(prefix, new, pages, page_size=page_size, **sizes)
     want = reference_layout(prefix, new, pages, **sizes)
@@ -53,7 +59,8 @@ def test_put_int32_keeps_names_shapes_and_values() -> None:
 
 
 def test_token_slice_equals_slicing_tokens() -> None:
-    req = Request(request_id="a", prompt=list(range(10)), params=SamplingParams(), arrival_s=0.0, output=[50, 51, 52])
+    req = Request(request_id="a", prompt=list(range(10)), params=SamplingParams(), arrival_s=0.0,
+                  output=[50, 51, 52])
     for start in range(req.num_tokens + 1):
         for end in range(start, req.num_tokens + 1):
             assert req.token_slice(start, end) == req.tokens[start:end]
@@ -61,9 +68,12 @@ def test_token_slice_equals_slicing_tokens() -> None:
 
 
 def test_model_inputs_of_a_mixed_prefill() -> None:
-    a = Request(request_id="a", prompt=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0, device_pages=[3, 4])
-    b = Request(request_id="b", prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3], device_pages=[9])
-    tokens, meta, last_index, patches = model_inputs(Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), page_size=4)
+    a = Request(request_id="a", prompt=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0,
+                device_pages=[3, 4])
+    b = Request(request_id="b", prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3],
+                device_pages=[9])
+    tokens, meta, last_index, patches = model_inputs(
+        Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), page_size=4)
     assert patches is None
     np.testing.assert_array_equal(np.asarray(tokens), [6, 7, 8, 9, 3] + [0] * 11)
     np.testing.assert_array_equal(np.asarray(last_index), [3, 4])

@@ -1,4 +1,5 @@
-"""`python -m jhicache.bench`: the JSON it writes has the documented shape, on a tiny CPU workload."""
+"""`python -m jhicache.bench`: the JSON it writes has the documented shape, on a tiny CPU
+workload."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from jhicache.async_engine import AsyncEngine
 from jhicache.sampling import SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
-TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24", "--output-length", "2",
-        "--page-size", "8", "--dtype", "float32"]
+TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24",
+        "--output-length", "2", "--page-size", "8", "--dtype", "float32"]
 
 
 def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, capsys) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out), "--plot", str(png)]
+    argv = ["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out),
+            "--plot", str(png)]
     assert bench.main(argv) == 0
     printed = capsys.readouterr()
     assert "timings only check that the bench runs" in printed.out.splitlines()[0]  # a CPU run
@@ -53,7 +55,8 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path) -> None:
     assert hit["host_hit_tokens"] == 64
     assert hit["pcie_s"] > 0 and hit["host_hit_ratio"] == pytest.approx(
         hit["host_hit_ttft_s"] / max(hit["pcie_s"], hit["device_hit_ttft_s"]))
-    assert hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0 and hit["pcie_to_host_gbps"] > 0
+    assert (hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0
+            and hit["pcie_to_host_gbps"] > 0)
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
 
 

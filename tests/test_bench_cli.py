@@ -83,7 +83,8 @@ def test_preset_takes_the_engines_spellings() -> None:
 
 
 def test_weights_must_be_a_checkpoint_directory(capsys, tmp_path) -> None:
-    assert "argument --weights:" in usage_error(capsys, ["--weights", str(tmp_path / "nonexistent")])
+    assert "argument --weights:" in usage_error(capsys,
+                                                ["--weights", str(tmp_path / "nonexistent")])
     assert "has no config.json" in usage_error(capsys, ["--weights", str(tmp_path)])
     (tmp_path / "config.json").write_text("{}")
     assert bench.parse_args(["--weights", str(tmp_path)]).weights == str(tmp_path)
@@ -113,7 +114,8 @@ def test_pages_that_the_engine_would_reject(capsys) -> None:
     assert "--page-size 8192" in usage_error(capsys, ["--page-size", "8192"])
     err = usage_error(capsys, ["--page-size", "16", "--device-kv-tokens", "31"])
     assert "--device-kv-tokens 31" in err
-    assert bench.parse_args(["--page-size", "16", "--device-kv-tokens", "32"]).device_kv_tokens == 32
+    assert bench.parse_args(["--page-size", "16",
+                             "--device-kv-tokens", "32"]).device_kv_tokens == 32
 
 
 def help_entries(text: str) -> dict[str, str]:

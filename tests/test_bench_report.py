@@ -32,8 +32,9 @@ ONE_ROUND = {"hierarchical": [(0.5, 0.25)]}
 
 
 @pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 kB"),
-                                          (1234, "1.23 kB"), (99_949, "99.9 kB"), (204_800, "205 kB"),
-                                          (999_600, "1.00 MB"), (5.2e9, "5.20 GB")])
+                                          (1234, "1.23 kB"), (99_949, "99.9 kB"),
+                                          (204_800, "205 kB"), (999_600, "1.00 MB"),
+                                          (5.2e9, "5.20 GB")])
 def test_format_bytes_picks_a_unit_that_keeps_three_digits(nbytes: float, text: str) -> None:
     assert report.format_bytes(nbytes) == text
 

@@ -1,4 +1,5 @@
-"""Engine: greedy output independent of cache mode, write policy, page size and batching; bad input."""
+"""Engine: greedy output independent of cache mode, write policy, page size and batching; bad
+input."""
 
 from __future__ import annotations
 
@@ -13,28 +14,31 @@ from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
 from tests.cache._helpers import DeferredCopier
 
-SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3, vocab_size=512, seed=7)
+SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3,
+                     vocab_size=512, seed=7)
 POOL_TOKENS = 384  # working set is 657 tokens: eviction, write-back and load-back must all happen
 
 
 @functools.cache
 def _model():
-    # Untied head: with a tied random head, greedy decoding just echoes the last token. Three layers:
-    # the layer-split forward and segment loads then run a one-layer and a two-layer group.
-    config = dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False, num_hidden_layers=3)
+    # Untied head: with a tied random head, greedy decoding just echoes the last token. Three
+    # layers: the layer-split forward and segment loads then run a one-layer and a two-layer group.
+    config = dataclasses.replace(preset_config("tiny"), tie_word_embeddings=False,
+                                 num_hidden_layers=3)
     return init_random(config, seed=1)
 
 
 def make_engine(**overrides) -> Engine:
-    config = dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32", load_back_threshold=1,
-                  check_invariants_every_step=True, max_running_requests=8)
+    config = dict(page_size=16, device_kv_tokens=POOL_TOKENS, dtype="float32",
+                  load_back_threshold=1, check_invariants_every_step=True, max_running_requests=8)
     return Engine(_model(), EngineConfig(**{**config, **overrides}))
 
 
 def run_chats(engine: Engine, spec: MultiTurnSpec = SPEC) -> list[list[int]]:
     chats = MultiTurnChats(spec)
     for _ in range(spec.num_rounds):
-        outputs = engine.generate(chats.prompts(), SamplingParams(max_new_tokens=spec.output_length))
+        outputs = engine.generate(chats.prompts(),
+                                  SamplingParams(max_new_tokens=spec.output_length))
         chats.extend([o.token_ids for o in outputs])
     return chats.histories
 
@@ -53,7 +57,8 @@ def assert_idle_and_consistent(engine: Engine) -> None:
 
 
 def assert_matches_no_cache_with_transfers(engine: Engine) -> None:
-    """Greedy histories equal cache-off ones, and eviction, write-back and load-back all happened."""
+    """Greedy histories equal cache-off ones, and eviction, write-back and load-back all
+    happened."""
     assert run_chats(engine) == reference_histories()
     stats = engine.stats()
     assert stats.evicted_device_tokens > 0
@@ -106,7 +111,8 @@ def test_decode_pressure_retracts_and_requeues() -> None:
     engine = make_engine(device_kv_tokens=96, page_size=16, cache_mode="hierarchical")
     prompts = [[(7 * i + j) % 500 for j in range(40)] for i in range(3)]
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=30))
-    alone = [make_engine(device_kv_tokens=96).generate([p], SamplingParams(max_new_tokens=30))[0] for p in prompts]
+    alone = [make_engine(device_kv_tokens=96).generate([p], SamplingParams(max_new_tokens=30))[0]
+             for p in prompts]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
     assert engine.stats().retracted_requests > 0
     assert_idle_and_consistent(engine)
@@ -140,8 +146,10 @@ def test_outputs_report_prompt_and_finish() -> None:
     assert out.prompt_len == 5 and len(out.token_ids) == 4 and out.finish_reason == "length"
     assert out.ttft_s > 0
     stop_id = out.token_ids[1]
-    stop = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=4, stop_token_ids=(stop_id,)))[0]
-    assert stop.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1] and stop.finish_reason == "stop"
+    stop = engine.generate([[3, 1, 4, 1, 5]],
+                           SamplingParams(max_new_tokens=4, stop_token_ids=(stop_id,)))[0]
+    assert (stop.token_ids == out.token_ids[: out.token_ids.index(stop_id) + 1]
+            and stop.finish_reason == "stop")
 
 
 def test_config_rejects_invalid_values() -> None:
@@ -172,7 +180,8 @@ def test_gpu_bfloat16_engine_serves_with_all_transfers() -> None:
 def test_hierarchical_serves_every_reusable_page_under_pressure() -> None:
     """With a host tier big enough for the working set, each round hits every full page of the
     previous turn's KV (prompt + output but the last token), however small the device pool."""
-    spec = MultiTurnSpec(num_clients=4, num_rounds=3, request_length=48, output_length=4, vocab_size=512, seed=3)
+    spec = MultiTurnSpec(num_clients=4, num_rounds=3, request_length=48, output_length=4,
+                         vocab_size=512, seed=3)
     engine = make_engine(device_kv_tokens=368, host_kv_tokens=4096)
     chats, page = MultiTurnChats(spec), engine.config.page_size
     for round_index in range(spec.num_rounds):
@@ -195,7 +204,8 @@ def test_slow_write_back_copies_do_not_stall_admission(monkeypatch: pytest.Monke
     first, other, third = list(range(1, 25)), list(range(100, 124)), list(range(300, 324))
     engine.generate([first], SamplingParams(max_new_tokens=1))
     engine.generate([other], SamplingParams(max_new_tokens=1))  # evicts `first` to host
-    outs = engine.generate([first + [7, 7, 7, 7], third], [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)])
+    outs = engine.generate([first + [7, 7, 7, 7], third],
+                           [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)])
     assert outs[0].host_hit_tokens == 24
     assert_idle_and_consistent(engine)
 
@@ -203,11 +213,13 @@ def test_slow_write_back_copies_do_not_stall_admission(monkeypatch: pytest.Monke
 def test_load_back_never_strands_its_own_first_chunk() -> None:
     """The quota is computed with the request's device prefix locked, so a load that passes it
     leaves room for the first chunk: the admission that loaded is the one that runs."""
-    engine = make_engine(page_size=4, device_kv_tokens=64, host_kv_tokens=256, max_running_requests=4)
+    engine = make_engine(page_size=4, device_kv_tokens=64, host_kv_tokens=256,
+                         max_running_requests=4)
     x, y, z = list(range(1, 17)), list(range(20, 36)), list(range(40, 56))
     for prompt in (x + y + [9], x + z + [9], list(range(100, 124))):  # the last pushes y to host
         engine.generate([prompt], SamplingParams(max_new_tokens=1))
-    outs = engine.generate([list(range(200, 212)), x + y + list(range(60, 82))], SamplingParams(max_new_tokens=1))
+    outs = engine.generate([list(range(200, 212)), x + y + list(range(60, 82))],
+                           SamplingParams(max_new_tokens=1))
     assert (outs[1].device_hit_tokens, outs[1].host_hit_tokens) == (16, 16)
     assert engine.stats().load_back_ops == 1
     assert_idle_and_consistent(engine)

@@ -72,7 +72,8 @@ def test_sampling_params_take_numpy_values_as_python_ones() -> None:
                        seed=np.uint64(2**62), stop_token_ids=np.array([7, 8]))
     assert (p.max_new_tokens, p.top_k, p.seed, p.stop_token_ids) == (3, 4, 2**62, (7, 8))
     assert all(type(v) is int for v in (p.max_new_tokens, p.top_k, p.seed, *p.stop_token_ids))
-    assert make_engine().generate([[1, 2, 3]], SamplingParams(max_new_tokens=np.int64(3)))[0].token_ids
+    assert make_engine().generate([[1, 2, 3]],
+                                  SamplingParams(max_new_tokens=np.int64(3)))[0].token_ids
 
 
 def test_stop_token_beyond_the_vocabulary_is_refused() -> None:
@@ -146,7 +147,8 @@ def test_a_failed_call_drops_its_requests_and_keeps_the_cache(where: str, error:
                                                              mode: str) -> None:
     engine = make_engine(cache_mode=mode)
     engine.generate([PREFIX], GREEDY)
-    owner = {"runner": engine.runner, "scheduler": engine.scheduler, "commit": engine.scheduler}[where]
+    owner = {"runner": engine.runner, "scheduler": engine.scheduler,
+             "commit": engine.scheduler}[where]
     name = {"runner": "run", "scheduler": "schedule", "commit": "commit"}[where]
     setattr(owner, name, _FailOnce(getattr(owner, name), at=3, error=error))
     prompts = [PREFIX + [11, 12, 13], list(range(100, 150)), list(range(200, 230))]
@@ -170,7 +172,8 @@ def test_threads_share_one_engine_one_call_at_a_time() -> None:
     def client(t: int) -> None:
         try:
             for _ in range(3):
-                results[t] = engine.generate(prompts[t], SamplingParams(max_new_tokens=8))[0].token_ids
+                results[t] = engine.generate(prompts[t],
+                                             SamplingParams(max_new_tokens=8))[0].token_ids
         except BaseException as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
@@ -218,7 +221,8 @@ def test_engine_config_page_rounding_is_refused_with_the_nearest_sizes() -> None
 
 
 def test_engine_config_takes_numpy_ints_and_a_fractional_ratio() -> None:
-    config = EngineConfig(page_size=np.int64(16), device_kv_tokens=np.int32(64), host_to_device_ratio=1.5)
+    config = EngineConfig(page_size=np.int64(16), device_kv_tokens=np.int32(64),
+                          host_to_device_ratio=1.5)
     assert type(config.page_size) is int and type(config.device_kv_tokens) is int
     assert config.host_tokens_for(64) == 96
 

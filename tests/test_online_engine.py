@@ -7,7 +7,12 @@ import pytest
 from jhicache import Engine, RequestOutput, SamplingParams
 from jhicache.request import RequestStatus
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
-from tests.test_engine import assert_idle_and_consistent, deferred_copies, make_engine, reference_histories
+from tests.test_engine import (
+    assert_idle_and_consistent,
+    deferred_copies,
+    make_engine,
+    reference_histories,
+)
 
 GREEDY = SamplingParams(max_new_tokens=5)
 
@@ -41,11 +46,13 @@ def run_chats_sampled(engine: Engine, spec: MultiTurnSpec) -> list[list[int]]:
 @pytest.mark.parametrize("mode,policy", [("off", "write_back"), ("device", "write_back"),
                                          ("hierarchical", "write_back"),
                                          ("hierarchical", "write_through_selective")])
-def test_lock_step_loop_matches_the_overlapped_reference(mode: str, policy: str, page_size: int) -> None:
+def test_lock_step_loop_matches_the_overlapped_reference(mode: str, policy: str,
+                                                         page_size: int) -> None:
     """reference_histories() run with overlap on (the default); the lock-step loop agrees."""
     from tests.test_engine import run_chats
 
-    engine = make_engine(cache_mode=mode, write_policy=policy, page_size=page_size, overlap_schedule=False)
+    engine = make_engine(cache_mode=mode, write_policy=policy, page_size=page_size,
+                         overlap_schedule=False)
     assert run_chats(engine) == reference_histories()
     if mode == "hierarchical":
         stats = engine.stats()
@@ -55,15 +62,19 @@ def test_lock_step_loop_matches_the_overlapped_reference(mode: str, policy: str,
 
 @pytest.mark.parametrize("mode", ["off", "device", "hierarchical"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_seeded_sampling_with_stops_is_identical_with_overlap_on_and_off(mode: str, page_size: int) -> None:
-    spec = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=60, output_length=6, vocab_size=512, seed=5)
-    runs = [run_chats_sampled(make_engine(cache_mode=mode, page_size=page_size, overlap_schedule=overlap), spec)
+def test_seeded_sampling_with_stops_is_identical_with_overlap_on_and_off(mode: str,
+                                                                         page_size: int) -> None:
+    spec = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=60, output_length=6,
+                         vocab_size=512, seed=5)
+    runs = [run_chats_sampled(make_engine(cache_mode=mode, page_size=page_size,
+                                          overlap_schedule=overlap), spec)
             for overlap in (False, True)]
     assert runs[0] == runs[1]
 
 
 def test_stop_token_ends_output_under_overlap_and_frees_what_was_computed_beyond() -> None:
-    reference = make_engine(overlap_schedule=False).generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=8))[0]
+    reference = make_engine(overlap_schedule=False).generate([[3, 1, 4, 1, 5]],
+                                                             SamplingParams(max_new_tokens=8))[0]
     stop = reference.token_ids[2]
     params = SamplingParams(max_new_tokens=8, stop_token_ids=[stop])
     for overlap in (False, True):
@@ -106,7 +117,8 @@ def test_request_ids_are_the_callers_and_unique() -> None:
         engine.add_request([4, 5, 6], GREEDY, request_id=7)
     outs = settle(engine)
     assert {o.request_id for o in outs} == {"chat-1"}
-    assert engine.add_request([4, 5, 6], GREEDY, request_id="chat-1") == "chat-1"  # finished: free again
+    # finished: free again
+    assert engine.add_request([4, 5, 6], GREEDY, request_id="chat-1") == "chat-1"
     settle(engine)
 
 
@@ -126,7 +138,8 @@ def test_add_request_refuses_what_generate_refuses(prompt, params, message: str)
     with pytest.raises(ValueError, match=message):
         engine.generate([prompt], params)
     assert not engine.has_unfinished()
-    assert engine.generate([[1, 2, 3]], GREEDY)[0].token_ids == make_engine().generate([[1, 2, 3]], GREEDY)[0].token_ids
+    assert (engine.generate([[1, 2, 3]], GREEDY)[0].token_ids
+            == make_engine().generate([[1, 2, 3]], GREEDY)[0].token_ids)
 
 
 # ---- abort -------------------------------------------------------------------------------
@@ -142,11 +155,12 @@ def _step_until(engine: Engine, request_id: str, condition) -> None:
 
 def _host_hit_engine(overlap: bool, **overrides: object) -> tuple[Engine, list[int]]:
     """An engine whose 64-token prefix lives only on host."""
-    engine = make_engine(page_size=16, device_kv_tokens=128, host_kv_tokens=1024, overlap_schedule=overlap,
-                         **overrides)
+    engine = make_engine(page_size=16, device_kv_tokens=128, host_kv_tokens=1024,
+                         overlap_schedule=overlap, **overrides)
     prefix = list(range(100, 164))
     engine.generate([prefix], SamplingParams(max_new_tokens=1))
-    engine.generate([list(range(200, 290))], SamplingParams(max_new_tokens=1))  # pushes the prefix out
+    # pushes the prefix out
+    engine.generate([list(range(200, 290))], SamplingParams(max_new_tokens=1))
     assert engine.stats().evicted_device_tokens >= 48
     return engine, prefix
 
@@ -156,7 +170,8 @@ STAGES = ["waiting", "loading", "prefilling", "decoding"]
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("stage", STAGES)
-def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str, overlap: bool) -> None:
+def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
+                                                                     overlap: bool) -> None:
     if stage == "loading":
         engine, prefix = _host_hit_engine(overlap)
         rid = engine.add_request(prefix + [1, 2, 3], SamplingParams(max_new_tokens=20))
@@ -166,7 +181,8 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
         engine = make_engine(chunked_prefill_tokens=32, overlap_schedule=overlap)
         rid = engine.add_request(list(range(10, 110)), SamplingParams(max_new_tokens=20))
         if stage == "prefilling":
-            _step_until(engine, rid, lambda r: r.status is RequestStatus.PREFILLING and r.cached_len > 0)
+            _step_until(engine, rid,
+                        lambda r: r.status is RequestStatus.PREFILLING and r.cached_len > 0)
         elif stage == "decoding":
             _step_until(engine, rid, lambda r: len(r.output) >= 2)
     other = engine.add_request([7, 8, 9, 10], GREEDY)
@@ -175,7 +191,8 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
     engine.check_invariants()
     assert engine.abort(rid) is False  # already gone
     outs = {o.request_id: o for o in settle(engine) if o.finished}
-    assert rid not in outs and outs[other].token_ids == make_engine().generate([[7, 8, 9, 10]], GREEDY)[0].token_ids
+    assert rid not in outs and (outs[other].token_ids
+                                == make_engine().generate([[7, 8, 9, 10]], GREEDY)[0].token_ids)
     assert_idle_and_consistent(engine)
     after = engine.generate([list(range(10, 60))], GREEDY)[0]
     assert after.token_ids == make_engine().generate([list(range(10, 60))], GREEDY)[0].token_ids
@@ -183,7 +200,8 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_abort_while_its_copies_are_still_in_flight(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_abort_while_its_copies_are_still_in_flight(overlap: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The load's copies run only when waited for: aborting its request leaves them in flight,
     and they finish safely (its pages stay locked until they do)."""
     deferred_copies(monkeypatch)
@@ -233,7 +251,8 @@ def test_aborted_decode_keeps_its_computed_pages_in_the_cache() -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_overlap_feeds_decode_tokens_from_the_device(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overlap_feeds_decode_tokens_from_the_device(overlap: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """With overlap on, decode steps are planned before the previous step's tokens are read:
     their input tokens come from its sampled array on the device."""
     import jhicache.engine as engine_module

@@ -1,4 +1,5 @@
-"""The distribution claims one import name, `jhicache`; a user's own `models` package still works."""
+"""The distribution claims one import name, `jhicache`; a user's own `models` package still
+works."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _user_project(tmp_path: Path) -> Path:
 
 
 def _run(code: str, cwd: Path, pythonpath: list[Path]) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath)),
+           "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -42,21 +44,22 @@ def _run(code: str, cwd: Path, pythonpath: list[Path]) -> str:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
+                    str(ROOT)], check=True, capture_output=True, timeout=600)
     return next(out.glob("jhicache-*.whl"))
 
 
 def test_wheel_installs_only_the_jhicache_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"jhicache", wheel.name.split("-py")[0] + ".dist-info"}
+    assert {n.split("/")[0] for n in names} == {"jhicache",
+                                                wheel.name.split("-py")[0] + ".dist-info"}
     assert "jhicache/models/qwen2.py" in names and "jhicache/pallas_kernels/page_copy.py" in names
 
 
 def test_installed_wheel_beside_a_user_models_package(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                    str(wheel)], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, timeout=600)
     project = _user_project(tmp_path)
     where = str(target / "jhicache" / "models")
     assert _run(USER_CHECK.format(where=where), project, [project, target]).strip() == "ok"

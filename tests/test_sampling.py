@@ -25,13 +25,15 @@ def test_greedy_and_filters_that_leave_one_token_pick_the_argmax() -> None:
 def test_top_k_samples_only_among_the_k_largest_and_is_seeded() -> None:
     logits = np.random.default_rng(1).normal(size=(1, 50)).astype(np.float32)
     allowed = set(np.argsort(-logits[0])[:3].tolist())
-    seen = {int(_sample(logits, [SamplingParams(temperature=1.0, top_k=3, seed=s)])[0]) for s in range(40)}
+    seen = {int(_sample(logits, [SamplingParams(temperature=1.0, top_k=3, seed=s)])[0])
+            for s in range(40)}
     assert seen <= allowed and len(seen) > 1
     p = [SamplingParams(temperature=1.0, seed=7)]
     assert _sample(logits, p, step=3)[0] == _sample(logits, p, step=3)[0]
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0)])
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0),
+                                 dict(top_p=0.0)])
 def test_invalid_params_raise(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -23,7 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from jhicache import Engine, SamplingParams
 from jhicache.serve.tokenizer import Tokenizer
-from tests.serve_support import ENGINE_CONFIG, POOL_TOKENS, ServerThread, start_server, write_checkpoint
+from tests.serve_support import (
+    ENGINE_CONFIG,
+    POOL_TOKENS,
+    ServerThread,
+    start_server,
+    write_checkpoint,
+)
 
 MODEL = "tiny-test"
 TIMEOUT_S = 120.0
@@ -409,7 +415,8 @@ def test_bad_requests_get_openai_style_400(http: httpx.Client, path: str, body: 
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
     # the server keeps serving, with nothing left queued
-    ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    ok = http.post("/generate",
+                   json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200
 
 

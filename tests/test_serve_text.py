@@ -74,7 +74,8 @@ def test_chat_template_and_eos(tokenizer: Tokenizer):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
-    assert tokenizer.eos_token_ids == tuple(tokenizer.encode("<|im_end|>", add_special_tokens=False))
+    assert tokenizer.eos_token_ids == tuple(tokenizer.encode("<|im_end|>",
+                                                             add_special_tokens=False))
 
 
 def test_chat_template_raise_exception(tmp_path: Path):

@@ -22,8 +22,8 @@ def _run_check(name: str) -> subprocess.CompletedProcess:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-m", "tests.tensor_parallel_checks", name], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "tests.tensor_parallel_checks", name], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

@@ -11,8 +11,8 @@ from jhicache.cache.tiered_cache import TieredCache
 from jhicache.cache.transfer import TransferController, TransferKind, TransferOp
 
 __all__ = [
-    "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool", "InsertResult",
-    "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator", "PagePool", "PoolLayout",
-    "RadixTree", "TieredCache", "TransferController", "TransferKind", "TransferOp",
-    "check_invariants", "layer_groups", "make_copier",
+    "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool",
+    "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator",
+    "PagePool", "PoolLayout", "RadixTree", "TieredCache", "TransferController", "TransferKind",
+    "TransferOp", "check_invariants", "layer_groups", "make_copier",
 ]

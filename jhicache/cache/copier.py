@@ -43,8 +43,10 @@ class Copier:
 
     synchronous = True  # copies have finished when `copy` returns
 
-    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
-        """Queues `srcs[i] -> dsts[i]` (`sizes[i]` bytes each) behind everything queued in `direction`."""
+    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
+             sizes: np.ndarray) -> None:
+        """Queues `srcs[i] -> dsts[i]` (`sizes[i]` bytes each) behind everything queued in
+        `direction`."""
         raise NotImplementedError
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
@@ -71,7 +73,8 @@ class Copier:
 class HostCopier(Copier):
     """memmove at once: for the CPU backend, where device buffers live in host memory."""
 
-    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
+             sizes: np.ndarray) -> None:
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             ctypes.memmove(dst, src, size)
 
@@ -85,11 +88,14 @@ class CudaCopier(Copier):
     def __init__(self, driver: CudaDriver) -> None:
         self.driver = driver
         least, greatest = driver.priority_range()
-        self._streams = {Direction.TO_DEVICE: driver.stream(greatest), Direction.TO_HOST: driver.stream(least)}
+        self._streams = {Direction.TO_DEVICE: driver.stream(greatest),
+                         Direction.TO_HOST: driver.stream(least)}
         self._spare: dict[bool, list[int]] = {False: [], True: []}  # retired events, by timing
 
-    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
-        self.driver.copy(dsts, srcs, sizes, self._streams[direction], direction is Direction.TO_DEVICE)
+    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
+             sizes: np.ndarray) -> None:
+        self.driver.copy(dsts, srcs, sizes, self._streams[direction],
+                         direction is Direction.TO_DEVICE)
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         spare = self._spare[timed]
@@ -149,7 +155,8 @@ class ShardedCopier(Copier):
         self.copiers = tuple(copiers)
         self.synchronous = all(c.synchronous for c in copiers)
 
-    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+    def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
+             sizes: np.ndarray) -> None:
         """`dsts`, `srcs`: [shards, n] addresses, row i on device i; `sizes`: [n], every shard's."""
         for copier, dst, src in zip(self.copiers, dsts, srcs, strict=True):
             copier.copy(direction, dst, src, sizes)

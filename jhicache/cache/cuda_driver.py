@@ -56,13 +56,15 @@ class CudaDriver:
     used from one thread. XLA leaves whichever device's context it used last current on the
     calling thread, so a context set once may have been replaced by another device's."""
 
-    def __init__(self, lib: ctypes.CDLL, device_ordinal: int = 0, always_bind: bool = False) -> None:
+    def __init__(self, lib: ctypes.CDLL, device_ordinal: int = 0,
+                 always_bind: bool = False) -> None:
         self._lib = lib
         self._check("cuInit", lib.cuInit(0))
         device = ctypes.c_int()
         self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(device), device_ordinal))
         self._ctx = ctypes.c_void_p()
-        self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), device))
+        self._check("cuDevicePrimaryCtxRetain",
+                    lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), device))
         self._always_bind = always_bind
         self._bound = threading.local()  # a context is current per thread: bind it once in each
         self._batch = self._batch_function()
@@ -129,7 +131,8 @@ class CudaDriver:
 
     def record(self, event: int, stream: int) -> None:
         self._bind()
-        self._check("cuEventRecord", self._lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)))
+        self._check("cuEventRecord",
+                    self._lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)))
 
     def query(self, event: int) -> bool:
         """Non-blocking: has everything before the event's record finished?"""
@@ -154,7 +157,8 @@ class CudaDriver:
         """Milliseconds between two completed timing events."""
         ms = ctypes.c_float()
         fn = getattr(self._lib, "cuEventElapsedTime_v2", None) or self._lib.cuEventElapsedTime
-        self._check("cuEventElapsedTime", fn(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)))
+        self._check("cuEventElapsedTime",
+                    fn(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)))
         return ms.value
 
     def destroy_event(self, event: int) -> None:
@@ -202,8 +206,9 @@ class CudaDriver:
         """cuMemHostAlloc: pinned memory allocated by the driver (compared against register)."""
         self._bind()
         ptr = ctypes.c_void_p()
-        self._check("cuMemHostAlloc", self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
-                                                               _HOST_REGISTER_PORTABLE))
+        self._check("cuMemHostAlloc",
+                    self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                                             _HOST_REGISTER_PORTABLE))
         return ptr.value or 0
 
     def free_host(self, address: int) -> None:

@@ -1,4 +1,5 @@
-"""DevicePool: the per-layer K/V page arrays in device memory (HBM); page 0 is a reserved padding sink.
+"""DevicePool: the per-layer K/V page arrays in device memory (HBM); page 0 is a reserved padding
+sink.
 
 Also defines `PoolLayout`, the page geometry both tiers share. The pool only holds arrays:
 kernels and the transfer controller read the current arrays, return new ones (donation) and
@@ -19,7 +20,8 @@ RESERVED_PAGES = 1  # device page 0: padded tokens write there; never handed out
 
 @dataclasses.dataclass(frozen=True)
 class PoolLayout:
-    """Geometry of one tier: `num_layers` K and V arrays of [num_pages, page_size, heads, head_dim]."""
+    """Geometry of one tier: `num_layers` K and V arrays of [num_pages, page_size, heads,
+    head_dim]."""
 
     num_layers: int
     num_pages: int
@@ -40,7 +42,8 @@ class PoolLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers, K and V."""
-        per_layer = self.page_size * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        per_layer = (self.page_size * self.num_kv_heads * self.head_dim
+                     * jnp.dtype(self.dtype).itemsize)
         return 2 * self.num_layers * per_layer
 
     def same_page_shape(self, other: PoolLayout) -> bool:
@@ -53,13 +56,15 @@ class PagePool:
     `sharding` (every device then holds its shard of every page, under the same page ids)."""
 
     def __init__(self, layout: PoolLayout, device: jax.Device | None = None,
-                 memory_kind: str = "device", sharding: jax.sharding.Sharding | None = None) -> None:
+                 memory_kind: str = "device",
+                 sharding: jax.sharding.Sharding | None = None) -> None:
         self.layout = layout
         self.device = device if device is not None else jax.devices()[0]
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
         self.sharding = sharding
-        zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype), out_shardings=self.sharding)
+        zeros = jax.jit(lambda: jnp.zeros(layout.page_shape, layout.dtype),
+                        out_shardings=self.sharding)
         self.k: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
         self.v: list[jax.Array] = [zeros() for _ in range(layout.num_layers)]
         # The devices holding each shard, in KV-head order: shard i (heads i*h..(i+1)*h) is on
@@ -76,7 +81,8 @@ class PagePool:
     def set_layer(self, layer: int, k: jax.Array, v: jax.Array) -> None:
         """Stores the newest K/V arrays of `layer` (after a kernel donated the old ones)."""
         if k.shape != self.layout.page_shape or v.shape != self.layout.page_shape:
-            raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != {self.layout.page_shape}")
+            raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != "
+                             f"{self.layout.page_shape}")
         self.k[layer], self.v[layer] = k, v
 
     @property
@@ -96,7 +102,8 @@ class PagePool:
         returned it resharded or gathered): what an invariant check reports."""
         ndim = len(self.layout.page_shape)
         return [layer for layer in range(self.num_layers)
-                if not all(a.sharding.is_equivalent_to(self.sharding, ndim) for a in (self.k[layer], self.v[layer]))]
+                if not all(a.sharding.is_equivalent_to(self.sharding, ndim)
+                           for a in (self.k[layer], self.v[layer]))]
 
     def read_pages(self, layer: int, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Copies `pages` of one layer to numpy (tests and debugging; blocks)."""
@@ -110,7 +117,8 @@ def _shard_devices(pages: jax.Array) -> tuple[jax.Device, ...]:
     shards = sorted(pages.addressable_shards, key=lambda s: s.index[2].start or 0)
     starts = [s.index[2].start or 0 for s in shards]
     if len(set(starts)) != len(starts) or len(shards) != len(pages.sharding.device_set):
-        raise ValueError(f"a page pool must be split on its heads, one distinct shard per device: {pages.sharding}")
+        raise ValueError("a page pool must be split on its heads, one distinct shard per device: "
+                         f"{pages.sharding}")
     return tuple(s.device for s in shards)
 
 

@@ -35,7 +35,8 @@ class HostMemory:
     several threads (ctypes releases the GIL during memset) and then registering the range
     pins the same memory in a fraction of the time (BENCHMARKS.md has the figures)."""
 
-    def __init__(self, nbytes: int, driver: CudaDriver | None = None, threads: int | None = None) -> None:
+    def __init__(self, nbytes: int, driver: CudaDriver | None = None,
+                 threads: int | None = None) -> None:
         if nbytes < 1:
             raise ValueError(f"nbytes={nbytes}: expected >= 1")
         self.nbytes = nbytes
@@ -71,5 +72,6 @@ def _touch(address: int, nbytes: int, threads: int) -> None:
     """Faults every page in, `threads` chunks at a time."""
     starts = range(0, nbytes, _TOUCH_CHUNK)
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        for _ in pool.map(lambda s: ctypes.memset(address + s, 0, min(_TOUCH_CHUNK, nbytes - s)), starts):
+        for _ in pool.map(lambda s: ctypes.memset(address + s, 0, min(_TOUCH_CHUNK, nbytes - s)),
+                          starts):
             pass

@@ -28,7 +28,8 @@ class HostPool:
     Why a block per device rather than one allocation cut up: each is pinned through its own
     device's context, and a block is the natural unit to place near its GPU's NUMA node."""
 
-    def __init__(self, layout: PoolLayout, drivers: Sequence[CudaDriver] = (), shards: int = 1) -> None:
+    def __init__(self, layout: PoolLayout, drivers: Sequence[CudaDriver] = (),
+                 shards: int = 1) -> None:
         if shards < 1 or layout.num_kv_heads % shards:
             raise ValueError(f"shards={shards} must divide num_kv_heads={layout.num_kv_heads}")
         if drivers and len(drivers) != shards:
@@ -36,7 +37,8 @@ class HostPool:
         self.layout, self.shards = layout, shards
         self.layer_page_bytes = layout.page_bytes // (2 * layout.num_layers) // shards
         block_bytes = layout.page_bytes // shards * layout.num_pages
-        self.blocks = [HostMemory(block_bytes, drivers[i] if drivers else None) for i in range(shards)]
+        self.blocks = [HostMemory(block_bytes, drivers[i] if drivers else None)
+                       for i in range(shards)]
         self.base = np.asarray([b.address for b in self.blocks], np.uint64)[:, None]  # [shards, 1]
 
     @property
@@ -52,11 +54,13 @@ class HostPool:
         return all(b.pinned for b in self.blocks)
 
     def addresses(self, layer: int, kv: int, pages: np.ndarray) -> np.ndarray:
-        """[shards, len(pages)] uint64 addresses of `pages` (int array) of one layer's K (kv=0) or V."""
+        """[shards, len(pages)] uint64 addresses of `pages` (int array) of one layer's K (kv=0) or
+        V."""
         return self.base + self._offsets(np.uint64(layer * 2 + kv), pages)
 
     def layer_addresses(self, kv: int, pages: np.ndarray) -> np.ndarray:
-        """[shards, layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or V."""
+        """[shards, layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or
+        V."""
         layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
         return self.base[:, :, None] + self._offsets(layers * 2 + kv, pages)
 
@@ -67,8 +71,9 @@ class HostPool:
     def view(self) -> np.ndarray:
         """The pool as a [layers, 2, pages, page_size, heads, head_dim] array (tests, debugging):
         a view for one shard, the shards' heads concatenated (a copy) for several."""
-        layers, pages, size, heads, dim = (self.num_layers, self.layout.num_pages, self.layout.page_size,
-                                           self.layout.num_kv_heads, self.layout.head_dim)
+        layers, pages, size, heads, dim = (self.num_layers, self.layout.num_pages,
+                                           self.layout.page_size, self.layout.num_kv_heads,
+                                           self.layout.head_dim)
         dtype = jnp.dtype(self.layout.dtype)
         views = [b.array.view(dtype).reshape(layers, 2, pages, size, heads // self.shards, dim)
                  for b in self.blocks]

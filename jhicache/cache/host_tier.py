@@ -1,4 +1,5 @@
-"""HostTier: the cache's pinned-host pages: allocation, LRU eviction of host-only leaves, release."""
+"""HostTier: the cache's pinned-host pages: allocation, LRU eviction of host-only leaves,
+release."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ class HostTier:
                  stats: dict[str, int]) -> None:
         self.pool, self.tree, self.controller, self._stats = pool, tree, controller, stats
         self.alloc = PageAllocator(pool.layout.num_pages)
-        self.pinned: set[Node] = set()  # host-only nodes a load-back is about to read: never evicted
+        # host-only nodes a load-back is about to read: never evicted
+        self.pinned: set[Node] = set()
 
     def alloc_pages(self, n_pages: int) -> list[int] | None:
-        """`n_pages` host pages, evicting host-only leaves if needed; None when that cannot cover them."""
+        """`n_pages` host pages, evicting host-only leaves if needed; None when that cannot cover
+        them."""
         short = n_pages - self.alloc.num_free
         if short > 0:
             if short > self.evictable_pages():
@@ -34,7 +37,8 @@ class HostTier:
         return self.tree.host_only_pages() - pinned
 
     def evict(self, n_pages: int) -> int:
-        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages freed."""
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages
+        freed."""
         heap = [(n.last_access, n.node_id, n) for n in self.tree.host_eviction_candidates()]
         heapq.heapify(heap)
         freed: list[int] = []

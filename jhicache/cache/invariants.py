@@ -28,8 +28,10 @@ def _check_tier(name: str, alloc: PageAllocator, owners: dict[str, list[int]]) -
     seen: dict[int, str] = {p: "free list" for p in alloc.free_pages()}
     for owner, pages in owners.items():
         for page in pages:
-            _check(alloc.first_page <= page < alloc.num_pages, f"{name} page {page} of {owner} out of range")
-            _check(page not in seen, f"{name} page {page} owned twice: {seen.get(page)} and {owner}")
+            _check(alloc.first_page <= page < alloc.num_pages,
+                   f"{name} page {page} of {owner} out of range")
+            _check(page not in seen,
+                   f"{name} page {page} owned twice: {seen.get(page)} and {owner}")
             seen[page] = owner
     missing = set(range(alloc.first_page, alloc.num_pages)) - seen.keys()
     _check(not missing, f"{name} pages leaked (no owner): {sorted(missing)[:10]}")
@@ -38,7 +40,8 @@ def _check_tier(name: str, alloc: PageAllocator, owners: dict[str, list[int]]) -
 def _check_node(tree: RadixTree, node: Node) -> None:
     n_pages = len(node.key) // tree.page_size
     _check(len(node.key) > 0 and len(node.key) % tree.page_size == 0, f"unaligned key in {node}")
-    _check(node.device_pages is not None or node.host_pages is not None, f"node with no pages: {node}")
+    _check(node.device_pages is not None or node.host_pages is not None,
+           f"node with no pages: {node}")
     for pages in (node.device_pages, node.host_pages):
         _check(pages is None or len(pages) == n_pages, f"page count != key pages in {node}")
     parent = node.parent
@@ -48,12 +51,15 @@ def _check_node(tree: RadixTree, node: Node) -> None:
     if node.device_pages is not None:
         _check(parent.device_pages is not None, f"on-device node under a host-only parent: {node}")
     _check(node.lock_count >= 0, f"negative lock count: {node}")
-    _check(node.lock_count == 0 or node.device_pages is not None, f"locked node not on device: {node}")
-    _check(parent is tree.root or parent.lock_count >= node.lock_count, f"lock not on ancestors: {node}")
+    _check(node.lock_count == 0 or node.device_pages is not None,
+           f"locked node not on device: {node}")
+    _check(parent is tree.root or parent.lock_count >= node.lock_count,
+           f"lock not on ancestors: {node}")
 
 
 def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: PageAllocator | None,
-                     extra_device_pages: Iterable[int] = (), extra_host_pages: Iterable[int] = ()) -> None:
+                     extra_device_pages: Iterable[int] = (),
+                     extra_host_pages: Iterable[int] = ()) -> None:
     """Raises InvariantError on the first violated invariant."""
     device: dict[str, list[int]] = {"requests": list(extra_device_pages)}
     host: dict[str, list[int]] = {"requests": list(extra_host_pages)}

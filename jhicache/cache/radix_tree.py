@@ -170,12 +170,14 @@ class RadixTree:
                 node.hit_count += 1
                 touched.append(node)
             else:
-                self._set_device(node, list(device_pages[pos // self.page_size:(pos + n) // self.page_size]))
+                self._set_device(node, list(device_pages[pos // self.page_size:
+                                                         (pos + n) // self.page_size]))
                 adopted += n
             pos += n
         end = prefix_len + adopted
         if end < len(tokens):
-            node = self._add_leaf(node, tuple(tokens[end:]), list(device_pages[end // self.page_size:]))
+            node = self._add_leaf(node, tuple(tokens[end:]),
+                                  list(device_pages[end // self.page_size:]))
             touched.append(node)
         return InsertResult(prefix_len, adopted, node, touched)
 
@@ -229,7 +231,8 @@ class RadixTree:
 
     def detach_device_pages(self, node: Node) -> list[int]:
         """Drops the device copy of an unlocked device leaf that has a host copy."""
-        assert node.lock_count == 0 and node.host_pages is not None and node.device_pages is not None
+        assert (node.lock_count == 0 and node.host_pages is not None
+                and node.device_pages is not None)
         assert not any(c.device_pages is not None for c in node.children.values())
         pages, node.device_pages = node.device_pages, None
         self.evictable_pages -= len(pages)

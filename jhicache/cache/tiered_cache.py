@@ -46,12 +46,14 @@ class TieredCache:
                  policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
                  write_through_threshold: int = 2, copier: Copier | None = None) -> None:
         if page_size != device_pool.layout.page_size:
-            raise ValueError(f"page_size {page_size} != device pool's {device_pool.layout.page_size}")
+            raise ValueError(f"page_size {page_size} != device pool's "
+                             f"{device_pool.layout.page_size}")
         if write_through_threshold < 1 or load_back_threshold < 0:
             raise ValueError("write_through_threshold must be >= 1, load_back_threshold >= 0")
         self.page_size, self.policy = page_size, WritePolicy(policy)
         self.load_back_threshold = load_back_threshold
-        self.write_threshold = 1 if self.policy is WritePolicy.WRITE_THROUGH else write_through_threshold
+        self.write_threshold = (1 if self.policy is WritePolicy.WRITE_THROUGH
+                                else write_through_threshold)
         self.tree = RadixTree(page_size)
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device_alloc = PageAllocator(device_pool.layout.num_pages, RESERVED_PAGES)
@@ -60,7 +62,8 @@ class TieredCache:
             copier = make_copier("cpu", range(device_pool.num_shards))[0]
         self.controller = (TransferController(device_pool, host_pool, copier)
                            if host_pool is not None else None)
-        self.host = HostTier(host_pool, self.tree, self.controller, self._stats) if self.controller else None
+        self.host = (HostTier(host_pool, self.tree, self.controller, self._stats)
+                     if self.controller else None)
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
         self._loading_pages: dict[int, LoadTicket] = {}
@@ -96,10 +99,12 @@ class TieredCache:
         return result.prefix_len
 
     def _write_through(self, node: Node) -> None:
-        assert node.device_pages is not None and self.controller is not None and self.host is not None
+        assert (node.device_pages is not None and self.controller is not None
+                and self.host is not None)
         host = self.host.alloc_pages(len(node.device_pages))
         if host is None:
-            self._stats["write_through_failures"] += 1  # stays device-only; retried on a later visit
+            # stays device-only; retried on a later visit
+            self._stats["write_through_failures"] += 1
             return
         node.host_pages = host
         self.controller.queue_write_back(node.device_pages, host)
@@ -185,7 +190,8 @@ class TieredCache:
         return self.host.alloc if self.host is not None else None
 
     def evict_host(self, n_pages: int) -> int:
-        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages freed."""
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns pages
+        freed."""
         return self.host.evict(n_pages) if self.host is not None else 0
 
     # -- load-back -----------------------------------------------------------------------
@@ -195,7 +201,8 @@ class TieredCache:
         `load_back_threshold` tokens, it needs more than `quota_pages`, device pages cannot be
         freed, or the match is stale. On success the nodes are on device at once and locked
         until the copy completes (released by `poll`); the caller reads the data only after
-        `launch()` and `ticket.wait(layer)`. Matched pages = match.device_pages + ticket.device_pages.
+        `launch()` and `ticket.wait(layer)`. Matched pages = match.device_pages +
+        ticket.device_pages.
         """
         run = self._host_run(match.last_node) if self.controller and match.host_len else []
         if not run:
@@ -267,7 +274,8 @@ class TieredCache:
 
     # -- stepping ------------------------------------------------------------------------
     def launch(self) -> None:
-        """Dispatches all queued transfers (write-backs, then load-backs); call before the forward."""
+        """Dispatches all queued transfers (write-backs, then load-backs); call before the
+        forward."""
         if self.controller is not None:
             self.controller.launch()
 

@@ -68,7 +68,8 @@ class TransferOp(NamedTuple):
     ticket: LoadTicket | None
 
 
-def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
+                 ids: jax.Array) -> tuple[jax.Array, ...]:
     """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array (an
     XLA gather: whole pages, every element independent)."""
     return tuple(jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs))
@@ -84,7 +85,8 @@ def _sharded_gather(pool: PagePool):
     sharding = pool.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise ValueError(f"a page pool over several devices needs a NamedSharding, got {sharding}")
-    staging = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+    staging = jax.sharding.NamedSharding(sharding.mesh,
+                                         jax.sharding.PartitionSpec(None, *sharding.spec))
     return jax.jit(_stack_pages, out_shardings=staging)
 
 
@@ -110,7 +112,8 @@ def pow2_bucket(n: int, smallest: int = 16) -> int:
 class _Write:
     """One merged write-back launch: staged on device, then copied to host."""
 
-    def __init__(self, ops: list[TransferOp], staging: tuple[jax.Array, ...], host_ids: np.ndarray) -> None:
+    def __init__(self, ops: list[TransferOp], staging: tuple[jax.Array, ...],
+                 host_ids: np.ndarray) -> None:
         self.ops, self.staging, self.host_ids = ops, staging, host_ids
         self.next_layer = 0  # the next layer whose host copies to queue
         self.start: Mark | None = None  # timed, before its first host copy
@@ -120,8 +123,8 @@ class _Write:
 class _Load:
     """One merged load-back launch (the `LayerCopies` its tickets wait on)."""
 
-    def __init__(self, controller: TransferController, ops: list[TransferOp], device_ids: np.ndarray,
-                 host_ids: np.ndarray) -> None:
+    def __init__(self, controller: TransferController, ops: list[TransferOp],
+                 device_ids: np.ndarray, host_ids: np.ndarray) -> None:
         self.controller, self.ops = controller, ops
         self.device_ids, self.host_ids = device_ids, host_ids
         self.marks: list[Mark] = []  # per layer, once issued
@@ -146,7 +149,8 @@ class TransferController:
         if host_pool.shards != shards:
             raise ValueError(f"host pool has {host_pool.shards} shards, the device pool {shards}")
         if shards > 1 and not (isinstance(copier, ShardedCopier) and len(copier.copiers) == shards):
-            raise ValueError(f"{shards} device shards need a ShardedCopier of {shards} copiers, got {copier}")
+            raise ValueError(f"{shards} device shards need a ShardedCopier of {shards} copiers, "
+                             f"got {copier}")
         self.device_pool, self.host_pool, self.copier = device_pool, host_pool, copier
         self.shards = shards
         self.layer_bytes = host_pool.layer_page_bytes  # of one shard
@@ -171,7 +175,8 @@ class TransferController:
     def _op(self, kind: TransferKind, device_pages: Sequence[int], host_pages: Sequence[int],
             ticket: LoadTicket | None = None) -> TransferOp:
         if len(device_pages) != len(host_pages) or not device_pages:
-            raise ValueError(f"need equal, non-empty page lists: {len(device_pages)} vs {len(host_pages)}")
+            raise ValueError("need equal, non-empty page lists: "
+                             f"{len(device_pages)} vs {len(host_pages)}")
         op = TransferOp(self._next_id, kind, tuple(device_pages), tuple(host_pages), ticket)
         self._next_id += 1
         self._queued[kind].append(op)
@@ -228,7 +233,8 @@ class TransferController:
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
             return
-        ids = np.concatenate([device, np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
+        ids = np.concatenate([device,
+                              np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
         pool = self.device_pool
         write = _Write(ops, self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
         self._writes.append(write)
@@ -250,7 +256,8 @@ class TransferController:
         src_rows, dst_pages, lengths = runs(rows, write.host_ids)
         sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * np.uint64(self.layer_bytes)
         padded = write.staging[0].shape[1]
-        offsets = np.concatenate([src_rows, padded + src_rows]).astype(np.uint64) * np.uint64(self.layer_bytes)
+        offsets = (np.concatenate([src_rows, padded + src_rows]).astype(np.uint64)
+                   * np.uint64(self.layer_bytes))
         if write.start is None:
             write.start = self.copier.mark(Direction.TO_HOST, timed=True)
         while write.next_layer < len(write.staging) and budget > 0:
@@ -279,10 +286,12 @@ class TransferController:
         self._try_issue(load)
 
     def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
-        """What holds `load` back: unready fences on its device pages, unqueued writes of its host pages."""
+        """What holds `load` back: unready fences on its device pages, unqueued writes of its host
+        pages."""
         self._prune_fences()
         fences = {id(f): f for p in load.device_ids.tolist() for f in self._fences.get(p, ())}
-        writes = {id(w): w for p in load.host_ids.tolist() if (w := self._writing.get(p)) is not None}
+        writes = {id(w): w for p in load.host_ids.tolist()
+                  if (w := self._writing.get(p)) is not None}
         return list(fences.values()), [w for w in writes.values() if w.mark is None]
 
     def _try_issue(self, load: _Load) -> None:
@@ -303,7 +312,8 @@ class TransferController:
         self._issue_load(load)
 
     def _issue_load(self, load: _Load) -> None:
-        for write in {id(w): w for p in load.host_ids.tolist() if (w := self._writing.get(p))}.values():
+        for write in {id(w): w for p in load.host_ids.tolist()
+                      if (w := self._writing.get(p))}.values():
             assert write.mark is not None
             self.copier.order_after(Direction.TO_DEVICE, write.mark)
         pool, size = self.device_pool, np.uint64(self.layer_bytes)
@@ -320,10 +330,12 @@ class TransferController:
         load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
         for layer in range(pool.num_layers):  # in layer order, a mark after each
             self._copy(Direction.TO_DEVICE, dsts[:, layer], srcs[:, layer], sizes)
-            load.marks.append(self.copier.mark(Direction.TO_DEVICE, timed=layer == pool.num_layers - 1))
+            load.marks.append(self.copier.mark(Direction.TO_DEVICE,
+                                               timed=layer == pool.num_layers - 1))
         self._last_load = load.marks[-1]
 
-    def _copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+    def _copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
+              sizes: np.ndarray) -> None:
         """Queues [shards, n] copies: row i on device shard i's copier (one device: a plain one)."""
         if self.shards == 1:
             self.copier.copy(direction, dsts[0], srcs[0], sizes)
@@ -331,9 +343,10 @@ class TransferController:
             self.copier.copy(direction, dsts, srcs, sizes)
 
     def _pool_buffers(self) -> np.ndarray:
-        """Each layer's K and V buffer addresses per device shard, [layers, K|V, shards], read once: the programs donate the pool arrays
-        in place, so they never move (`check_buffers`). Read once because the pool's newest
-        arrays are usually still being computed when a load is issued."""
+        """Each layer's K and V buffer addresses per device shard, [layers, K|V, shards], read once:
+        the programs donate the pool arrays in place, so they never move (`check_buffers`). Read
+        once because the pool's newest arrays are usually still being computed when a load is
+        issued."""
         if self._buffers is None:
             jax.block_until_ready((self.device_pool.k, self.device_pool.v))
             self._buffers = self._current_buffers()
@@ -341,7 +354,8 @@ class TransferController:
 
     def _current_buffers(self) -> np.ndarray:
         pool = self.device_pool
-        return np.asarray([(pool.shard_pointers(k), pool.shard_pointers(v)) for k, v in zip(pool.k, pool.v)],
+        return np.asarray([(pool.shard_pointers(k), pool.shard_pointers(v))
+                           for k, v in zip(pool.k, pool.v)],
                           np.uint64)
 
     def check_buffers(self) -> None:
@@ -380,7 +394,8 @@ class TransferController:
             if not load.marks:
                 self._try_issue(load)
         done: list[TransferOp] = []
-        for write in [w for w in self._writes if w.mark is not None and self.copier.is_done(w.mark)]:
+        for write in [w for w in self._writes
+                      if w.mark is not None and self.copier.is_done(w.mark)]:
             self._retire_write(write)
             done += write.ops
         for load in [ld for ld in self._loads if ld.marks and self.copier.is_done(ld.marks[-1])]:

@@ -43,7 +43,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return ("the request body must be a JSON object, sent with "
                 "Content-Type: application/json"), None
     where = ".".join(loc)
-    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
+    return ((f"{where}: {first.get('msg')}" if where else str(first.get("msg"))),
+            (loc[0] if loc else None))
 
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:

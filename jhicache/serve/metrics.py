@@ -56,7 +56,8 @@ class EngineCollector(Collector):
                                 occ.host_pages, occ.host_free_pages)
         yield GaugeMetricFamily(PREFIX + "num_waiting_reqs", "Requests waiting to be admitted.",
                                 value=occ.waiting_requests)
-        yield GaugeMetricFamily(PREFIX + "num_running_reqs", "Requests admitted (prefill or decode).",
+        yield GaugeMetricFamily(PREFIX + "num_running_reqs",
+                                "Requests admitted (prefill or decode).",
                                 value=occ.running_requests)
         yield GaugeMetricFamily(PREFIX + "loads_in_flight", "Load-backs not yet retired.",
                                 value=stats.loads_in_flight)
@@ -69,7 +70,8 @@ def _pool_gauges(device_pages: int, device_free: int, host_pages: int,
     free = GaugeMetricFamily(PREFIX + "pool_free_pages", "Free pages of the pool.", labels=["tier"])
     used = GaugeMetricFamily(PREFIX + "pool_occupancy", "Share of the pool's pages in use.",
                              labels=["tier"])
-    for tier, total, n_free in (("device", device_pages, device_free), ("host", host_pages, host_free)):
+    for tier, total, n_free in (("device", device_pages, device_free),
+                                ("host", host_pages, host_free)):
         pages.add_metric([tier], total)
         free.add_metric([tier], n_free)
         used.add_metric([tier], (total - n_free) / total if total else 0.0)
@@ -91,8 +93,8 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Request arrival to its end, seconds.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=self.registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens",
+                                     "Prompt tokens of finished requests.", registry=self.registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens",
                                          "Tokens generated for finished requests.",
                                          registry=self.registry)

@@ -93,7 +93,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(reply.body([choice(last, last.text, last.token_ids)], usage=_usage(last)))
+        return JSONResponse(reply.body([choice(last, last.text, last.token_ids)],
+                                       usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

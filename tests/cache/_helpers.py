@@ -1,4 +1,5 @@
-"""Shared helpers for the cache tests: tiny real pools whose page contents are derived from token ids."""
+"""Shared helpers for the cache tests: tiny real pools whose page contents are derived from token
+ids."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def expected_kv(tokens: Sequence[int], layer: int, page_size: int) -> tuple[np.n
     return k.reshape(shape), (-k).reshape(shape)
 
 
-def write_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], start: int = 0) -> None:
+def write_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int],
+             start: int = 0) -> None:
     """Simulates the forward: writes tokens[start:]'s KV into pages[start // page_size:]."""
     p, pool = cache.page_size, cache.device_pool
     if start >= len(tokens):
@@ -87,7 +89,8 @@ def write_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], st
     ids = jnp.asarray(np.asarray(pages[start // p:], np.int32))
     for layer in range(pool.num_layers):
         k, v = expected_kv(tokens, layer, p)
-        pool.set_layer(layer, *_set_pages(pool.k[layer], pool.v[layer], ids, k[start // p:], v[start // p:]))
+        pool.set_layer(layer, *_set_pages(pool.k[layer], pool.v[layer], ids, k[start // p:],
+                                          v[start // p:]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

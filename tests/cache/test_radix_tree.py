@@ -1,4 +1,5 @@
-"""RadixTree on its own (pure Python): matching, splitting both tiers, adoption, locks, candidates."""
+"""RadixTree on its own (pure Python): matching, splitting both tiers, adoption, locks,
+candidates."""
 
 from __future__ import annotations
 

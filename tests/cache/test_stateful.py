@@ -40,7 +40,8 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache: TieredCache
-        self.inserted: set[tuple[int, ...]] = set()  # model: every page-aligned prefix ever inserted
+        # model: every page-aligned prefix ever inserted
+        self.inserted: set[tuple[int, ...]] = set()
         self.held: list[Held] = []
         self.locks: list[Node] = []
         self.prefills = 0
@@ -114,7 +115,8 @@ class CacheMachine(RuleBasedStateMachine):
         dup_end = max(prefix // self.page, h.own_from)
         self.cache.free_device(h.pages[h.own_from:dup_end])
         self.cache.unlock(h.node)
-        self.inserted.update(tuple(h.tokens[:n]) for n in range(self.page, len(h.tokens) + 1, self.page))
+        self.inserted.update(tuple(h.tokens[:n])
+                             for n in range(self.page, len(h.tokens) + 1, self.page))
 
     @rule(tokens=prompts(), unlock=st.booleans())
     def lock_or_unlock(self, tokens: list[int], unlock: bool) -> None:
@@ -178,6 +180,6 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("CACHE_FUZZ_EXAMPLES", "60")), stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    max_examples=int(os.environ.get("CACHE_FUZZ_EXAMPLES", "60")), stateful_step_count=40,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestCacheMachine = CacheMachine.TestCase

@@ -180,7 +180,8 @@ def test_dirty_node_without_host_room_is_dropped_with_its_host_only_descendants(
     prefill(cache, p + d)  # P (2 pages) with children C and D: device full
     assert cache.evict_device(1) == 1  # C written back: host full
     check(cache)
-    assert cache.evict_device(3) == 3  # D written back (host-evicts C), P has no room: dropped with D
+    # D written back (host-evicts C), P has no room: dropped with D
+    assert cache.evict_device(3) == 3
     stats = cache.stats()
     assert stats["dropped_nodes"] == 1 and stats["dropped_tokens"] == len(p)
     assert stats["evicted_host_tokens"] == 2 * page  # C by host eviction, D with P

@@ -8,7 +8,14 @@ import pytest
 
 from jhicache.cache import TransferController, make_copier
 from jhicache.config import WritePolicy
-from tests.cache._helpers import DeferredCopier, assert_device_kv, expected_kv, make_cache, prefill, write_kv
+from tests.cache._helpers import (
+    DeferredCopier,
+    assert_device_kv,
+    expected_kv,
+    make_cache,
+    prefill,
+    write_kv,
+)
 
 COPIERS = [None, DeferredCopier, pytest.param("gpu", marks=pytest.mark.gpu)]
 
@@ -37,7 +44,8 @@ def _controller_round_trip(copier) -> None:
     ctl.queue_write_back(pages[2:], [0, 1])
     assert ctl.poll() == [] and ctl.num_queued() == 2
     ctl.launch()
-    assert ctl.counters["write_back_launches"] == 1 and ctl.counters["write_back_ops"] == 2  # merged
+    assert (ctl.counters["write_back_launches"] == 1
+            and ctl.counters["write_back_ops"] == 2)  # merged
     done = ctl.flush()
     assert [op.kind.value for op in done] == ["write_back", "write_back"]
     for layer in range(2):
@@ -101,7 +109,8 @@ def _launched_load_of_host_only(cache, tokens: list[int]):
 
 def test_layers_land_in_order_and_only_a_waited_layer_is_safe() -> None:
     """With copies as late as they may run, waiting for layer 0 lands layer 0 and not layer 1."""
-    cache = make_cache(4, device_pages=2, host_pages=4, copier=DeferredCopier(), load_back_threshold=0)
+    cache = make_cache(4, device_pages=2, host_pages=4, copier=DeferredCopier(),
+                       load_back_threshold=0)
     a = list(range(8))
     ticket = _launched_load_of_host_only(cache, a)
     pages = list(ticket.device_pages)
@@ -206,7 +215,8 @@ def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) ->
 def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
     """A request sharing part of a prefix whose load is in flight splits its node: the forward
     must still find (and wait on) that load."""
-    cache = make_cache(2, device_pages=8, host_pages=16, copier=DeferredCopier(), load_back_threshold=0)
+    cache = make_cache(2, device_pages=8, host_pages=16, copier=DeferredCopier(),
+                       load_back_threshold=0)
     tokens = list(range(100, 108))  # 4 pages, one node
     ticket = _launched_load_of_host_only(cache, tokens)
     shared = cache.match(tokens[:4])  # splits the loading node
@@ -256,7 +266,8 @@ def test_host_pool_shards_split_heads_into_blocks() -> None:
     addrs = pool.addresses(1, 1, np.array([2, 0]))
     assert addrs.shape == (2, 2)
     for shard, block in enumerate(pool.blocks):
-        assert addrs[shard].tolist() == [block.address + ((1 * 2 + 1) * 3 + p) * pool.layer_page_bytes for p in (2, 0)]
+        assert addrs[shard].tolist() == [
+            block.address + ((1 * 2 + 1) * 3 + p) * pool.layer_page_bytes for p in (2, 0)]
         block.array.view(np.float32)[:] = shard + 1
     heads = pool.view()[1, 1, 2]  # [S, H, D]
     assert heads.shape == (4, 4, 2) and heads[:, :2].min() == 1 and heads[:, 2:].min() == 2

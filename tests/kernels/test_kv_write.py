@@ -18,10 +18,11 @@ lens = st.lists(st.tuples(st.integers(0, 70), st.integers(0, 40)), min_size=0, m
 
 def _run(seed, pairs, page_size, dtype, pad_tokens, heads=2, dim=8, **kw):
     rng = np.random.default_rng(seed)
-    batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size, pad_tokens=pad_tokens,
-                       pad_requests=1)
+    batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size,
+                       pad_tokens=pad_tokens, pad_requests=1)
     t = batch.token_req.shape[0]
-    k_pages, v_pages = (poisoned((batch.num_pages, page_size, heads, dim), np.float32).astype(dtype) for _ in "kv")
+    k_pages, v_pages = (poisoned((batch.num_pages, page_size, heads, dim), np.float32).astype(dtype)
+                        for _ in "kv")
     k_new, v_new = (rand(rng, (t, heads, dim), np.float32) for _ in "kv")
     args = (k_new, v_new, batch.page_table, batch.token_req, batch.positions)
     want = write_kv_reference(jnp.asarray(k_pages), jnp.asarray(v_pages), *map(jnp.asarray, args))
@@ -31,8 +32,9 @@ def _run(seed, pairs, page_size, dtype, pad_tokens, heads=2, dim=8, **kw):
 
 
 @settings(max_examples=15, deadline=None)
-@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
-       pad_tokens=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]), pad_tokens=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
 def test_write_kv_matches_reference(pairs, page_size, dtype, pad_tokens, seed):
     _run(seed, pairs, page_size, dtype, pad_tokens)
 
@@ -57,22 +59,26 @@ def test_write_kv_padding_only_blocks():
     order = np.r_[5:13, 0:5, 13:25]  # 8 padding tokens first: a whole padding block, then live ones
     k = v = jnp.asarray(poisoned((batch.num_pages, 16, 2, 8), np.float32))
     new = rand(rng, (25, 2, 8), np.float32)[order]
-    args = [jnp.asarray(x) for x in (new, new, batch.page_table, batch.token_req[order], batch.positions[order])]
+    args = [jnp.asarray(x)
+            for x in (new, new, batch.page_table, batch.token_req[order], batch.positions[order])]
     want = write_kv_reference(k, v, *args)
     got = write_kv(k, v + 0, *args, tokens_per_program=4)
     assert same(got[0], want[0]) and same(got[1], want[1])
 
 
 def test_write_kv_every_slot_written_exactly():
-    """Prefix ending mid-page, no prefix, and a full page: the written slots are exactly the new ones."""
+    """Prefix ending mid-page, no prefix, and a full page: the written slots are exactly the new
+    ones."""
     rng = np.random.default_rng(0)
     batch = make_batch(rng, [5, 0, 16], [14, 3, 16], 16, pad_tokens=3)
     k = v = jnp.asarray(poisoned((batch.num_pages, 16, 1, 4), np.float32))
     new = jnp.asarray(rand(rng, (batch.token_req.shape[0], 1, 4), np.float32))
-    out_k, _ = write_kv(k, v + 0, new, new, *map(jnp.asarray, (batch.page_table, batch.token_req, batch.positions)))
+    out_k, _ = write_kv(k, v + 0, new, new,
+                        *map(jnp.asarray, (batch.page_table, batch.token_req, batch.positions)))
     flat = np.asarray(out_k).reshape(-1, 4)
     live = batch.token_req >= 0
-    slots = batch.page_table[batch.token_req[live], batch.positions[live] // 16] * 16 + batch.positions[live] % 16
+    slots = (batch.page_table[batch.token_req[live], batch.positions[live] // 16] * 16
+             + batch.positions[live] % 16)
     assert np.array_equal(flat[slots], np.asarray(new)[live].reshape(-1, 4))
     assert np.isnan(np.delete(flat, slots, axis=0)).all()
 
@@ -84,13 +90,17 @@ def _bad_calls():
     table = np.array([[0, 1], [2, 3]], np.int32)
     req, pos = np.array([0, 1, -1], np.int32), np.array([3, 17, 0], np.int32)
     return [
-        lambda: write_kv(pages, pages, new, new, np.array([[9, 1], [2, 3]], np.int32), req, pos),  # bad page
-        lambda: write_kv(pages, pages, new, new, table, req, np.array([3, 40, 0], np.int32)),  # beyond table
+        # bad page
+        lambda: write_kv(pages, pages, new, new, np.array([[9, 1], [2, 3]], np.int32), req, pos),
+        # beyond table
+        lambda: write_kv(pages, pages, new, new, table, req, np.array([3, 40, 0], np.int32)),
         lambda: write_kv(pages, pages, new[:, :1], new, table, req, pos),  # head mismatch
         lambda: write_kv(pages, pages, new, new, table, req[:2], pos),  # T mismatch
-        lambda: write_kv(pages, pages.astype(jnp.bfloat16), new, new, table, req, pos),  # K/V dtypes
+        # K/V dtypes
+        lambda: write_kv(pages, pages.astype(jnp.bfloat16), new, new, table, req, pos),
         lambda: write_kv(pages, pages, new, new, table.astype(np.int64), req, pos),  # table dtype
-        lambda: write_kv(pages, pages, new, new, table, np.array([0, 2, -1], np.int32), pos),  # req beyond B
+        # req beyond B
+        lambda: write_kv(pages, pages, new, new, table, np.array([0, 2, -1], np.int32), pos),
     ]
 
 

@@ -1,4 +1,5 @@
-"""pallas_kernels' layout: no package attribute shadows a submodule, no import cycle between kernels."""
+"""pallas_kernels' layout: no package attribute shadows a submodule, no import cycle between
+kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def _submodules() -> list[str]:
 def test_no_package_name_shadows_a_submodule() -> None:
     for name in _submodules():
         attr = getattr(pk, name, None)  # None: not imported yet, so nothing can shadow it
-        assert attr is None or isinstance(attr, types.ModuleType), f"pallas_kernels.{name} is {attr!r}"
+        assert attr is None or isinstance(attr, types.ModuleType), (
+            f"pallas_kernels.{name} is {attr!r}")
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -32,7 +34,9 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_kernel_modules_import_no_sibling_kernel() -> None:
-    """Shared pieces live in _attention / _common; the extend and decode modules import neither each other."""
+    """Shared pieces live in _attention / _common; the extend and decode modules import neither each
+    other."""
     root = Path(pk.__file__).parent
-    for own, other in (("extend_attention", "decode_attention"), ("decode_attention", "extend_attention")):
+    for own, other in (("extend_attention", "decode_attention"),
+                       ("decode_attention", "extend_attention")):
         assert f"jhicache.pallas_kernels.{other}" not in _imported_modules(root / f"{own}.py")

@@ -21,8 +21,8 @@ TOL = {np.dtype(np.float32): 2e-5, np.dtype(jnp.bfloat16): 2e-2}
 
 
 def _pages(rng, num_pages, page_size, kv_heads, dim, dtype):
-    return [jnp.asarray(rand(rng, (num_pages, page_size, kv_heads, dim), np.float32) - 3.0).astype(dtype)
-            for _ in "kv"]
+    return [jnp.asarray(rand(rng, (num_pages, page_size, kv_heads, dim), np.float32) - 3.0)
+            .astype(dtype) for _ in "kv"]
 
 
 def _close(got, want, dtype):
@@ -33,11 +33,13 @@ def _close(got, want, dtype):
 
 def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pad_tokens=2, **kw):
     rng = np.random.default_rng(seed)
-    batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size, pad_tokens=pad_tokens,
-                       pad_requests=1)
+    batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size,
+                       pad_tokens=pad_tokens, pad_requests=1)
     k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
-    q = jnp.asarray(rand(rng, (batch.token_req.shape[0], heads, dim), np.float32) - 3.0).astype(dtype)
-    meta = [jnp.asarray(x) for x in (batch.page_table, batch.seq_lens, batch.query_start, batch.query_lens)]
+    q = (jnp.asarray(rand(rng, (batch.token_req.shape[0], heads, dim), np.float32) - 3.0)
+         .astype(dtype))
+    meta = [jnp.asarray(x)
+            for x in (batch.page_table, batch.seq_lens, batch.query_start, batch.query_lens)]
     got = ea.paged_attention(q, k, v, *meta, sm_scale=dim**-0.5, **kw)
     _close(got, ea.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5), dtype)
     assert not np.asarray(got, np.float32)[batch.token_req < 0].any()  # zeros at padding rows
@@ -45,14 +47,16 @@ def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pa
 
 def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16, **kw):
     rng = np.random.default_rng(seed)
-    batch = make_batch(rng, [max(s - 1, 0) for s in seq_lens], [1 if s else 0 for s in seq_lens], page_size)
+    batch = make_batch(rng, [max(s - 1, 0) for s in seq_lens], [1 if s else 0 for s in seq_lens],
+                       page_size)
     k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
     q = jnp.asarray(rand(rng, (len(seq_lens), heads, dim), np.float32) - 3.0).astype(dtype)
     table, lens = jnp.asarray(batch.page_table), jnp.asarray(batch.seq_lens)
     got = da.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5, **kw)
     if not seq_lens:
         return chex.assert_shape(got, (0, heads, dim))
-    _close(got, da.paged_decode_attention_reference(q, k, v, table, lens, sm_scale=dim**-0.5), dtype)
+    _close(got, da.paged_decode_attention_reference(q, k, v, table, lens, sm_scale=dim**-0.5),
+           dtype)
     assert not np.asarray(got, np.float32)[np.asarray(seq_lens) == 0].any()
 
 
@@ -60,39 +64,44 @@ lens = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=0, m
 
 
 @settings(max_examples=8, deadline=None)
-@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
-       splits=st.sampled_from([None, 1, 2, 5]), seed=st.integers(0, 2**31 - 1))
+@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([None, 1, 2, 5]),
+       seed=st.integers(0, 2**31 - 1))
 def test_extend_matches_reference(pairs, page_size, dtype, splits, seed):
     run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16, splits=splits)
 
 
 def test_extend_mid_page_prefix_no_prefix_and_gqa():
-    run_extend(0, [(5, 14), (0, 3), (16, 16), (40, 1)], 16, np.float32, heads=6, kv_heads=2, block_q=8, block_k=16)
+    run_extend(0, [(5, 14), (0, 3), (16, 16), (40, 1)], 16, np.float32, heads=6, kv_heads=2,
+               block_q=8, block_k=16)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (28, 4, 16), (4, 2, 128), (3, 3, 16)])
 @pytest.mark.parametrize("block_q", [16, 32])
 def test_extend_group_packing(heads, kv_heads, dim, block_q):
-    """GQA-packed tiles: groups of 7/7/2/1 heads, tiles that end mid-group and mid-token, a tile's rows spanning
-    the causal diagonal and the request's end, prefixes ending mid-page."""
-    run_extend(7, [(5, 19), (0, 3), (33, 9)], 16, np.float32, heads=heads, kv_heads=kv_heads, dim=dim,
-               block_q=block_q, block_k=16)
+    """GQA-packed tiles: groups of 7/7/2/1 heads, tiles that end mid-group and mid-token, a tile's
+    rows spanning the causal diagonal and the request's end, prefixes ending mid-page."""
+    run_extend(7, [(5, 19), (0, 3), (33, 9)], 16, np.float32, heads=heads, kv_heads=kv_heads,
+               dim=dim, block_q=block_q, block_k=16)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("heads,dtype", [(2, np.float32), (14, jnp.bfloat16)])
 def test_extend_split_k(splits, heads, dtype):
-    """Forced key-range splits against the reference, GQA groups 1 and 7: a 2-token turn over a 70-token prefix
-    (10 key blocks), a 40-token turn over 3 keys whose tiles' causal diagonals span several blocks, so split ends
-    fall inside them (group 1), a 1-token turn; 7 splits of 1..5-block ranges leave some empty; padding rows."""
-    run_extend(11 + splits, [(70, 2), (3, 40), (20, 1)], 16, dtype, heads=heads, kv_heads=2, dim=16, pad_tokens=3,
-               block_q=16, block_k=8, splits=splits)
+    """Forced key-range splits against the reference, GQA groups 1 and 7: a 2-token turn over a
+    70-token prefix (10 key blocks), a 40-token turn over 3 keys whose tiles' causal diagonals span
+    several blocks, so split ends fall inside them (group 1), a 1-token turn; 7 splits of 1..5-block
+    ranges leave some empty; padding rows."""
+    run_extend(11 + splits, [(70, 2), (3, 40), (20, 1)], 16, dtype, heads=heads, kv_heads=2, dim=16,
+               pad_tokens=3, block_q=16, block_k=8, splits=splits)
 
 
 def test_choose_extend_splits():
-    """Automatic splits: many for a short turn over a long prefix, one where the grid fills the GPU."""
+    """Automatic splits: many for a short turn over a long prefix, one where the grid fills the
+    GPU."""
     choose = functools.partial(ea.choose_extend_splits, block_q=128, block_k=64)
-    assert choose(64, 1, 8256, 14, 2, 64) == 16  # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 128
+    # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 128
+    assert choose(64, 1, 8256, 14, 2, 64) == 16
     assert choose(64, 1, 8256, 28, 4, 128) == 16  # Qwen2-7B: 16 programs -> 256
     assert choose(64, 8, 8256, 14, 2, 64) > 1  # padding requests in the batch bucket
     assert choose(64, 1, 1024, 14, 2, 64) == 2  # short prefix: >= 8 key blocks per split
@@ -105,19 +114,22 @@ def test_choose_extend_splits():
 
 @pytest.mark.parametrize("junk", [np.nan, 7.0])
 def test_merge_partials_zeroes_unwritten_padding_rows(junk):
-    """No program writes the partials of padding tokens (on the GPU they hold whatever was there; the interpreter
-    zero-fills), so poison them here: the merged output must still be zeros there, and exact elsewhere."""
+    """No program writes the partials of padding tokens (on the GPU they hold whatever was there;
+    the interpreter zero-fills), so poison them here: the merged output must still be zeros there,
+    and exact elsewhere."""
     rng = np.random.default_rng(3)
     splits, tokens, heads, dim = 3, 5, 2, 4
     acc = rand(rng, (splits, tokens, heads, dim), np.float32)
-    m, l = rand(rng, (splits, tokens, heads), np.float32), rand(rng, (splits, tokens, heads), np.float32)
+    m, l = (rand(rng, (splits, tokens, heads), np.float32),
+            rand(rng, (splits, tokens, heads), np.float32))
     m[1, :, 0], l[1, :, 0] = NEG, 0.0  # a split that saw no key for head 0
-    start, lens = np.array([0, 3, 0], np.int32), np.array([2, 1, 0], np.int32)  # tokens 2 and 4: padding
+    # tokens 2 and 4: padding
+    start, lens = np.array([0, 3, 0], np.int32), np.array([2, 1, 0], np.int32)
     pad = np.array([False, False, True, False, True])
     for x in (acc, m, l):
         x[:, pad] = junk
-    got = ea._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens, splits=splits,
-                             heads=heads)
+    got = ea._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens,
+                             splits=splits, heads=heads)
     w = np.exp(m - m.max(axis=0))
     want = (acc * w[..., None]).sum(axis=0) / (l * w).sum(axis=0)[..., None]
     np.testing.assert_allclose(np.asarray(got)[~pad], want[~pad], rtol=1e-6)
@@ -125,9 +137,9 @@ def test_merge_partials_zeroes_unwritten_padding_rows(junk):
 
 
 @settings(max_examples=8, deadline=None)
-@given(seq_lens=st.lists(st.integers(0, 70), min_size=0, max_size=4), page_size=st.sampled_from([1, 16, 64]),
-       dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([1, 3]),
-       seed=st.integers(0, 2**31 - 1))
+@given(seq_lens=st.lists(st.integers(0, 70), min_size=0, max_size=4),
+       page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
+       splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1))
 def test_decode_matches_reference(seq_lens, page_size, dtype, splits, seed):
     run_decode(seed, seq_lens, page_size, dtype, block_k=16, splits=splits)
 
@@ -140,14 +152,16 @@ def _bad_calls():
     seq, start, qlen = (np.array(x, np.int32) for x in ([20, 3], [0, 4], [4, 1]))
     ext = lambda *a, **kw: ea.paged_attention(*a, sm_scale=0.25, **kw)  # noqa: E731
     return [
-        lambda: ext(q, k, v, np.array([[0, 7], [2, 3]], np.int32), seq, start, qlen),  # page id out of range
+        # page id out of range
+        lambda: ext(q, k, v, np.array([[0, 7], [2, 3]], np.int32), seq, start, qlen),
         lambda: ext(q, k, v, table, np.array([40, 3], np.int32), start, qlen),  # beyond the table
         lambda: ext(q, k, v, table, seq, np.array([0, 5], np.int32), qlen),  # query rows beyond T
         lambda: ext(q[:, :3], k, v, table, seq, start, qlen),  # heads not a multiple
         lambda: ext(q[..., :8], k, v, table, seq, start, qlen),  # head_dim
         lambda: ext(q, k, v.astype(jnp.bfloat16), table, seq, start, qlen),  # K/V dtypes
         lambda: ext(q, k, v, table, seq.astype(np.int64), start, qlen),
-        lambda: da.paged_decode_attention(q[:2], k, v, np.array([[0, 9], [2, 3]], np.int32), seq, sm_scale=0.25),
+        lambda: da.paged_decode_attention(q[:2], k, v, np.array([[0, 9], [2, 3]], np.int32), seq,
+                                          sm_scale=0.25),
         lambda: da.paged_decode_attention(q[:3], k, v, table, seq, sm_scale=0.25),  # batch mismatch
     ]
 
@@ -162,19 +176,20 @@ def test_empty_batches():
     rng = np.random.default_rng(2)
     k, v = _pages(rng, 3, 16, 2, 16, np.float32)
     empty = np.zeros((0,), np.int32)
-    out = ea.paged_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty, empty, empty,
-                             sm_scale=0.25)
+    out = ea.paged_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty, empty,
+                             empty, sm_scale=0.25)
     chex.assert_shape(out, (0, 4, 16))
-    chex.assert_shape(da.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v, np.zeros((0, 1), np.int32), empty,
-                                                sm_scale=0.25), (0, 4, 16))
+    chex.assert_shape(da.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v,
+                                                np.zeros((0, 1), np.int32), empty, sm_scale=0.25),
+                      (0, 4, 16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_gpu_extend_and_decode(page_size, dtype):
-    run_extend(3, [(0, 100), (37, 64), (64, 1), (5, 200)], page_size, dtype, heads=14, kv_heads=2, dim=64,
-               pad_tokens=9)
+    run_extend(3, [(0, 100), (37, 64), (64, 1), (5, 200)], page_size, dtype, heads=14, kv_heads=2,
+               dim=64, pad_tokens=9)
     run_extend(4, [(130, 70), (0, 33)], page_size, dtype, heads=28, kv_heads=4, dim=128)
     run_decode(5, [1, 0, 300, 64, 65, 1000], page_size, dtype, heads=14, kv_heads=2, dim=64)
     run_decode(6, [77, 2000, 0], page_size, dtype, heads=28, kv_heads=4, dim=128, splits=4)
@@ -183,9 +198,11 @@ def test_gpu_extend_and_decode(page_size, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_gpu_extend_split_k(dtype):
-    """Split-K on Triton: automatic splits (a short turn over a long prefix) and forced ones, both Qwen2 shapes."""
+    """Split-K on Triton: automatic splits (a short turn over a long prefix) and forced ones, both
+    Qwen2 shapes."""
     run_extend(8, [(4000, 64)], 64, dtype, heads=14, kv_heads=2, dim=64, pad_tokens=0)
-    run_extend(9, [(3000, 64), (37, 5), (1000, 1)], 64, dtype, heads=28, kv_heads=4, dim=128, pad_tokens=7)
+    run_extend(9, [(3000, 64), (37, 5), (1000, 1)], 64, dtype, heads=28, kv_heads=4, dim=128,
+               pad_tokens=7)
     run_extend(10, [(500, 100), (64, 64)], 16, dtype, heads=14, kv_heads=2, dim=64, splits=7)
 
 
@@ -195,5 +212,5 @@ def test_gpu_rejects_head_dim_below_16() -> None:
     pages = jnp.ones((3, 16, 1, 8), jnp.bfloat16)
     lens = jnp.array([4], jnp.int32)
     with pytest.raises(ValueError, match="head_dim"):
-        ea.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens, jnp.array([0], jnp.int32), lens,
-                           sm_scale=0.3)
+        ea.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens,
+                           jnp.array([0], jnp.int32), lens, sm_scale=0.3)

@@ -1,4 +1,5 @@
-"""KernelTuning: the SM count read from the device, the H200 fallback, and its use by the split policy."""
+"""KernelTuning: the SM count read from the device, the H200 fallback, and its use by the split
+policy."""
 
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ def test_gpu_reads_its_sm_count() -> None:
 
 
 def test_split_policy_follows_the_sm_count() -> None:
-    """Qwen2-0.5B, 64 new tokens over 8k keys: 8 live programs. 132 SMs: split to ~4 per SM (capped at 16 by
-    the keys); 8 SMs are already filled, so no split; 16 SMs at 4 per SM: 64 programs, 8 splits."""
-    choose = functools.partial(choose_extend_splits, 64, 1, 8256, 14, 2, 64, block_q=128, block_k=64)
+    """Qwen2-0.5B, 64 new tokens over 8k keys: 8 live programs. 132 SMs: split to ~4 per SM (capped
+    at 16 by the keys); 8 SMs are already filled, so no split; 16 SMs at 4 per SM: 64 programs, 8
+    splits."""
+    choose = functools.partial(choose_extend_splits, 64, 1, 8256, 14, 2, 64, block_q=128,
+                               block_k=64)
     assert choose() == choose(tuning=KernelTuning(num_sms=132)) == 16
     assert choose(tuning=KernelTuning(num_sms=8)) == 1
     assert choose(tuning=KernelTuning(num_sms=16)) == 8

@@ -1,5 +1,6 @@
-"""load_pretrained on damaged checkpoint files: each is a ValueError naming the file (and the tensor),
-raised from the parser's own error, never a bare SafetensorError, KeyError or AttributeError."""
+"""load_pretrained on damaged checkpoint files: each is a ValueError naming the file (and the
+tensor), raised from the parser's own error, never a bare SafetensorError, KeyError or
+AttributeError."""
 
 from __future__ import annotations
 
@@ -56,10 +57,13 @@ def test_config_json_not_json_names_the_file(tmp_path: Path, text: str):
     "mutate, field",
     [
         (lambda cfg: [cfg], "JSON object"),  # was AttributeError
-        (lambda cfg: {**cfg, "num_key_value_heads": 0}, "num_key_value_heads"),  # was ZeroDivisionError
+        # was ZeroDivisionError
+        (lambda cfg: {**cfg, "num_key_value_heads": 0}, "num_key_value_heads"),
         (lambda cfg: {**cfg, "hidden_size": "64"}, "hidden_size"),  # was TypeError
-        (lambda cfg: {k: v for k, v in cfg.items() if k != "hidden_size"}, "hidden_size"),  # dataclass
-        (lambda cfg: {**cfg, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        # dataclass
+        (lambda cfg: {k: v for k, v in cfg.items() if k != "hidden_size"}, "hidden_size"),
+        (lambda cfg: {**cfg, "layer_types": ["full_attention", "sliding_attention"]},
+         "layer_types"),
         (lambda cfg: {**cfg, "head_dim": 15}, "head_dim"),
     ],
 )
@@ -101,7 +105,8 @@ def _empty(path: Path) -> None:
     path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("damage", [_truncate, _garbage, _empty], ids=["truncated", "garbage", "empty"])
+@pytest.mark.parametrize("damage", [_truncate, _garbage, _empty],
+                         ids=["truncated", "garbage", "empty"])
 @pytest.mark.parametrize("shard", SHARDS)
 def test_unreadable_shard_names_the_file(tmp_path: Path, damage: Any, shard: str):
     ckpt = _sharded(tmp_path)

@@ -13,7 +13,8 @@ from jhicache.models import Qwen2Config
 
 from tests.models.numpy_reference import small_hf_config
 
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
 
 
 def _direct_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def test_config_that_is_not_an_object(value: Any):
 @pytest.mark.parametrize(
     "overrides, names",
     [
-        ({"hidden_size": 60, "num_attention_heads": 8}, ("hidden_size 60", "num_attention_heads 8")),
+        ({"hidden_size": 60, "num_attention_heads": 8},
+         ("hidden_size 60", "num_attention_heads 8")),
         ({"num_attention_heads": 4, "num_key_value_heads": 3},
          ("num_attention_heads 4", "num_key_value_heads 3")),
         ({"num_attention_heads": 4, "num_key_value_heads": 8},
@@ -102,7 +104,8 @@ def test_divisibility_errors_name_both_fields(overrides: dict[str, int], names: 
 
 def test_numbers_are_normalised():
     """numpy ints (e.g. from a shape) are accepted as ints; an int eps or theta becomes a float."""
-    config = Qwen2Config(**_direct_kwargs(vocab_size=np.int64(97)), rms_norm_eps=1, rope_theta=10000)
+    config = Qwen2Config(**_direct_kwargs(vocab_size=np.int64(97)), rms_norm_eps=1,
+                         rope_theta=10000)
     assert type(config.vocab_size) is int and type(config.rms_norm_eps) is float
     assert type(config.rope_theta) is float and config.rope_theta == 10000.0
 
@@ -125,7 +128,8 @@ def test_layer_types_other_than_full_attention_are_refused_by_name():
     full = ["full_attention", "full_attention"]
     assert Qwen2Config.from_hf_dict(small_hf_config(layer_types=full)).num_hidden_layers == 2
     with pytest.raises(ValueError, match=r"layer_types.*\[1\].*sliding_attention"):
-        Qwen2Config.from_hf_dict(small_hf_config(layer_types=["full_attention", "sliding_attention"]))
+        Qwen2Config.from_hf_dict(
+            small_hf_config(layer_types=["full_attention", "sliding_attention"]))
     with pytest.raises(NotImplementedError):  # unsupported, not malformed: both types hold
         Qwen2Config.from_hf_dict(small_hf_config(layer_types=["sliding_attention"] * 2))
 

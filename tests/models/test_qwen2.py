@@ -1,4 +1,5 @@
-"""Qwen2 model numerics on CPU: against an independent float64 numpy Qwen2, through the paged KV cache."""
+"""Qwen2 model numerics on CPU: against an independent float64 numpy Qwen2, through the paged KV
+cache."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from jhicache.models import (
     pack_tokens,
 )
 
-from tests.models.numpy_reference import random_hf_weights, reference_logits, small_hf_config, write_hf_checkpoint
+from tests.models.numpy_reference import (
+    random_hf_weights,
+    reference_logits,
+    small_hf_config,
+    write_hf_checkpoint,
+)
 
 PAGE_SIZE = 4
 NUM_PAGES = 12
@@ -44,14 +50,15 @@ def assert_close(ours, ref, rel: float = 1e-4) -> None:
 
 
 def step(model, kv, reqs, *, num_tokens=12, num_reqs=4, decode_only=False):
-    """One jitted forward of requests given as (prefix_len, new_tokens, page_ids), padded to one bucket
-    so that the tests share a compiled step."""
+    """One jitted forward of requests given as (prefix_len, new_tokens, page_ids), padded to one
+    bucket so that the tests share a compiled step."""
     meta = build_metadata(
         [r[0] for r in reqs], [len(r[1]) for r in reqs], [r[2] for r in reqs], page_size=PAGE_SIZE,
         num_tokens=num_tokens, num_reqs=num_reqs, max_pages=4, decode_only=decode_only,
     )
     graphdef, state = nnx.split(model)
-    return forward_apply(graphdef, state, pack_tokens([r[1] for r in reqs], meta.num_tokens), kv, meta)
+    return forward_apply(graphdef, state, pack_tokens([r[1] for r in reqs], meta.num_tokens),
+                         kv, meta)
 
 
 def tokens_of(n: int, seed: int, vocab: int = 97) -> list[int]:
@@ -75,7 +82,8 @@ def test_prefill_then_decode_matches_full_forward(model, checkpoint):
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
     _, kv = step(model, kv, [(0, toks[:6], [7, 1])])
     # request row 1 is padding: decode batches are bucketed too
-    logits, kv = step(model, kv, [(6, toks[6:], [7, 1])], num_tokens=None, num_reqs=2, decode_only=True)
+    logits, kv = step(model, kv, [(6, toks[6:], [7, 1])], num_tokens=None, num_reqs=2,
+                      decode_only=True)
     chex.assert_shape(logits, (2, cfg["vocab_size"]))
     full, _ = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), [(0, toks, [3, 4])])
     assert_close(logits[0], full[6], rel=1e-5)
@@ -94,7 +102,8 @@ def test_ragged_extend_batch_matches_per_request_runs(model, checkpoint):
     start = 0
     for seq, p in zip(seqs, prefix):
         rows = logits[start : start + len(seq) - p]
-        alone, _ = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE), [(0, seq, [9, 10, 11])])
+        alone, _ = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE),
+                        [(0, seq, [9, 10, 11])])
         assert_close(rows, alone[p : len(seq)], rel=1e-5)
         assert_close(rows, reference_logits(weights, cfg, seq)[p:])
         start += len(seq) - p
@@ -111,7 +120,8 @@ def test_eager_jit_and_layerwise_paths_agree_and_donate(model):
     programs = ModelPrograms(model)
     rows = jnp.arange(tokens.shape[0])
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
-    fused, _, _ = programs.fused(tuple(k for k, _ in kv), tuple(v for _, v in kv), tokens, meta, rows)
+    fused, _, _ = programs.fused(tuple(k for k, _ in kv), tuple(v for _, v in kv),
+                                 tokens, meta, rows)
     assert kv[0][0].is_deleted(), "the fused program must donate the KV pages"
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
     hidden = programs.embed(tokens)
@@ -119,7 +129,8 @@ def test_eager_jit_and_layerwise_paths_agree_and_donate(model):
     for i, (k, v) in enumerate(kv):
         hidden, k_new, v_new = programs.layers(range(i, i + 1), hidden, (k,), (v,), meta)
         assert k.is_deleted() and v.is_deleted()
-    assert programs.compiled_layer_variants() - before <= 1, "layers must share one compiled function"
+    assert programs.compiled_layer_variants() - before <= 1, (
+        "layers must share one compiled function")
     layerwise = programs.head(hidden, rows)
     assert_close(fused, eager, rel=1e-6)
     assert_close(jitted, eager, rel=1e-6)
@@ -131,7 +142,8 @@ def test_bfloat16_model_tracks_float32(checkpoint):
     model = load_pretrained(path, dtype=jnp.bfloat16)
     chex.assert_type(model.embed_tokens.embedding[...], jnp.bfloat16)
     toks = tokens_of(6, seed=9)
-    logits, kv = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE, jnp.bfloat16), [(0, toks, [0, 1])])
+    logits, kv = step(model, init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE, jnp.bfloat16),
+                      [(0, toks, [0, 1])])
     logits = logits[:6]
     chex.assert_type(logits, jnp.float32)
     chex.assert_type(kv[0][0], jnp.bfloat16)
@@ -140,7 +152,8 @@ def test_bfloat16_model_tracks_float32(checkpoint):
 
 
 def test_metadata_layout_and_padding():
-    meta = build_metadata([2, 0], [3, 1], [[4, 5], [7]], page_size=4, num_tokens=6, num_reqs=3, max_pages=3)
+    meta = build_metadata([2, 0], [3, 1], [[4, 5], [7]], page_size=4, num_tokens=6, num_reqs=3,
+                          max_pages=3)
     np.testing.assert_array_equal(meta.positions, [2, 3, 4, 0, 0, 0])
     np.testing.assert_array_equal(meta.token_req, [0, 0, 0, 1, -1, -1])
     np.testing.assert_array_equal(meta.page_table, [[4, 5, 0], [7, 0, 0], [0, 0, 0]])
@@ -178,7 +191,8 @@ def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: di
     weights = random_hf_weights(cfg, seed=11)
     model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
     attn = model.layers[0].self_attn
-    chex.assert_shape([attn.q_proj.kernel[...], attn.k_proj.kernel[...]], [(hid, 4 * d), (hid, 2 * d)])
+    chex.assert_shape([attn.q_proj.kernel[...], attn.k_proj.kernel[...]],
+                      [(hid, 4 * d), (hid, 2 * d)])
     chex.assert_shape(attn.o_proj.kernel[...], (4 * d, hid))
     toks = tokens_of(7, seed=12)
     ref = reference_logits(weights, cfg, toks)
@@ -186,5 +200,6 @@ def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: di
     chex.assert_shape(kv[0][0], (NUM_PAGES, PAGE_SIZE, 2, d))
     logits, kv = step(model, kv, [(0, toks[:6], [5, 2])])
     assert_close(logits[:6], ref[:6])
-    logits, _ = step(model, kv, [(6, toks[6:], [5, 2])], num_tokens=None, num_reqs=2, decode_only=True)
+    logits, _ = step(model, kv, [(6, toks[6:], [5, 2])], num_tokens=None, num_reqs=2,
+                     decode_only=True)
     assert_close(logits[0], ref[6])

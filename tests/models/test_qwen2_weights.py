@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jhicache.models import Qwen2Config, init_random, load_pretrained, preset_config, save_checkpoint
+from jhicache.models import (
+    Qwen2Config,
+    init_random,
+    load_pretrained,
+    preset_config,
+    save_checkpoint,
+)
 from safetensors.numpy import load_file, save_file
 
 from tests.models.numpy_reference import random_hf_weights, small_hf_config, write_hf_checkpoint
@@ -32,7 +38,8 @@ def test_save_load_round_trip(tmp_path: Path, shards: int, tied: bool):
     assert (tmp_path / "model.safetensors.index.json").is_file() == (shards > 1)
     names = set().union(*(load_file(str(tmp_path / f)).keys() for f in files))
     assert ("lm_head.weight" in names) == (not tied)
-    assert "model.layers.1.self_attn.q_proj.bias" in names and "model.layers.1.self_attn.o_proj.bias" not in names
+    assert ("model.layers.1.self_attn.q_proj.bias" in names
+            and "model.layers.1.self_attn.o_proj.bias" not in names)
     loaded = load_pretrained(tmp_path)
     assert loaded.config == config
     for a, b in zip(leaves(model), leaves(loaded), strict=True):
@@ -45,15 +52,18 @@ def test_hf_linear_weights_are_transposed(tmp_path: Path):
     model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
     kernel = model.layers[0].self_attn.q_proj.kernel[...]
     chex.assert_shape(kernel, (64, 64))
-    np.testing.assert_array_equal(np.asarray(kernel), weights["model.layers.0.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(kernel),
+                                  weights["model.layers.0.self_attn.q_proj.weight"].T)
     np.testing.assert_array_equal(
-        np.asarray(model.layers[1].mlp.down_proj.kernel[...]), weights["model.layers.1.mlp.down_proj.weight"].T
+        np.asarray(model.layers[1].mlp.down_proj.kernel[...]),
+        weights["model.layers.1.mlp.down_proj.weight"].T
     )
 
 
 def test_load_bfloat16_from_float32_and_back(tmp_path: Path):
     cfg = small_hf_config(tied=False)
-    model = load_pretrained(write_hf_checkpoint(tmp_path / "f32", cfg, random_hf_weights(cfg)), dtype=jnp.bfloat16)
+    model = load_pretrained(write_hf_checkpoint(tmp_path / "f32", cfg, random_hf_weights(cfg)),
+                            dtype=jnp.bfloat16)
     for x in jax.tree_util.tree_leaves(nnx.state(model)):
         chex.assert_type(x, jnp.bfloat16)
     save_checkpoint(model, model.config, tmp_path / "bf16")
@@ -70,7 +80,8 @@ def _break(directory: Path, case: str) -> str:
         return "config.json"
     if case == "architecture":
         cfg = json.loads((directory / "config.json").read_text())
-        (directory / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+        (directory / "config.json").write_text(
+            json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
         return "LlamaForCausalLM"
     if case == "missing_shard":
         (directory / "model-00002-of-00002.safetensors").unlink()
@@ -92,8 +103,9 @@ def _break(directory: Path, case: str) -> str:
 @pytest.mark.parametrize(
     "case, error",
     [
-        ("no_config", FileNotFoundError), ("architecture", ValueError), ("missing_shard", FileNotFoundError),
-        ("missing_tensor", ValueError), ("wrong_shape", ValueError),
+        ("no_config", FileNotFoundError), ("architecture", ValueError),
+        ("missing_shard", FileNotFoundError), ("missing_tensor", ValueError),
+        ("wrong_shape", ValueError),
     ],
 )
 def test_bad_checkpoints_raise_clear_errors(tmp_path: Path, case: str, error: type[Exception]):
@@ -149,7 +161,8 @@ def test_presets():
     for name, (hid, layers, heads, kv, hd, tied, vocab) in shapes.items():
         c = preset_config(name)
         got = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
-        assert got + (c.head_dim, c.tie_word_embeddings, c.vocab_size) == (hid, layers, heads, kv, hd, tied, vocab)
+        assert got + (c.head_dim, c.tie_word_embeddings, c.vocab_size) == (hid, layers, heads, kv,
+                                                                           hd, tied, vocab)
         assert Qwen2Config.from_hf_dict(c.to_hf_dict()) == c
     tiny = preset_config("tiny")
     assert tiny.head_dim == 16 and tiny.tie_word_embeddings
