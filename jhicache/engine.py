@@ -38,6 +38,7 @@ from jhicache.models.sharding import TensorParallel
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
+from jhicache.scheduler import Scheduler
 from jhicache.stats import EngineStats, Occupancy, StepCounters
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
@@ -67,9 +68,6 @@ class Engine:
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier)
-        # local: keeps the import graph one-way at a glance
-        from jhicache.scheduler import Scheduler
-
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         self.counters = StepCounters()
