@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache import LoadTicket
-from jhicache.cache.transfer import pow2_bucket
 from jhicache.models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
 from jhicache.request import Request
 
