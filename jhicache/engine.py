@@ -194,12 +194,12 @@ class Engine:
     def occupancy(self) -> Occupancy:
         """Queue lengths and the pool sizes and free pages of both tiers, now."""
         with self._lock:
-            device, host = self.cache.device_alloc, self.cache.host_alloc
+            cache = self.cache
             return Occupancy(waiting_requests=len(self.scheduler.waiting),
                              running_requests=len(self.scheduler.running),
-                             device_pages=device.capacity, device_free_pages=device.num_free,
-                             host_pages=host.capacity if host else 0,
-                             host_free_pages=host.num_free if host else 0)
+                             device_pages=cache.device_capacity,
+                             device_free_pages=cache.device_free_pages,
+                             host_pages=cache.host_capacity, host_free_pages=cache.host_free_pages)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
