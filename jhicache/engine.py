@@ -271,7 +271,7 @@ class Engine:
         logits = forward.logits
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
-            if chunk.samples:
+            if chunk.samples_token:
                 chunk.request.pending_row = row
         return _Launched(batch, sampled, start, forward.load_wait_s, forward.layered)
 

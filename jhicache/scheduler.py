@@ -64,7 +64,7 @@ class Scheduler:
         for chunk in batch.chunks:
             req = chunk.request
             req.cached_len = chunk.start + chunk.length
-            if chunk.samples:
+            if chunk.samples_token:
                 req.pending += 1
                 req.status = RequestStatus.DECODING
         return batch
@@ -76,8 +76,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, length: int) -> Chunk:
         start = req.cached_len
-        samples = start + length == req.num_tokens
-        return Chunk(req, start, length, req.num_generated if samples else None)
+        reaches_end = start + length == req.num_tokens
+        return Chunk(req, start, length, req.num_generated if reaches_end else None)
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -284,7 +284,7 @@ class Scheduler:
         gained = []
         for row, chunk in enumerate(batch.chunks):
             req = chunk.request
-            if not chunk.samples or req.finished:
+            if not chunk.samples_token or req.finished:
                 continue
             assert chunk.sample_index == len(req.output), "steps commit in order"
             req.output.append(int(sampled[row]))
