@@ -81,7 +81,7 @@ def cache_tokens(engine: Engine, tokens: list[int]) -> None:
 def push_to_host(engine: Engine) -> None:
     """As jhicache/bench.py: evict every unlocked device page (writing back) and wait for the
     copies."""
-    engine.cache.evict_device(engine.cache.tree.evictable_pages)
+    engine.cache.evict_device(engine.cache.evictable_device_pages)
     engine.cache.flush()
 
 

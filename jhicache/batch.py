@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache import LoadTicket
-from jhicache.cache.transfer import pow2_bucket
 from jhicache.models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
 from jhicache.request import Request
 
@@ -24,8 +24,9 @@ class Chunk:
     sample_index: int | None = None  # the output token its last logits sample; None: no sample
 
     @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the end of the sequence, so its last logits are sampled."""
+    def samples_token(self) -> bool:
+        """True when the chunk reaches the end of the sequence (a prompt's last prefill chunk, or
+        a decode step), so its last logits sample the request's next token."""
         return self.sample_index is not None
 
 

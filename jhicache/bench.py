@@ -538,7 +538,7 @@ def push_to_host(engine: Engine) -> float:
     """Evicts every unlocked device page (writing back what the host lacks) and waits for the
     copies; returns the seconds that took, end to end."""
     start = time.perf_counter()
-    engine.cache.evict_device(engine.cache.tree.evictable_pages)
+    engine.cache.evict_device(engine.cache.evictable_device_pages)
     engine.cache.flush()
     return time.perf_counter() - start
 

@@ -38,6 +38,7 @@ from jhicache.models.sharding import TensorParallel
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
+from jhicache.scheduler import Scheduler
 from jhicache.stats import EngineStats, Occupancy, StepCounters
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
@@ -67,9 +68,6 @@ class Engine:
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier)
-        # local: keeps the import graph one-way at a glance
-        from jhicache.scheduler import Scheduler
-
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         self.counters = StepCounters()
@@ -196,12 +194,12 @@ class Engine:
     def occupancy(self) -> Occupancy:
         """Queue lengths and the pool sizes and free pages of both tiers, now."""
         with self._lock:
-            device, host = self.cache.device_alloc, self.cache.host_alloc
+            cache = self.cache
             return Occupancy(waiting_requests=len(self.scheduler.waiting),
                              running_requests=len(self.scheduler.running),
-                             device_pages=device.capacity, device_free_pages=device.num_free,
-                             host_pages=host.capacity if host else 0,
-                             host_free_pages=host.num_free if host else 0)
+                             device_pages=cache.device_capacity,
+                             device_free_pages=cache.device_free_pages,
+                             host_pages=cache.host_capacity, host_free_pages=cache.host_free_pages)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
@@ -273,7 +271,7 @@ class Engine:
         logits = forward.logits
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
-            if chunk.samples:
+            if chunk.samples_token:
                 chunk.request.pending_row = row
         return _Launched(batch, sampled, start, forward.load_wait_s, forward.layered)
 

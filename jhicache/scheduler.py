@@ -64,7 +64,7 @@ class Scheduler:
         for chunk in batch.chunks:
             req = chunk.request
             req.cached_len = chunk.start + chunk.length
-            if chunk.samples:
+            if chunk.samples_token:
                 req.pending += 1
                 req.status = RequestStatus.DECODING
         return batch
@@ -76,8 +76,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, length: int) -> Chunk:
         start = req.cached_len
-        samples = start + length == req.num_tokens
-        return Chunk(req, start, length, req.num_generated if samples else None)
+        reaches_end = start + length == req.num_tokens
+        return Chunk(req, start, length, req.num_generated if reaches_end else None)
 
     # ---- prefill -------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class Scheduler:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left
         to compute after it. Loaded pages replace pages the request would otherwise compute into,
         so only that chunk (and a decode page) must stay available."""
-        available = self.cache.device_alloc.num_free + self.cache.tree.evictable_pages
+        available = self.cache.available_device_pages()
         cached = match.device_len + match.host_len
         first_chunk = min(req.num_tokens - cached, budget)
         return (available - (_pages_for(cached + first_chunk, self.page_size)
@@ -284,7 +284,7 @@ class Scheduler:
         gained = []
         for row, chunk in enumerate(batch.chunks):
             req = chunk.request
-            if not chunk.samples or req.finished:
+            if not chunk.samples_token or req.finished:
                 continue
             assert chunk.sample_index == len(req.output), "steps commit in order"
             req.output.append(int(sampled[row]))

@@ -310,6 +310,37 @@ class TieredCache:
         self._release_device(device)
         return len(device) + len(host)
 
+    # -- occupancy -----------------------------------------------------------------------
+    @property
+    def device_capacity(self) -> int:
+        """Device pages the cache can hand out (the reserved padding page excluded)."""
+        return self.device_alloc.capacity
+
+    @property
+    def device_free_pages(self) -> int:
+        """Device pages on the free list now (not counting evictable tree pages)."""
+        return self.device_alloc.num_free
+
+    @property
+    def evictable_device_pages(self) -> int:
+        """Device pages of unlocked tree nodes: `evict_device` (or an allocation) may free them."""
+        return self.tree.evictable_pages
+
+    def available_device_pages(self) -> int:
+        """Device pages an allocation can get now: free plus evictable. What `alloc_device`
+        checks before it evicts; pages of locked nodes and of requests do not count."""
+        return self.device_free_pages + self.evictable_device_pages
+
+    @property
+    def host_capacity(self) -> int:
+        """Host pages of the host tier; 0 without one."""
+        return self.host_alloc.capacity if self.host_alloc is not None else 0
+
+    @property
+    def host_free_pages(self) -> int:
+        """Host pages on the host tier's free list now; 0 without a host tier."""
+        return self.host_alloc.num_free if self.host_alloc is not None else 0
+
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         stats = {**self._stats, "write_back_s": 0.0, "load_back_s": 0.0}
@@ -319,10 +350,10 @@ class TieredCache:
                          write_back_bytes=c["write_back_pages"] * page_bytes,
                          load_back_bytes=c["load_back_pages"] * page_bytes,
                          write_back_s=c["write_back_s"], load_back_s=c["load_back_s"])
-        stats.update(device_free_pages=self.device_alloc.num_free,
-                     evictable_tokens=self.tree.evictable_pages * self.page_size,
+        stats.update(device_free_pages=self.device_free_pages,
+                     evictable_tokens=self.evictable_device_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,
-                     host_free_pages=self.host_alloc.num_free if self.host_alloc else 0,
+                     host_free_pages=self.host_free_pages,
                      loads_in_flight=len(self._loading))
         return stats
 

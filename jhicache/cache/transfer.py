@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache.copier import Copier, Direction, Mark, ShardedCopier
 from jhicache.cache.device_pool import PagePool
 from jhicache.cache.host_pool import HostPool
@@ -99,14 +100,6 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     starts = np.concatenate([[0], cut])
     lengths = np.diff(np.concatenate([starts, [len(src)]]))
     return src[starts], dst[starts], lengths
-
-
-def pow2_bucket(n: int, smallest: int = 16) -> int:
-    """The power of two >= max(n, smallest): padded id lists compile one gather per bucket."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
 
 
 class _Write:
@@ -233,6 +226,7 @@ class TransferController:
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
             return
+        # padded with the last page, read again: one gather program per bucket of id lists
         ids = np.concatenate([device,
                               np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
         pool = self.device_pool

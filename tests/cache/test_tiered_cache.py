@@ -214,6 +214,29 @@ def test_bad_input_and_graceful_degradation() -> None:
     check(cache)
 
 
+def test_page_counts_for_callers_outside_the_cache() -> None:
+    """available_device_pages = free + unlocked tree pages: exactly what alloc_device can get."""
+    cache = make_cache(4, device_pages=6, host_pages=3)
+    assert (cache.device_capacity, cache.host_capacity) == (6, 3)
+    a, b = seq(1, 2, 4), seq(2, 1, 4)
+    prefill(cache, a)
+    prefill(cache, b)
+    held = cache.alloc_device(1)  # a request's private page: neither free nor evictable
+    assert held is not None
+    node = cache.match(a).last_node
+    cache.lock(node)  # a's 2 pages are protected now
+    assert (cache.device_free_pages, cache.evictable_device_pages) == (2, 1)
+    assert cache.available_device_pages() == 3
+    assert cache.alloc_device(4) is None
+    got = cache.alloc_device(3)  # evicts b
+    assert got is not None and cache.available_device_pages() == 0
+    assert cache.host_free_pages == 2  # b's write-back took one host page
+    cache.free_device(got + held)
+    cache.unlock(node)
+    check(cache)
+    assert make_cache(4, device_pages=2, host_pages=None).host_free_pages == 0
+
+
 def test_device_only_cache() -> None:
     cache = make_cache(2, device_pages=4, host_pages=None)
     a, b = seq(1, 2, 2), seq(2, 3, 2)
