@@ -37,6 +37,7 @@ from jhicache.config import EngineConfig, KVDtype, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
+from jhicache.runner import LayeredTimeline
 from jhicache.sampling import SamplingParams
 from jhicache.workload import MultiTurnSpec, user_turns
 
@@ -574,7 +575,8 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     written = engine.stats().write_back_bytes - stats.write_back_bytes
     copy_s = engine.stats().write_back_s - stats.write_back_s  # its device->host copies alone
     before = engine.stats().as_dict()
-    host_s, host_out = ttft_of(engine, prefix + turns[1])  # prefix only on host: load-back
+    # prefix only on host: load-back
+    host_s, host_out, timeline = traced_ttft(engine, prefix + turns[1])
     measured = stats_delta(engine, before, ("load_wait_s",))
     device_s, _ = ttft_of(engine, prefix + turns[2])  # prefix now on device
     beside_s = device_hit_beside_write_back(engine, prefix, other, turns[3:6])
@@ -583,7 +585,32 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     return {"no_cache_ttft_s": none_s, "host_hit_ttft_s": host_s, "device_hit_ttft_s": device_s,
             "host_hit_tokens": host_out.host_hit_tokens, "load_alone_s": load_s,
             "write_back_s": write_s, "write_back_bytes": written, "write_back_copy_s": copy_s,
-            "device_hit_beside_write_back_ttft_s": beside_s, **measured}
+            "device_hit_beside_write_back_ttft_s": beside_s, "host_hit_timeline": timeline,
+            **measured}
+
+
+def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict | None]:
+    """`ttft_of`, with the runner's probe on: also the host timeline of its layer-split forward
+    (None if the forward ran fused, every page already landed)."""
+    timelines: list[LayeredTimeline] = []
+    engine.runner.probe = timelines.append
+    try:
+        start = time.perf_counter()
+        ttft_s, out = ttft_of(engine, prompt)
+    finally:
+        engine.runner.probe = None
+    return ttft_s, out, (timeline_ms(timelines[0], start, ttft_s) if timelines else None)
+
+
+def timeline_ms(t: LayeredTimeline, submitted_s: float, ttft_s: float) -> dict:
+    """A layer-split forward's host timeline in ms from the request's submission."""
+    ms = lambda at: (at - submitted_s) * 1e3  # noqa: E731
+    return {"forward_start_ms": ms(t.start_s),
+            "groups": [{"layers": f"{g.start}-{g.stop - 1}", "landed_ms": ms(w),
+                        "dispatched_ms": ms(d)}
+                       for g, w, d in zip(t.groups, t.waited_s, t.dispatched_s)],
+            "head_dispatched_ms": ms(t.head_dispatched_s), "first_token_ms": ttft_s * 1e3,
+            "note": "host clock: 'landed' is when the wait for a group's last layer returned"}
 
 
 def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[int],

@@ -161,7 +161,19 @@ def host_hit_table(result: dict) -> str:
             f"  write-back {format_rate(result['write_back_gbps'])} end to end, its copies "
             f"{format_rate(result['write_back_copy_gbps'])} "
             f"(PCIe to host {format_rate(result['pcie_to_host_gbps'])}); device hit beside a "
-            f"write-back {result['device_hit_beside_write_back_ttft_s'] * 1e3:.1f} ms")
+            f"write-back {result['device_hit_beside_write_back_ttft_s'] * 1e3:.1f} ms"
+            + _timeline_text(result.get("host_hit_timeline")))
+
+
+def _timeline_text(t: dict | None) -> str:
+    """The host hit's layer-split forward, in ms from submission (host clock)."""
+    if not t:
+        return ""
+    last = t["groups"][-1]
+    return (f"\n  host hit, ms from submission: forward starts {t['forward_start_ms']:.2f}, "
+            f"first group landed {t['groups'][0]['landed_ms']:.2f}, last landed "
+            f"{last['landed_ms']:.2f}, head dispatched {t['head_dispatched_ms']:.2f}, "
+            f"first token {t['first_token_ms']:.2f}")
 
 
 # (marker, dashes, marker size) per mode in the order run: lines that coincide (hierarchical and

@@ -8,11 +8,16 @@ blocks until the copies of that layer (issued in layer order on a copy stream of
 have landed, while the device computes the groups already dispatched. The KV arrays are donated
 to each program and the pool is given the returned arrays at once, so the pool always holds the
 newest version (the transfer controller relies on that, see `jhicache.cache.transfer`).
+
+Measurement stays out of that path: a benchmark may set `probe`, which then receives each
+layer-split forward's host timeline (`LayeredTimeline`); it is None otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -28,6 +33,20 @@ class ForwardResult(NamedTuple):
     layered: bool  # run layer group by layer group around loads still landing
 
 
+@dataclasses.dataclass(frozen=True)
+class LayeredTimeline:
+    """Host clock (`time.perf_counter`) of one layer-split forward, for a probe: when it began,
+    then per layer group when its wait for loaded pages returned and when its program had been
+    dispatched, and when the head had been dispatched. Host times only: what the device does
+    between them is not seen here."""
+
+    start_s: float
+    groups: tuple[range, ...]
+    waited_s: tuple[float, ...]
+    dispatched_s: tuple[float, ...]
+    head_dispatched_s: float
+
+
 class ModelRunner:
     """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
@@ -37,6 +56,7 @@ class ModelRunner:
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
         self.groups = layer_groups(self.num_layers)
+        self.probe: Callable[[LayeredTimeline], None] | None = None  # benchmarks only
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
             tickets: tuple[LoadTicket, ...]) -> ForwardResult:
@@ -59,16 +79,23 @@ class ModelRunner:
 
     def _layered(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
                  tickets: tuple[LoadTicket, ...]) -> tuple[jax.Array, float]:
+        begin = time.perf_counter()
         hidden = self.programs.embed(tokens)
-        waited = 0.0
+        waited, landed, dispatched = 0.0, [], []
         for group in self.groups:
             start = time.perf_counter()
             for ticket in tickets:
                 ticket.wait(group[-1])  # the one place a forward syncs with loaded pages
-            waited += time.perf_counter() - start
+            landed.append(time.perf_counter())
+            waited += landed[-1] - start
             hidden, ks, vs = self.programs.layers(group, hidden,
                                                   tuple(self.pool.k[i] for i in group),
                                                   tuple(self.pool.v[i] for i in group), meta)
             for layer, k, v in zip(group, ks, vs):
                 self.pool.set_layer(layer, k, v)
-        return self.programs.head(hidden, last_index), waited
+            dispatched.append(time.perf_counter())
+        logits = self.programs.head(hidden, last_index)
+        if self.probe is not None:
+            self.probe(LayeredTimeline(begin, tuple(self.groups), tuple(landed),
+                                       tuple(dispatched), time.perf_counter()))
+        return logits, waited

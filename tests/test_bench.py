@@ -188,3 +188,33 @@ def test_compile_counter_names_what_compiled_in_its_block() -> None:
         program(five)  # a new shape
     assert compiles.count == 1
     assert len(compiles.programs) == 1 and "shifted_by_seven" in compiles.programs[0]
+
+
+def test_host_hit_timeline_follows_the_layer_split_forward(monkeypatch) -> None:
+    from tests.test_engine import deferred_copies, make_engine
+
+    deferred_copies(monkeypatch)  # copies land only when waited for: the forward runs layered
+    engine = make_engine(page_size=4, device_kv_tokens=32, host_kv_tokens=128)
+    first, other = list(range(1, 25)), list(range(100, 124))
+    engine.generate([first], SamplingParams(max_new_tokens=1))
+    engine.generate([other], SamplingParams(max_new_tokens=1))  # evicts `first` to host
+    ttft_s, out, timeline = bench.traced_ttft(engine, first + [7, 7, 7, 7])
+    assert out.host_hit_tokens == 24 and timeline is not None
+    assert engine.runner.probe is None  # the probe is off again
+    groups = timeline["groups"]
+    expected = [f"{g.start}-{g.stop - 1}" for g in engine.runner.groups]
+    assert [g["layers"] for g in groups] == expected
+    times = ([timeline["forward_start_ms"]]
+             + [t for g in groups for t in (g["landed_ms"], g["dispatched_ms"])]
+             + [timeline["head_dispatched_ms"], timeline["first_token_ms"]])
+    assert times[0] >= 0 and times == sorted(times)
+    assert timeline["first_token_ms"] == pytest.approx(ttft_s * 1e3)
+    assert "first group landed" in bench.report.host_hit_table(
+        {**_HOST_HIT_ROW, "host_hit_timeline": timeline})
+
+
+_HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,
+                 "device_hit_ttft_s": 0.01, "host_hit_ttft_s": 0.02, "load_alone_s": 0.01,
+                 "load_gbps": 1.0, "load_hidden_fraction": 0.5, "pcie_s": 0.01, "pcie_gbps": 1.0,
+                 "host_hit_ratio": 2.0, "write_back_gbps": 1.0, "write_back_copy_gbps": 1.0,
+                 "pcie_to_host_gbps": 1.0, "device_hit_beside_write_back_ttft_s": 0.01}
