@@ -74,7 +74,7 @@ def model_inputs(batch: Batch, page_size: int) -> StepInputs:
     host = {**arrays, "tokens": tokens, "last_index": last_index,
             **_patch_arrays(chunks, last_index, num_tokens)}
     # The step's host arrays in one transfer (see put_int32): each separate transfer costs
-    # a dispatch of its own, hundreds of microseconds of host time per step on the H200.
+    # a dispatch of its own, host time that every step pays.
     put = put_int32(host)
     tokens, last_index = put.pop("tokens"), put.pop("last_index")
     patches = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None

@@ -12,10 +12,10 @@ Usage by a runner that drives layers one by one:
 or the whole model in one program: `logits, k, v = programs.fused(k, v, tokens, meta, rows)`.
 
 Dispatch cost is the design constraint here: a layer-split forward makes one call per layer, and
-on the H200 a call that passed an `nnx.GraphDef` as a static argument spent about 0.4 ms of host
-time hashing it (more than a 0.5B layer's GPU time). So the graphdefs and state tree structures
-are closed over when the programs are built (once per model structure: engines of the same shape
-share the compiled programs), and each call passes only flat lists of arrays.
+a call that passes an `nnx.GraphDef` as a static argument spends host time hashing it, more than
+a 0.5B layer's GPU time (measured: benchmarks/LOG.md, 2026-11-30). So the graphdefs and state
+tree structures are closed over when the programs are built (once per model structure: engines
+of the same shape share the compiled programs), and each call passes only flat lists of arrays.
 Every layer has the same graphdef, so `layers` compiles once per (group size, T, B, decode_only),
 not once per layer. The k/v page arguments are donated: the caller must replace its references with
 the returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a one-off whole-model entry

@@ -71,9 +71,9 @@ def build_metadata(
 def put_int32(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Small int32 host arrays -> device arrays of the same shapes, in one transfer.
 
-    Six separate transfers cost about 2 ms of host time per step on the H200, and one batched
-    `jax.device_put` still pays per array (CPU: ~25 us each); one packed buffer passed to a jitted
-    unpack rides jit's C++ dispatch path instead (CPU: ~25 us for all eight model inputs).
+    Each separate transfer costs a dispatch of its own, and one batched `jax.device_put` still
+    pays per array; one packed buffer passed to a jitted unpack rides jit's C++ dispatch path
+    instead, once for all the model's inputs (measured: benchmarks/LOG.md, 2026-11-30).
     """
     if not arrays:
         return {}

@@ -26,7 +26,8 @@ __all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference
 
 # Split-K policy (see choose_extend_splits); the SM count and programs per SM come from
 # KernelTuning.
-# key blocks per split at least: on the H200 (8k keys) 16 splits beat 32 for both Qwen2 shapes
+# key blocks per split at least: finer splits lost to coarser ones on the GPU at both Qwen2 shapes
+# (the split-K sweep in benchmarks/LOG.md, 2026-11-30)
 _MIN_SPLIT_BLOCKS = 8
 # float32 partial accumulators [splits, T * H, D], written once and read once
 _MAX_PARTIAL_BYTES = 64 << 20

@@ -13,11 +13,10 @@ from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
 
-# Path: the Pallas kernel below (method="pallas", the default), because it measured 4-5x faster than
-# an XLA scatter on the donated flat buffer (method="xla", kept as the alternative). H200, jax
-# 0.11.2, 65,536 tokens, bf16, inside jit (benchmarks/results/kernels_h200.json, "kv_write"): every
-# layer of a step in one jit, 0.5B (2x64) 1549 vs 379 GB/s, 7B (4x128) 2658 vs 491 GB/s; one layer
-# per call, 451 vs 101 and 1278 vs 346.
+# Path: the Pallas kernel below (method="pallas", the default), because on the GPU it beat an XLA
+# scatter on the donated flat buffer (method="xla", kept as the alternative) several times over,
+# at both Qwen2 shapes, one layer per call and a whole step in one jit (the figures: the kernels
+# section of benchmarks/LOG.md, 2026-11-30).
 
 # ---------------------------------------------------------------- kernel
 def _slots_of_block(pt_ref, req_ref, pos_ref, *, block_t, count, page_size, max_pages):
