@@ -394,11 +394,13 @@ def mode_engine(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> tup
 
 
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
-                 drive: Drive | None = None) -> MeasuredRun:
-    """Runs the workload twice on fresh engines (the first, other-seeded, compiles) through
-    `drive` (in process by default); returns the second."""
+                 drive: Drive | None = None, same_warm_up: bool = False) -> MeasuredRun:
+    """Runs the workload twice on fresh engines through `drive` (in process by default) and
+    returns the second. The first compiles: on other prompts (another seed), or with
+    `same_warm_up` on the measured run's own, so that the measured run meets the batch shapes
+    the warm-up compiled, as a server that has run for a while would."""
     cache_mode, device_tokens = mode_engine(args, spec, mode)
-    for seed in (args.seed + 1000, args.seed):
+    for seed in (args.seed if same_warm_up else args.seed + 1000, args.seed):
         engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
         run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
         with CompileCounter() as compiles:  # the last one's: the measured run

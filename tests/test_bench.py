@@ -218,3 +218,19 @@ _HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,
                  "load_gbps": 1.0, "load_hidden_fraction": 0.5, "pcie_s": 0.01, "pcie_gbps": 1.0,
                  "host_hit_ratio": 2.0, "write_back_gbps": 1.0, "write_back_copy_gbps": 1.0,
                  "pcie_to_host_gbps": 1.0, "device_hit_beside_write_back_ttft_s": 0.01}
+
+
+@pytest.mark.parametrize(("same", "warm_up_seed"), [(False, 1007), (True, 7)])
+def test_the_warm_up_runs_other_prompts_unless_told_to_run_the_same(monkeypatch, same: bool,
+                                                                     warm_up_seed: int) -> None:
+    args = bench.parse_args(["multiturn", *TINY, "--seed", "7"])
+    spec = bench.multiturn_spec(args, 512)
+    monkeypatch.setattr(bench, "mode_engine", lambda args, spec, mode: ("hierarchical", 256))
+    seeds: list[int] = []
+
+    def drive(engine, run_spec, config, progress):
+        seeds.append(run_spec.seed)
+        return "run"
+
+    measured = bench.measured_run(args, spec, "hierarchical", None, drive, same_warm_up=same)
+    assert seeds == [warm_up_seed, 7] and measured.run == "run"

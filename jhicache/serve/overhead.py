@@ -21,8 +21,9 @@ from jhicache.workload import MultiTurnSpec
 
 HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
        "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine; each path a "
-       "warm-up run, then the measured run, each run on a fresh engine of the same config, "
-       "weights seed and prompts; HTTP - in process = what the server adds")
+       "warm-up run on the measured run's prompts (so that it compiles the batch shapes the "
+       "measured run meets), then the measured run, each run on a fresh engine of the same "
+       "config, weights seed and prompts; HTTP - in process = what the server adds")
 
 
 def drive_over_http(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
@@ -50,7 +51,8 @@ def compare_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     """One mode in process, then over HTTP; the engines go once summarised (one at a time)."""
     runs, summaries = {}, {}
     for path, drive in (("in_process", bench.drive_in_process), ("http", drive_over_http)):
-        measured = bench.measured_run(args, spec, mode, progress, drive)
+        # Warmed up on the same prompts: compiles are not what this benchmark is after
+        measured = bench.measured_run(args, spec, mode, progress, drive, same_warm_up=True)
         runs[path] = measured.run
         summaries[path] = bench.measured_summary(measured, spec)
         del measured
