@@ -26,7 +26,7 @@ from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.host_tier import HostTier
-from jhicache.cache.invariants import check_invariants
+from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.ticket import LoadTicket
@@ -359,6 +359,18 @@ class TieredCache:
 
     def check_invariants(self, extra_owned_device_pages: Iterable[int] = (),
                          extra_owned_host_pages: Iterable[int] = ()) -> None:
-        """Raises InvariantError; pass the device pages held by running requests."""
+        """Raises InvariantError on any page-accounting error in either tier (pass the device
+        pages held by running requests), when a layer's device pages are not split over the
+        devices as the pool's sharding says, or when any shard of a layer left the buffer the
+        host tier's copies target."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
                          extra_owned_device_pages, extra_owned_host_pages)
+        misplaced = self.device_pool.misplaced_layers()
+        if misplaced:
+            raise InvariantError(f"device pages of layers {misplaced} are not laid out as "
+                                 f"{self.device_pool.sharding}")
+        if self.controller is not None:
+            try:
+                self.controller.check_buffers()
+            except RuntimeError as e:
+                raise InvariantError(str(e)) from e
