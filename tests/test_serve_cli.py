@@ -25,13 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 STARTUP_S = 90.0  # the bare start takes seconds; a loaded 2-core CI box gets slack
 
 
-def test_serve_preset_from_the_command_line():
+def test_serve_preset_from_the_command_line(tmp_path: Path):
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()  # the server binds it again (SO_REUSEADDR); the window is short
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    # The tiny model's compiles are quick: cache them all (JAX caches only slow ones by default)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cache = tmp_path / "xla-cache"
     cmd = [sys.executable, "-m", "jhicache.serve", "--preset", "tiny", "--port", str(port),
-           "--page-size", "16", "--device-kv-tokens", "512", "--dtype", "float32"]
+           "--page-size", "16", "--device-kv-tokens", "512", "--dtype", "float32",
+           "--compilation-cache", str(cache)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -59,3 +63,4 @@ def test_serve_preset_from_the_command_line():
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "prompt_tokens=3 cached_tokens=0 ttft=" in out  # the request's info line
+    assert cache.is_dir() and any(cache.iterdir())  # the programs it compiled, for the next start

@@ -96,8 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level (info logs one line per request)")
+    parser.add_argument("--compilation-cache", metavar="DIR",
+                        help="a directory for JAX's persistent compilation cache: programs this "
+                             "server compiles are written there and read back by later starts, "
+                             "which then skip those compiles (default: no cache)")
     add_engine_flags(parser)
     return parser
+
+
+def use_compilation_cache(directory: str) -> None:
+    """Points JAX's persistent compilation cache at `directory` (before the first compile):
+    each batch shape costs a compile of its programs the first time it is met, and with the
+    cache only the first time on this machine, not at every start."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
 
 
 def _tokenizer_dir(args: argparse.Namespace) -> str | None:
@@ -124,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from jhicache.serve.context import ServerContext
     from jhicache.serve.tokenizer import Tokenizer
 
+    if args.compilation_cache:
+        use_compilation_cache(args.compilation_cache)
     tokenizer_dir = _tokenizer_dir(args)
     tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
     if args.model:
