@@ -208,8 +208,6 @@ def check_deferred_copies_wait_on_every_shard() -> None:
 
 def check_invariant_catches_moved_shard() -> None:
     """A layer whose shards left the buffers the loads copy into is reported."""
-    from jhicache.cache import InvariantError
-
     eng = hierarchical(tp_model(), 2)
     run_chats(eng)
     assert eng.stats().load_back_ops > 0
@@ -217,29 +215,29 @@ def check_invariant_catches_moved_shard() -> None:
     k, v = eng.device_pool.k[1], eng.device_pool.v[1]
     eng.device_pool.set_layer(1, k + 0, v)  # same sharding, new buffers
     assert not eng.device_pool.misplaced_layers()
-    try:
-        eng.check_invariants()
-    except InvariantError as e:
-        assert "moved" in str(e), e
-    else:
-        raise AssertionError("moved shard buffers not reported")
+    _assert_invariant_error(eng, "moved", "moved shard buffers not reported")
 
 
 def check_invariant_catches_misplaced_pages() -> None:
     """A layer's pages gathered onto one device is reported by check_invariants."""
-    from jhicache.cache import InvariantError
-
     eng = engine(tp_model(), 2)
     eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     eng.check_invariants()
     k, v = eng.device_pool.k[1], eng.device_pool.v[1]
     eng.device_pool.set_layer(1, jax.device_put(k, jax.devices()[0]), v)
+    _assert_invariant_error(eng, "layers [1]", "misplaced pages not reported")
+
+
+def _assert_invariant_error(eng: Engine, fragment: str, missed: str) -> None:
+    """`eng.check_invariants()` raises an InvariantError whose message holds `fragment`."""
+    from jhicache.cache import InvariantError
+
     try:
         eng.check_invariants()
     except InvariantError as e:
-        assert "layers [1]" in str(e), e
+        assert fragment in str(e), e
     else:
-        raise AssertionError("misplaced pages not reported")
+        raise AssertionError(missed)
 
 
 def check_checkpoint_loads_sharded() -> None:
