@@ -235,11 +235,12 @@ class Engine:
             outputs = self._end(self._take_in_flight())
             self.cache.poll()
             batch = self.scheduler.schedule(may_retract=True)
-        # The inputs' small host->device copies go first: the copy engine runs copies in the
-        # order they were queued, so behind a load burst they would hold the forward back.
+        # This step's loads start before the rest of the step's host work: a host hit waits for
+        # its last layer, so every host phase ahead of the copies adds to its TTFT.
+        self.cache.launch_loads()
         inputs = model_inputs(batch, self.config.page_size) if batch is not None else None
         self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
-        self.cache.launch()  # write-backs and load-backs queued by the scheduler start now
+        self.cache.launch()  # write-backs and the prefetched load-backs start now
         launched = self._launch(batch, inputs) if batch is not None else None
         if self.config.overlap_schedule:
             ending, self._in_flight = self._take_in_flight(), launched

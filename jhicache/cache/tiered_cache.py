@@ -279,6 +279,11 @@ class TieredCache:
         if self.controller is not None:
             self.controller.launch()
 
+    def launch_loads(self) -> None:
+        """Dispatches the queued load-backs alone (write-backs wait for `launch`)."""
+        if self.controller is not None:
+            self.controller.launch_loads()
+
     def poll(self) -> int:
         """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
         if self.controller is None:

@@ -268,7 +268,12 @@ class TransferController:
 
     def launch_loads(self) -> None:
         """Starts every queued load-back whose pages are free of fences; the rest start once
-        they are (`poll`), or when a forward waits on them."""
+        they are (`poll`), or when a forward waits on them. Called alone (ahead of the queued
+        write-backs), it first launches any write-back that fills a host page to be loaded."""
+        filling = {p for op in self._queued[TransferKind.WRITE_BACK] for p in op.host_pages}
+        if filling and any(p in filling for op in self._queued[TransferKind.LOAD_BACK]
+                           for p in op.host_pages):
+            self.launch_writes()  # the loads then wait for those writes, as `_blockers` says
         ops, device, host = self._take(TransferKind.LOAD_BACK)
         if not ops:
             return

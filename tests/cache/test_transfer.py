@@ -212,6 +212,35 @@ def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) ->
         np.testing.assert_array_equal(k, expected_kv(b, layer, 4)[0])
 
 
+@pytest.mark.parametrize("copier", COPIERS)
+def test_loads_launched_alone_first_launch_a_write_they_read(copier) -> None:
+    """`launch_loads` ahead of the queued write-backs: a load of host pages that a queued
+    write-back fills launches that write first and reads what it wrote; a load of other pages
+    leaves the writes queued."""
+    cache = make_cache(4, device_pages=6, host_pages=4, copier=_copier(copier))
+    ctl = cache.controller
+    a, b = list(range(8)), list(range(300, 308))
+    src = cache.alloc_device(2)
+    write_kv(cache, a, src)
+    ctl.queue_write_back(src, [0, 1])
+    ctl.flush()
+    other = cache.alloc_device(2)
+    write_kv(cache, b, other)
+    ctl.queue_write_back(other, [2, 3])
+    dst = cache.alloc_device(2)
+    ticket = ctl.queue_load_back([0, 1], dst)
+    ctl.launch_loads()
+    assert ticket.launched and ctl.num_queued() == 1  # the write into 2, 3 still queued
+    ticket.wait_all()
+    assert_device_kv(cache, a, dst)
+    ticket = ctl.queue_load_back([2, 3], src)  # pages 2, 3 are what the queued write fills
+    ctl.launch_loads()
+    assert ctl.num_queued() == 0
+    ticket.wait_all()
+    ctl.flush()
+    assert_device_kv(cache, b, src)
+
+
 def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
     """A request sharing part of a prefix whose load is in flight splits its node: the forward
     must still find (and wait on) that load."""
@@ -354,3 +383,4 @@ def test_gpu_random_pages_round_trip_bit_exact() -> None:
         want_k, want_v = device.read_pages(layer, src.tolist())
         assert np.array_equal(got_k.view(np.uint16), want_k.view(np.uint16))
         assert np.array_equal(got_v.view(np.uint16), want_v.view(np.uint16))
+
