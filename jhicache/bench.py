@@ -592,27 +592,37 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
 
 
 def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict | None]:
-    """`ttft_of`, with the runner's probe on: also the host timeline of its layer-split forward
-    (None if the forward ran fused, every page already landed)."""
+    """`ttft_of` through `add_request` and `step`, with the runner's probe on: also the host
+    timeline of its layer-split forward (None if the forward ran fused), every mark on one
+    clock from the `add_request` call, the first token's when `step` returned it."""
     timelines: list[LayeredTimeline] = []
     engine.runner.probe = timelines.append
     try:
         start = time.perf_counter()
-        ttft_s, out = ttft_of(engine, prompt)
+        request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+        out = None
+        while out is None:
+            out = next((o for o in engine.step() if o.request_id == request_id), None)
+        first_token_s = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
     finally:
         engine.runner.probe = None
-    return ttft_s, out, (timeline_ms(timelines[0], start, ttft_s) if timelines else None)
+    timeline = timeline_ms(timelines[0], start, first_token_s) if timelines else None
+    return out.ttft_s, out, timeline
 
 
-def timeline_ms(t: LayeredTimeline, submitted_s: float, ttft_s: float) -> dict:
-    """A layer-split forward's host timeline in ms from the request's submission."""
+def timeline_ms(t: LayeredTimeline, submitted_s: float, first_token_s: float) -> dict:
+    """A layer-split forward's host timeline in ms from the request's `add_request` call."""
     ms = lambda at: (at - submitted_s) * 1e3  # noqa: E731
     return {"forward_start_ms": ms(t.start_s),
             "groups": [{"layers": f"{g.start}-{g.stop - 1}", "landed_ms": ms(w),
                         "dispatched_ms": ms(d)}
                        for g, w, d in zip(t.groups, t.waited_s, t.dispatched_s)],
-            "head_dispatched_ms": ms(t.head_dispatched_s), "first_token_ms": ttft_s * 1e3,
-            "note": "host clock: 'landed' is when the wait for a group's last layer returned"}
+            "head_dispatched_ms": ms(t.head_dispatched_s), "first_token_ms": ms(first_token_s),
+            "note": "host clock from the add_request call (TTFT counts from the request's "
+                    "arrival, after validation); 'landed' is when the wait for a group's last "
+                    "layer returned; 'first token' when step() returned it"}
 
 
 def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[int],

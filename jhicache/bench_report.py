@@ -166,11 +166,11 @@ def host_hit_table(result: dict) -> str:
 
 
 def _timeline_text(t: dict | None) -> str:
-    """The host hit's layer-split forward, in ms from submission (host clock)."""
+    """The host hit's layer-split forward, in ms from its add_request call (host clock)."""
     if not t:
         return ""
     last = t["groups"][-1]
-    return (f"\n  host hit, ms from submission: forward starts {t['forward_start_ms']:.2f}, "
+    return (f"\n  host hit, ms from add_request: forward starts {t['forward_start_ms']:.2f}, "
             f"first group landed {t['groups'][0]['landed_ms']:.2f}, last landed "
             f"{last['landed_ms']:.2f}, head dispatched {t['head_dispatched_ms']:.2f}, "
             f"first token {t['first_token_ms']:.2f}")

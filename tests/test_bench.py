@@ -208,7 +208,8 @@ def test_host_hit_timeline_follows_the_layer_split_forward(monkeypatch) -> None:
              + [t for g in groups for t in (g["landed_ms"], g["dispatched_ms"])]
              + [timeline["head_dispatched_ms"], timeline["first_token_ms"]])
     assert times[0] >= 0 and times == sorted(times)
-    assert timeline["first_token_ms"] == pytest.approx(ttft_s * 1e3)
+    # one clock: the add_request call comes before the arrival the TTFT counts from
+    assert timeline["first_token_ms"] >= ttft_s * 1e3 > 0
     assert "first group landed" in bench.report.host_hit_table(
         {**_HOST_HIT_ROW, "host_hit_timeline": timeline})
 
