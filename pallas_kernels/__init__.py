@@ -1,15 +1,12 @@
-"""Pallas kernels for paged KV: extend and decode attention, KV write and the page gather."""
+"""Pallas kernels for paged KV: extend and decode attention, and the KV write."""
 
 # No name bound here is also a submodule's name, so `import jhicache.pallas_kernels.<module>`
 # always gives the module.
 from jhicache.pallas_kernels.decode_attention import paged_decode_attention
 from jhicache.pallas_kernels.extend_attention import paged_attention
 from jhicache.pallas_kernels.kv_write import write_kv
-from jhicache.pallas_kernels.page_copy import gather_pages, gather_pages_layers
 
 __all__ = [
-    "gather_pages",
-    "gather_pages_layers",
     "paged_attention",
     "paged_decode_attention",
     "write_kv",
