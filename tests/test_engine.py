@@ -89,39 +89,7 @@ def test_copies_that_land_late_are_waited_for(page_size: int, policy: str,
     copier = deferred_copies(monkeypatch)
     engine = make_engine(page_size=page_size, write_policy=policy)
     assert_matches_no_cache_with_transfers(engine)
-    assert copier.copies > 0  # split or fused after the wait (the next test tells them apart)
-
-
-def test_a_landing_load_splits_the_forward_unless_only_the_fused_program_ran_its_shape(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host hit whose load is landing runs layer by layer, unless its input shape has run
-    fused and never split: then it waits for the load and runs fused (no new compile). Either
-    way its tokens are the cache-off ones."""
-    copier = deferred_copies(monkeypatch)
-    engine = make_engine(page_size=16)
-    reference = make_engine(cache_mode="off")
-    params = SamplingParams(max_new_tokens=2)
-    prefix, other = list(range(1, 97)), list(range(200, 296))
-
-    def host_hit(prompt: list[int]) -> tuple[list[int], int]:
-        engine.cache.evict_device(engine.cache.evictable_device_pages)
-        engine.cache.flush()
-        before = engine.stats().layered_steps
-        out = engine.generate([prompt], params)[0]
-        assert out.host_hit_tokens > 0
-        assert out.token_ids == reference.generate([prompt], params)[0].token_ids
-        return out.token_ids, engine.stats().layered_steps - before
-
-    engine.generate([prefix], params)
-    assert host_hit(prefix + [5, 6, 7])[1] == 1  # a new shape while landing: split
-    assert host_hit(prefix + [8, 9, 10])[1] == 1  # the same shape: split again
-    engine.generate([other], params)
-    # A device hit of a 20-token turn (a larger token bucket than the 3-token turns): fused.
-    engine.generate([other + list(range(11, 31))], params)
-    copies = copier.copies
-    assert host_hit(other + list(range(31, 51)))[1] == 0  # that shape, landing: waits, fused
-    assert copier.copies > copies
-    assert_idle_and_consistent(engine)
+    assert engine.stats().layered_steps > 0 and copier.copies > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
