@@ -24,14 +24,6 @@ from jhicache.pallas_kernels.tuning import KernelTuning, default_tuning
 
 __all__ = ["choose_extend_splits", "paged_attention", "paged_attention_reference", "token_requests"]
 
-# Split-K policy (see choose_extend_splits); the SM count and programs per SM come from
-# KernelTuning.
-# key blocks per split at least: finer splits lost to coarser ones on the GPU at both Qwen2 shapes
-# (the split-K sweep in benchmarks/LOG.md, 2026-11-30)
-_MIN_SPLIT_BLOCKS = 8
-# float32 partial accumulators [splits, T * H, D], written once and read once
-_MAX_PARTIAL_BYTES = 64 << 20
-
 
 # ---------------------------------------------------------------- extend kernels
 def _tile(lens_ref, qstart_ref, qlen_ref, b, hk, tile, *, group: int, heads: int, block_q: int):
@@ -155,9 +147,8 @@ def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, k
 
     Split only when the un-split grid cannot fill the GPU once (fewer non-empty programs than SMs: a
     short new turn over a long prefix). Then aim for tuning.programs_per_sm programs per SM, but
-    give each split >= _MIN_SPLIT_BLOCKS key blocks of the longest possible request and keep the
-    float32 partials under _MAX_PARTIAL_BYTES (large chunks already fill the GPU, and their partials
-    would cost more HBM traffic than the keys). tuning None: the default device's
+    give each split >= tuning.min_split_blocks key blocks of the longest possible request and
+    keep the float32 partials under tuning.max_partial_bytes. tuning None: the default device's
     (default_tuning)."""
     tuning = default_tuning() if tuning is None else tuning
     num_tiles = -(-tokens * (heads // kv_heads) // block_q)
@@ -166,8 +157,8 @@ def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, k
     if live >= tuning.num_sms:
         return 1
     by_grid = -(-tuning.target_programs // live)
-    by_keys = max_tokens // (_MIN_SPLIT_BLOCKS * block_k)
-    by_bytes = _MAX_PARTIAL_BYTES // (tokens * heads * dim * 4)
+    by_keys = max_tokens // (tuning.min_split_blocks * block_k)
+    by_bytes = tuning.max_partial_bytes // (tokens * heads * dim * 4)
     splits = min(by_grid, by_keys, by_bytes)
     return splits if splits >= 2 else 1
 

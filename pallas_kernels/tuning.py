@@ -1,4 +1,4 @@
-"""Kernel tuning read from the device: the SM count that the split-K policy sizes its grid by."""
+"""Kernel tuning: the SM count read from the device, and the split-K policy's limits."""
 
 from __future__ import annotations
 
@@ -14,14 +14,21 @@ FALLBACK_SMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class KernelTuning:
-    """SM count of the GPU and how many programs per SM the split-K policy aims for."""
+    """SM count of the GPU and how extend attention's split-K policy sizes its grid by it."""
 
     num_sms: int
     programs_per_sm: int = 4  # a few programs per SM hide load latency
+    # key blocks per split at least: finer splits lost to coarser ones on the GPU at both Qwen2
+    # shapes (the split-K sweep in benchmarks/LOG.md, 2026-11-30)
+    min_split_blocks: int = 8
+    # float32 partial accumulators [splits, T * H, D] at most: written once and read once, they
+    # would cost more HBM traffic than the keys of a chunk that fills the GPU anyway
+    max_partial_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        if self.num_sms < 1 or self.programs_per_sm < 1:
-            raise ValueError(f"need num_sms >= 1 and programs_per_sm >= 1, got {self}")
+        if min(self.num_sms, self.programs_per_sm, self.min_split_blocks,
+               self.max_partial_bytes) < 1:
+            raise ValueError(f"every field must be >= 1, got {self}")
 
     @property
     def target_programs(self) -> int:

@@ -51,3 +51,15 @@ def test_split_policy_follows_the_sm_count() -> None:
     assert choose() == choose(tuning=KernelTuning(num_sms=132)) == 16
     assert choose(tuning=KernelTuning(num_sms=8)) == 1
     assert choose(tuning=KernelTuning(num_sms=16)) == 8
+
+
+def test_split_policy_keeps_its_limits() -> None:
+    """The same shape: fewer keys per split allowed -> more splits (up to the grid's aim); a
+    smaller partials budget -> fewer."""
+    choose = functools.partial(choose_extend_splits, 64, 1, 8256, 14, 2, 64, block_q=128,
+                               block_k=64)
+    assert choose(tuning=KernelTuning(num_sms=132, min_split_blocks=4)) == 32  # keys allow 32
+    # 64 tokens x 14 heads x 64 dims x 4 bytes = 229 KiB of partials per split
+    assert choose(tuning=KernelTuning(num_sms=132, max_partial_bytes=4 * 229376)) == 4
+    with pytest.raises(ValueError):
+        KernelTuning(num_sms=132, min_split_blocks=0)
