@@ -18,6 +18,7 @@ import numpy as np
 
 import jhicache.pallas_kernels as pk
 from jhicache.cache import DevicePool, HostPool, PoolLayout, TransferController, make_copier
+from jhicache.pallas_kernels.kv_write import write_kv_reference
 
 SHAPES = {"qwen2-0.5b": dict(layers=24, kv_heads=2, dim=64, heads=14),
           "qwen2-7b": dict(layers=28, kv_heads=4, dim=128, heads=28)}
@@ -102,6 +103,12 @@ def _safe(fn):
         return f"ERROR {type(e).__name__}: {str(e)[:300]}"
 
 
+def _pallas_write(**tuning) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """`write_kv` with a fixed program size and warp count (the peer is `write_kv_reference`, the
+    XLA scatter the kernel replaced)."""
+    return lambda k, v, *meta: pk.write_kv(k, v, *meta, **tuning)
+
+
 def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=65536, pages=2048,
              **_) -> None:
     """Three timings: eager calls (host checks of concrete metadata included, as in the first
@@ -125,12 +132,11 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
         return box
 
     out["eager_pallas_t64_w4"] = _safe(lambda: nbytes / timeit(eager) / GB)
-    for label, kw in (("pallas_t32_w4", dict(tokens_per_program=32, num_warps=4)),
-                      ("pallas_t64_w4", dict(tokens_per_program=64, num_warps=4)),
-                      ("pallas_t128_w8", dict(tokens_per_program=128, num_warps=8)),
-                      ("xla_scatter", dict(method="xla"))):
-        f = jax.jit(lambda k, v, *meta, kw=kw: pk.write_kv(k, v, *meta, **kw),
-                    donate_argnums=(0, 1))
+    for label, write in (("pallas_t32_w4", _pallas_write(tokens_per_program=32, num_warps=4)),
+                         ("pallas_t64_w4", _pallas_write(tokens_per_program=64, num_warps=4)),
+                         ("pallas_t128_w8", _pallas_write(tokens_per_program=128, num_warps=8)),
+                         ("xla_scatter", write_kv_reference)):
+        f = jax.jit(write, donate_argnums=(0, 1))
 
         # metadata as arguments (tracers inside), as in the model: no closed-over constants
         def step(f=f):
@@ -141,10 +147,10 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
     lk = [jnp.zeros((pages, PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
     # per layer: no L2 reuse
     new = [_rand(10 + i, (tokens, kv_heads, dim)) for i in range(2 * layers)]
-    for label, kw in (("pallas_t64_w4", {}), ("xla_scatter", dict(method="xla"))):
-        def all_layers(pages_kv, rows, *meta, kw=kw):
-            done = [pk.write_kv(pages_kv[2 * i], pages_kv[2 * i + 1], rows[2 * i], rows[2 * i + 1],
-                                *meta, **kw)
+    for label, write in (("pallas_t64_w4", pk.write_kv), ("xla_scatter", write_kv_reference)):
+        def all_layers(pages_kv, rows, *meta, write=write):
+            done = [write(pages_kv[2 * i], pages_kv[2 * i + 1], rows[2 * i], rows[2 * i + 1],
+                          *meta)
                     for i in range(layers)]
             return [x for pair in done for x in pair]
         f = jax.jit(all_layers, donate_argnums=(0,))

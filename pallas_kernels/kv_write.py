@@ -13,9 +13,9 @@ from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._common import check, check_pages_pair, is_concrete, row_chunk
 from jhicache.pallas_kernels.backend import use_interpreter
 
-# Path: the Pallas kernel below (method="pallas", the default), because on the GPU it beat an XLA
-# scatter on the donated flat buffer (method="xla", kept as the alternative) several times over,
-# at both Qwen2 shapes, one layer per call and a whole step in one jit (the figures: the kernels
+# Path: the Pallas kernel below, because on the GPU it beat an XLA scatter on the donated flat
+# buffer (`write_kv_reference`, the peer `bench kernels` times it against) several times over, at
+# both Qwen2 shapes, one layer per call and a whole step in one jit (the figures: the kernels
 # section of benchmarks/LOG.md, 2026-11-30).
 
 # ---------------------------------------------------------------- kernel
@@ -80,33 +80,16 @@ def _write_call(k_flat, v_flat, k_rows, v_rows, page_table, token_req, positions
     )(page_table.reshape(-1), token_req, positions, k_rows, v_rows, k_flat, v_flat)
 
 
-def token_slots(page_table: jax.Array, token_req: jax.Array, positions: jax.Array,
-                page_size: int) -> jax.Array:
-    """[T] flat slot page*page_size + offset of each token, -1 for padding tokens."""
-    safe_req = jnp.maximum(token_req, 0)
-    col = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-    slot = page_table[safe_req, col] * page_size + positions % page_size
-    return jnp.where(token_req >= 0, slot, -1).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------- jitted public function
-@functools.partial(jax.jit, donate_argnums=(0, 1),
-                   static_argnames=("block_t", "num_warps", "method"))
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("block_t", "num_warps"))
 def _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions, *, block_t: int,
-              num_warps: int, method: str):
+              num_warps: int):
     num_pages, page_size = k_pages.shape[:2]
     flat = lambda x: x.reshape(num_pages * page_size, -1)  # noqa: E731  [pages*S, H*D], a bitcast
     rows = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  [T, H*D]
-    # scatter into the donated buffer, in place; padding (slot -1 -> past the end) dropped
-    if method == "xla":
-        slots = token_slots(page_table, token_req, positions, page_size)
-        slots = jnp.where(slots >= 0, slots, num_pages * page_size)
-        k = flat(k_pages).at[slots].set(rows(k_new).astype(k_pages.dtype), mode="drop")
-        v = flat(v_pages).at[slots].set(rows(v_new).astype(v_pages.dtype), mode="drop")
-    else:
-        k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), page_table,
-                           token_req, positions, page_size=page_size, block_t=block_t,
-                           num_warps=num_warps)
+    k, v = _write_call(flat(k_pages), flat(v_pages), rows(k_new), rows(v_new), page_table,
+                       token_req, positions, page_size=page_size, block_t=block_t,
+                       num_warps=num_warps)
     return k.reshape(k_pages.shape), v.reshape(v_pages.shape)
 
 
@@ -121,17 +104,14 @@ def write_kv(
     *,
     tokens_per_program: int = 64,
     num_warps: int = 4,
-    method: str = "pallas",
 ) -> tuple[jax.Array, jax.Array]:
     """Writes each token at page_table[req, pos // page_size], offset pos % page_size."""
-    check(method in ("pallas", "xla"), f"method must be 'pallas' or 'xla', got {method!r}")
     _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions)
     # nothing to write (with no requests every token pads)
     if k_new.shape[0] == 0 or page_table.size == 0:
         return k_pages, v_pages
     return _write_kv(k_pages, v_pages, k_new, v_new, page_table, token_req, positions,
-                     block_t=pl.next_power_of_2(tokens_per_program), num_warps=num_warps,
-                     method=method)
+                     block_t=pl.next_power_of_2(tokens_per_program), num_warps=num_warps)
 
 
 def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) -> None:

@@ -44,11 +44,10 @@ def test_write_kv_program_split(tokens_per_program):
     _run(5, [(13, 21), (0, 5), (16, 16)], 16, np.float32, 2, tokens_per_program=tokens_per_program)
 
 
-@pytest.mark.parametrize("method", ["pallas", "xla"])
 @pytest.mark.parametrize("heads,dim", [(2, 64), (4, 128), (1, 16)])
-def test_write_kv_row_shapes_and_methods(heads, dim, method):
-    """Qwen2-like rows (2x64, 4x128) and a narrow one, by the kernel and by the XLA scatter path."""
-    _run(8, [(13, 21), (0, 5), (70, 40)], 16, jnp.bfloat16, 3, heads=heads, dim=dim, method=method,
+def test_write_kv_row_shapes(heads, dim):
+    """Qwen2-like rows (2x64, 4x128) and a narrow one."""
+    _run(8, [(13, 21), (0, 5), (70, 40)], 16, jnp.bfloat16, 3, heads=heads, dim=dim,
          tokens_per_program=16)
 
 
@@ -108,15 +107,6 @@ def _bad_calls():
 def test_write_kv_invalid_arguments_raise(index):
     with pytest.raises(ValueError):
         _bad_calls()[index]()
-
-
-def test_write_kv_unknown_method_raises():
-    rng = np.random.default_rng(1)
-    pages = jnp.asarray(rand(rng, (4, 16, 2, 8), np.float32))
-    new = jnp.asarray(rand(rng, (1, 2, 8), np.float32))
-    one = np.zeros((1,), np.int32)
-    with pytest.raises(ValueError):
-        write_kv(pages, pages, new, new, np.zeros((1, 1), np.int32), one, one, method="triton")
 
 
 @pytest.mark.gpu
