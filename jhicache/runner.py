@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import jax
 
-from jhicache.cache import DevicePool, LoadTicket, layer_groups
+from jhicache.cache import DevicePool, LoadTicket
 from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
 from jhicache.models.sharding import TensorParallel
 
@@ -45,6 +45,17 @@ class LayeredTimeline:
     waited_s: tuple[float, ...]
     dispatched_s: tuple[float, ...]
     head_dispatched_s: float
+
+
+def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
+    """The layers a layer-split forward computes together: 1, 2, then `largest` at a time. Early
+    groups are small so little of a load is exposed before compute starts; later ones large so
+    one dispatch serves several layers (each costs host time, more than a small model's layer)."""
+    groups, start, size = [], 0, 1
+    while start < num_layers:
+        groups.append(range(start, min(start + size, num_layers)))
+        start, size = start + size, min(2 * size, largest)
+    return groups
 
 
 class ModelRunner:

@@ -6,7 +6,7 @@ from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
-from jhicache.cache.ticket import LoadTicket, layer_groups
+from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiered_cache import TieredCache
 from jhicache.cache.transfer import TransferController, TransferKind, TransferOp
 
@@ -14,5 +14,5 @@ __all__ = [
     "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool",
     "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator",
     "PagePool", "PoolLayout", "RadixTree", "TieredCache", "TransferController", "TransferKind",
-    "TransferOp", "check_invariants", "layer_groups", "make_copier",
+    "TransferOp", "check_invariants", "make_copier",
 ]

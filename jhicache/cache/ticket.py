@@ -13,17 +13,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 
-def layer_groups(num_layers: int, largest: int = 4) -> list[range]:
-    """The layers a layer-split forward computes together: 1, 2, then `largest` at a time. Early
-    groups are small so little of a load is exposed before compute starts; later ones large so
-    one dispatch serves several layers (each costs host time, more than a small model's layer)."""
-    groups, start, size = [], 0, 1
-    while start < num_layers:
-        groups.append(range(start, min(start + size, num_layers)))
-        start, size = start + size, min(2 * size, largest)
-    return groups
-
-
 class LayerCopies(Protocol):
     """The per-layer copies of one load-back launch, as a ticket sees them."""
 
