@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import numbers
 import threading
@@ -431,11 +432,22 @@ def prompt_arrays(prompts: object) -> list[np.ndarray]:
 def _token_array(where: str, prompt: object) -> np.ndarray:
     if isinstance(prompt, (str, bytes)):
         raise ValueError(f"{where} is a string: prompts are token ids (tokenize first)")
+    bad = ValueError(f"{where} must be a flat list of integer token ids, "
+                     f"got {type(prompt).__name__}")
+    if isinstance(prompt, (list, tuple)):
+        # array("q") converts Python ints at C speed and refuses anything that is not an integer
+        # (float, str, nested list); np.asarray would first infer a dtype, several times slower,
+        # and a long prompt's conversion comes before its loads start. Bools are not token ids.
+        if prompt and isinstance(prompt[0], (bool, np.bool_)):
+            raise bad
+        try:
+            return np.frombuffer(array.array("q", prompt), dtype=np.int64)
+        except (TypeError, OverflowError):
+            raise bad from None
     try:
         tokens = np.asarray(prompt) if isinstance(prompt, (Sequence, np.ndarray)) else None
     except ValueError:  # ragged nesting
         tokens = None
     if tokens is None or tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-        raise ValueError(f"{where} must be a flat list of integer token ids, "
-                         f"got {type(prompt).__name__}")
+        raise bad
     return tokens.astype(np.int64)

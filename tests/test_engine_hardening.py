@@ -94,6 +94,9 @@ BAD_PROMPTS = {
     "a string prompt": (["hello"], "tokenize first"),
     "float ids": ([[1.0, 2.0]], "integer token ids"),
     "bool ids": ([[True, False]], "integer token ids"),
+    "a float after ints": ([[1, 2, 3.5]], "integer token ids"),
+    "an id past int64": ([[1, 2**70]], "integer token ids"),
+    "numpy float ids": ([[np.float64(1.0)]], "integer token ids"),
     "ragged nesting": ([[1, [2, 3]]], "integer token ids"),
     "nested prompt": ([[[1, 2]]], "integer token ids"),
     "an int": (5, "int"),
@@ -114,6 +117,10 @@ def test_generate_takes_numpy_prompts_and_an_empty_list() -> None:
     assert engine.generate([], GREEDY) == []
     rows = engine.generate(np.array([[1, 2, 3], [4, 5, 6]], np.int32), GREEDY)
     assert [r.token_ids for r in rows] == [_fresh_output([1, 2, 3]), _fresh_output([4, 5, 6])]
+    # a tuple, numpy ints in a list, and a 1-D array: the same prompt as the list of ints
+    forms = [(4, 5, 6), [np.int64(4), np.int32(5), np.uint8(6)], np.array([4, 5, 6], np.uint16)]
+    rows = engine.generate(forms, GREEDY)
+    assert [r.token_ids for r in rows] == [_fresh_output([4, 5, 6])] * 3
 
 
 def test_generate_refuses_params_that_are_not_sampling_params() -> None:
