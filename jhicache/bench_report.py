@@ -162,7 +162,19 @@ def host_hit_table(result: dict) -> str:
             f"{format_rate(result['write_back_copy_gbps'])} "
             f"(PCIe to host {format_rate(result['pcie_to_host_gbps'])}); device hit beside a "
             f"write-back {result['device_hit_beside_write_back_ttft_s'] * 1e3:.1f} ms"
-            + _timeline_text(result.get("host_hit_timeline")))
+            + _trials_text(result) + _timeline_text(result.get("host_hit_timeline")))
+
+
+def _trials_text(result: dict) -> str:
+    """Which trial the figures are, and the spread of the ratio over all of them."""
+    trials = result.get("trials") or []
+    if len(trials) < 2:
+        return ""
+    low, high = result["host_hit_ratio_range"]
+    ttfts = [t["host_hit_ttft_s"] * 1e3 for t in trials]
+    return (f"\n  the median of {len(trials)} trials by that ratio (trial "
+            f"{result['median_trial'] + 1}); ratios {low:.2f}-{high:.2f}, host hit "
+            f"{min(ttfts):.1f}-{max(ttfts):.1f} ms")
 
 
 def _timeline_text(t: dict | None) -> str:

@@ -47,14 +47,20 @@ def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, ca
     assert unbounded["device_kv_tokens"] > off["device_kv_tokens"]
 
 
-def test_host_hit_reports_its_ratios_against_pcie(tmp_path) -> None:
+def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     out = tmp_path / "hit.json"
-    args = ["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8", "--out", str(out)]
+    args = ["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8",
+            "--host-hit-trials", "3", "--out", str(out)]
     assert bench.main(args) == 0
     hit = json.loads(out.read_text())["host_hit"]
     assert hit["host_hit_tokens"] == 64
     assert hit["pcie_s"] > 0 and hit["host_hit_ratio"] == pytest.approx(
         hit["host_hit_ttft_s"] / max(hit["pcie_s"], hit["device_hit_ttft_s"]))
+    ratios = sorted(t["host_hit_ratio"] for t in hit["trials"])
+    assert len(ratios) == 3 and hit["host_hit_ratio"] == ratios[1]  # the median trial's figures
+    assert hit["trials"][hit["median_trial"]]["host_hit_ttft_s"] == hit["host_hit_ttft_s"]
+    assert hit["host_hit_ratio_range"] == [ratios[0], ratios[2]]
+    assert "the median of 3 trials" in capsys.readouterr().out
     assert (hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0
             and hit["pcie_to_host_gbps"] > 0)
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
