@@ -26,6 +26,15 @@ def _copier(kind):
     return kind() if kind is not None else None
 
 
+def _written_back(cache, tokens: list[int], host_pages: list[int]) -> list[int]:
+    """Device pages holding `tokens`' KV, copied to `host_pages` and the copy finished."""
+    pages = cache.alloc_device(len(host_pages))
+    write_kv(cache, tokens, pages)
+    cache.controller.queue_write_back(pages, host_pages)
+    cache.controller.flush()
+    return pages
+
+
 @pytest.mark.parametrize("copier", COPIERS)
 def test_controller_merges_launches_and_reports_completion(copier) -> None:
     _controller_round_trip(_copier(copier))
@@ -144,10 +153,7 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     cache = make_cache(4, device_pages=4, host_pages=4, copier=_copier(copier))
     ctl = cache.controller
     a = list(range(8))
-    pages = cache.alloc_device(2)
-    write_kv(cache, a, pages)
-    ctl.queue_write_back(pages, [0, 1])
-    ctl.flush()
+    pages = _written_back(cache, a, [0, 1])
     compute = _Compute()
     ctl.fence_device_pages(pages, [compute])
     write_kv(cache, list(range(50, 58)), pages)  # the fenced compute's own writes
@@ -171,10 +177,7 @@ def test_fences_on_one_page_add_up() -> None:
     earlier one that is still running."""
     cache = make_cache(4, device_pages=4, host_pages=4)
     ctl = cache.controller
-    pages = cache.alloc_device(2)
-    write_kv(cache, list(range(8)), pages)
-    ctl.queue_write_back(pages, [0, 1])
-    ctl.flush()
+    pages = _written_back(cache, list(range(8)), [0, 1])
     running, finished = _Compute(), _Compute()
     finished.ready = True
     ctl.fence_device_pages(pages, [running])
@@ -194,10 +197,7 @@ def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) ->
     cache = make_cache(4, device_pages=6, host_pages=2, copier=_copier(copier))
     ctl = cache.controller
     a, b = list(range(8)), list(range(200, 208))
-    src = cache.alloc_device(2)
-    write_kv(cache, a, src)
-    ctl.queue_write_back(src, [0, 1])
-    ctl.flush()
+    src = _written_back(cache, a, [0, 1])
     dst = cache.alloc_device(2)
     ticket = ctl.queue_load_back([0, 1], dst)
     ctl.launch()  # deferred: nothing has landed
@@ -220,10 +220,7 @@ def test_loads_launched_alone_first_launch_a_write_they_read(copier) -> None:
     cache = make_cache(4, device_pages=6, host_pages=4, copier=_copier(copier))
     ctl = cache.controller
     a, b = list(range(8)), list(range(300, 308))
-    src = cache.alloc_device(2)
-    write_kv(cache, a, src)
-    ctl.queue_write_back(src, [0, 1])
-    ctl.flush()
+    src = _written_back(cache, a, [0, 1])
     other = cache.alloc_device(2)
     write_kv(cache, b, other)
     ctl.queue_write_back(other, [2, 3])
