@@ -649,7 +649,7 @@ def bench_host_hit(args: argparse.Namespace) -> dict:
                          load_back_threshold=1)
     rng = np.random.default_rng(args.seed + 1)
     host_hit_trial(engine, rng, args)  # compiles every shape involved
-    trials = [derived(host_hit_trial(engine, rng, args), engine, args)
+    trials = [trial_rates(host_hit_trial(engine, rng, args), engine, args)
               for _ in range(args.host_hit_trials)]
     ratios = [t["host_hit_ratio"] for t in trials]
     median = sorted(range(len(trials)), key=ratios.__getitem__)[(len(trials) - 1) // 2]
@@ -657,7 +657,7 @@ def bench_host_hit(args: argparse.Namespace) -> dict:
             "host_hit_ratio_range": [min(ratios), max(ratios)]}
 
 
-def derived(trial: dict, engine: Engine, args: argparse.Namespace) -> dict:
+def trial_rates(trial: dict, engine: Engine, args: argparse.Namespace) -> dict:
     """A trial's rates and ratios, against PCIe ceilings measured now (the same run)."""
     exposed = trial["host_hit_ttft_s"] - trial["device_hit_ttft_s"]
     trial["load_hidden_fraction"] = float(np.clip(1.0 - exposed / trial["load_alone_s"], 0.0, 1.0))
