@@ -238,8 +238,9 @@ class Engine:
             batch = self.scheduler.schedule(may_retract=True)
         # This step's loads start before the rest of the step's host work: a host hit waits for
         # its last layer, so every host phase ahead of the copies adds to its TTFT. They run on
-        # the copier's own stream, and the inputs' small copies (on XLA's) did not queue behind
-        # them on the H200 (the host-hit rows of BENCHMARKS.md).
+        # the copier's own stream; the inputs' small copies go on XLA's, and on the H200 the
+        # forward still overlapped most of the load (the host-hit rows of BENCHMARKS.md), so
+        # they did not wait for the whole burst.
         self.cache.launch_loads()
         inputs = model_inputs(batch, self.config.page_size) if batch is not None else None
         self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
