@@ -28,6 +28,7 @@ import argparse
 import ctypes
 import functools
 import json
+import sys
 import time
 
 import jax
@@ -40,56 +41,75 @@ from jax.experimental.pallas import triton as plgpu
 LAYERS, LAYER_BYTES = 28, 8192 * 4 * 128 * 2 * 2  # K and V of 8192 tokens, 4 heads x 128, bf16
 BLOCK = 4096  # bf16 elements per program (Triton blocks are powers of two)
 FLAG_SLOTS = 32  # one per layer, padded to a power of two
-SPIN_LIMIT = 1 << 20  # atomic reads a program makes before it gives up and reports it
+SPIN_LIMIT = 1 << 16  # atomic reads a program makes before it gives up and reports it
 
 
-def _wait_sum_kernel(flags_ref, seq_ref, after_ref, x_ref, sum_ref, late_ref, *, layer: int,
-                     limit: int):
-    """One program: spin until flags[layer] >= seq (an atomic add of 0 is an acquiring read),
-    then sum this program's block. late = 1 when the spin ran out first. `after_ref` is not
-    read: it only orders the kernel after the computation that produced it, as a layer's
-    attention comes after the layer before it."""
-    target = seq_ref[0]
-    read = lambda: plgpu.atomic_add(flags_ref, (pl.ds(layer, 1),),  # noqa: E731
-                                    jnp.zeros((1,), jnp.int32))[0]
+READS = ("add", "max", "or", "volatile")  # ways a program reads its flag (--diagnose tries all)
+
+
+def _read_flag(flags_ref, layer, how: str) -> jax.Array:
+    """flags[layer], read so that a value another stream wrote shows: an atomic that changes
+    nothing (add 0, max 0, or 0; each acquiring) or a volatile load (which bypasses L1)."""
+    at = (pl.ds(layer, 1),)
+    zero = jnp.zeros((1,), jnp.int32)
+    if how == "volatile":
+        return plgpu.load(flags_ref.at[at], volatile=True)[0]
+    op = {"add": plgpu.atomic_add, "max": plgpu.atomic_max, "or": plgpu.atomic_or}[how]
+    return op(flags_ref, at, zero)[0]
+
+
+def _wait_sum_kernel(flags_ref, seq_ref, layer_ref, after_ref, x_ref, sum_ref, late_ref, seen_ref,
+                     *, limit: int, how: str):
+    """One program: spin until flags[layer] >= seq, then sum this program's block. late = 1 when
+    the spin ran out first. `after_ref` is not read: it only orders the kernel after the
+    computation that produced it, as a layer's attention comes after the layer before it."""
+    target, layer = seq_ref[0], layer_ref[0]
+    read = lambda: _read_flag(flags_ref, layer, how)  # noqa: E731
     seen, _ = lax.while_loop(lambda c: (c[0] < target) & (c[1] < limit),
                              lambda c: (read(), c[1] + 1), (read(), 0))
     late_ref[0] = (seen < target).astype(jnp.int32)
+    seen_ref[0] = seen
     sum_ref[0] = jnp.sum(x_ref[...].astype(jnp.float32))
 
 
 def wait_sum(flags: jax.Array, seq: jax.Array, x: jax.Array, layer: int,
              after: jax.Array | None = None, *, limit: int = SPIN_LIMIT,
-             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(sum of x, programs that ran out of spins), read only after flags[layer] >= seq[0], and
-    run after `after` (any [1] float32 array) is computed."""
+             interpret: bool = False,
+             how: str = "add") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of x, programs that ran out of spins, least flag value a program saw last), read
+    only after flags[layer] >= seq[0], and run after `after` (any [1] float32 array) is
+    computed. The layer index is an argument, not a constant, so every layer's call is the
+    same Triton kernel (one compile, not one per layer)."""
     after = jnp.zeros((1,), jnp.float32) if after is None else after
+    index = jnp.full((1,), layer, jnp.int32)
     blocks = x.shape[0] // BLOCK
-    sums, late = pl.pallas_call(
-        functools.partial(_wait_sum_kernel, layer=layer, limit=limit),
+    sums, late, seen = pl.pallas_call(
+        functools.partial(_wait_sum_kernel, limit=limit, how=how),
         grid=(blocks,),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(),
+        in_specs=[pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(),
                   pl.BlockSpec((BLOCK,), lambda i: (i,))],
-        out_specs=[pl.BlockSpec((1,), lambda i: (i,)), pl.BlockSpec((1,), lambda i: (i,))],
+        out_specs=[pl.BlockSpec((1,), lambda i: (i,))] * 3,
         out_shape=[jax.ShapeDtypeStruct((blocks,), jnp.float32),
+                   jax.ShapeDtypeStruct((blocks,), jnp.int32),
                    jax.ShapeDtypeStruct((blocks,), jnp.int32)],
-        interpret=interpret)(flags, seq, after, x)
-    return jnp.sum(sums), jnp.sum(late)
+        interpret=interpret)(flags, seq, index, after, x)
+    return jnp.sum(sums), jnp.sum(late), jnp.min(seen)
 
 
 def reference_sum(x: np.ndarray) -> float:
     return float(x.astype(np.float32).sum())
 
 
-def cpu_check() -> dict:
+def cpu_check(how: str) -> dict:
     """The kernel's logic in interpret mode: flags set -> sums and no late program; one flag
     unset -> every program of that layer runs out of its (small) spin budget."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal(2 * BLOCK), jnp.bfloat16)
     flags = jnp.zeros((FLAG_SLOTS,), jnp.int32).at[0].set(3).at[1].set(1)
     seq = jnp.array([2], jnp.int32)
-    total, late = wait_sum(flags, seq, x, 0, limit=4, interpret=True)
-    _, late_unset = wait_sum(flags, seq, x, 1, limit=4, interpret=True)
-    program = _layer_program(True, width=8, interpret=True)  # two layers, each after the last
+    total, late, _ = wait_sum(flags, seq, x, 0, limit=4, interpret=True, how=how)
+    _, late_unset, _ = wait_sum(flags, seq, x, 1, limit=4, interpret=True, how=how)
+    # two layers, each after the last
+    program = _layer_program(True, width=8, interpret=True, how=how)
     sums, late_program, _ = program(flags.at[1].set(2), seq, [x, x + 1], jnp.ones((8, 8)))
     want = [reference_sum(np.asarray(x)), reference_sum(np.asarray(x + 1))]
     return {"sum_close": bool(abs(float(total) - reference_sum(np.asarray(x))) < 1.0),
@@ -98,15 +118,16 @@ def cpu_check() -> dict:
             "program_late": int(late_program)}
 
 
-def _layer_program(with_compute: bool, width: int = 4096, interpret: bool = False):
+def _layer_program(with_compute: bool, width: int = 4096, interpret: bool = False,
+                   how: str = "add"):
     """Per layer: the wait-and-sum, then (optionally) a matmul that depends on the sum."""
     w = jnp.ones((width, width), jnp.bfloat16) * 1e-4
 
     def program(flags, seq, layers, h):
         sums, late, after = [], jnp.int32(0), None
         for layer, x in enumerate(layers):
-            total, lost = wait_sum(flags, seq, x, layer, after,  # after the layer before
-                                   interpret=interpret)
+            total, lost, _ = wait_sum(flags, seq, x, layer, after,  # after the layer before
+                                      interpret=interpret, how=how)
             sums.append(total)
             late += lost
             if with_compute:
@@ -117,12 +138,17 @@ def _layer_program(with_compute: bool, width: int = 4096, interpret: bool = Fals
     return jax.jit(program)
 
 
+def _progress(*parts: object) -> None:
+    """One line on stderr now: a run cut short by a timeout still shows how far it got."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
 def _check(call: str, result: int) -> None:
     if result != 0:
         raise RuntimeError(f"{call} failed: CUDA error {result}")
 
 
-def gpu_probe() -> dict:
+def gpu_probe(how: str) -> dict:
     from jhicache.cache.cuda_driver import CudaDriver, load_library
     from jhicache.cache.host_memory import HostMemory
 
@@ -165,8 +191,11 @@ def gpu_probe() -> dict:
     seq = 0
     for with_compute in (False, True):
         name = "with_compute" if with_compute else "no_compute"
-        program = _layer_program(with_compute)
+        program = _layer_program(with_compute, how=how)
+        start = time.perf_counter()
         jax.block_until_ready(program(flags, jnp.array([0], jnp.int32), layers, h))  # compile
+        out[f"{name}_first_call_s"] = time.perf_counter() - start
+        _progress(name, "first call (compile)", out[f"{name}_first_call_s"])
         for trial in range(3):
             seq += 1
             clear()
@@ -177,6 +206,7 @@ def gpu_probe() -> dict:
             out[f"{name}_{trial}"] = {
                 "wall_ms": (time.perf_counter() - start) * 1e3, "timed_out": int(late),
                 "sums_match": bool(np.allclose(np.asarray(sums), expected, rtol=1e-3, atol=1.0))}
+            _progress(name, trial, out[f"{name}_{trial}"])
         start = time.perf_counter()
         jax.block_until_ready(program(flags, jnp.array([0], jnp.int32), layers, h))
         out[f"{name}_program_alone_ms"] = (time.perf_counter() - start) * 1e3
@@ -189,12 +219,49 @@ def gpu_probe() -> dict:
     return out
 
 
+def diagnose() -> dict:
+    """Small GPU checks of the pieces, each with a short spin budget: the kernel's atomic read of
+    flags set by XLA, of a flag written by cuStreamWriteValue32 before the kernel runs, and what
+    the flag array holds afterwards as JAX reads it."""
+    from jhicache.cache.cuda_driver import CudaDriver, load_library
+
+    lib = load_library()
+    drv = CudaDriver(lib)
+    write32 = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+    stream = drv.stream()
+    x = jnp.ones((8 * BLOCK,), jnp.bfloat16)
+    out: dict = {}
+    for how in READS:
+        run = jax.jit(lambda f, s, how=how: wait_sum(f, s, x, 3, limit=1 << 12, how=how))
+
+        def read(name: str, flags: jax.Array, seq: int, run=run, how=how) -> None:
+            total, late, seen = run(flags, jnp.array([seq], jnp.int32))
+            out[f"{how}_{name}"] = {"late": int(late), "min_seen": int(seen), "sum": float(total),
+                                    "flags_as_jax_reads": np.asarray(flags)[:4].tolist()}
+            _progress(how, name, out[f"{how}_{name}"])
+
+        read("set_by_xla", jnp.full((FLAG_SLOTS,), 7, jnp.int32), 7)
+        flags = jnp.zeros((FLAG_SLOTS,), jnp.int32)
+        jax.block_until_ready(flags)
+        ptr = flags.unsafe_buffer_pointer()
+        _check("cuStreamWriteValue32", write32(ctypes.c_void_p(stream),
+                                               ctypes.c_uint64(ptr + 12), ctypes.c_uint32(9), 0))
+        _check("cuCtxSynchronize", lib.cuCtxSynchronize())
+        read("written_by_stream_before", flags, 9)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--cpu-check", action="store_true")
+    parser.add_argument("--diagnose", action="store_true", help="small checks of the pieces")
+    parser.add_argument("--read", choices=READS, default="add", help="how programs read a flag")
     args = parser.parse_args()
-    result = cpu_check() if args.cpu_check else gpu_probe()
+    if args.cpu_check:
+        result = cpu_check(args.read)
+    else:
+        result = diagnose() if args.diagnose else gpu_probe(args.read)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
