@@ -51,12 +51,15 @@ class StepInputs(NamedTuple):
     # sampled tokens) for tokens the host has not read yet; None when there are none
 
 
-def model_inputs(batch: Batch, page_size: int) -> StepInputs:
+def model_inputs(batch: Batch, page_size: int,
+                 load_flags: jax.Array | None = None) -> StepInputs:
     """Token ids, attention metadata and sampled rows of one step, bucketed.
 
     A decode row whose input token is still pending (sampled by the step in flight, see
     `Request.pending`) reads it on the device: `patches` pairs the row with the request's row in
-    that step's sampled tokens."""
+    that step's sampled tokens. With `load_flags` (the device pool's, when there is a host
+    tier) the forward waits on the device for the batch's load-backs: the metadata carries the
+    flags and the newest ticket's sequence number (issuing any load still held back)."""
     chunks = batch.chunks
     num_reqs = pow2_bucket(len(chunks), 4 if batch.is_decode else 1)
     num_tokens = num_reqs if batch.is_decode else pow2_bucket(batch.num_tokens, 16)
@@ -73,13 +76,16 @@ def model_inputs(batch: Batch, page_size: int) -> StepInputs:
     last_index[: len(chunks)] = np.cumsum(lengths) - 1
     host = {**arrays, "tokens": tokens, "last_index": last_index,
             **_patch_arrays(chunks, last_index, num_tokens)}
+    if load_flags is not None:
+        seq = max((t.gate_seq() for t in batch.tickets), default=0)
+        host["load_seq"] = np.array([seq], np.int32)
     # The step's host arrays in one transfer (see put_int32): each separate transfer costs
     # a dispatch of its own, host time that every step pays.
     put = put_int32(host)
     tokens, last_index = put.pop("tokens"), put.pop("last_index")
     patches = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
-    return StepInputs(tokens, AttentionMetadata(**put, decode_only=batch.is_decode), last_index,
-                      patches)
+    meta = AttentionMetadata(**put, load_flags=load_flags, decode_only=batch.is_decode)
+    return StepInputs(tokens, meta, last_index, patches)
 
 
 def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray,

@@ -37,7 +37,6 @@ from jhicache.config import EngineConfig, KVDtype, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
-from jhicache.runner import LayeredTimeline
 from jhicache.sampling import SamplingParams
 from jhicache.workload import MultiTurnSpec, user_turns
 
@@ -582,7 +581,8 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
     before = engine.stats().as_dict()
     # prefix only on host: load-back
     host_s, host_out, timeline = traced_ttft(engine, prefix + turns[1])
-    measured = stats_delta(engine, before, ("load_wait_s",))
+    measured = stats_delta(engine, before, ("load_gated_steps", "load_back_s"))
+    measured["gate_timeouts"] = engine.device_pool.gate_timeouts()  # must stay 0
     device_s, _ = ttft_of(engine, prefix + turns[2])  # prefix now on device
     beside_s = device_hit_beside_write_back(engine, prefix, other, turns[3:6])
     push_to_host(engine)
@@ -594,38 +594,23 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
             **measured}
 
 
-def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict | None]:
-    """`ttft_of` through `add_request` and `step`, with the runner's probe on: also the host
-    timeline of its layer-split forward (None if the forward ran fused), every mark on one
-    clock from the `add_request` call, the first token's when `step` returned it."""
-    timelines: list[LayeredTimeline] = []
-    engine.runner.probe = timelines.append
-    try:
-        start = time.perf_counter()
-        request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
-        out = None
-        while out is None:
-            out = next((o for o in engine.step() if o.request_id == request_id), None)
-        first_token_s = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        engine.runner.probe = None
-    timeline = timeline_ms(timelines[0], start, first_token_s) if timelines else None
-    return out.ttft_s, out, timeline
-
-
-def timeline_ms(t: LayeredTimeline, submitted_s: float, first_token_s: float) -> dict:
-    """A layer-split forward's host timeline in ms from the request's `add_request` call."""
-    ms = lambda at: (at - submitted_s) * 1e3  # noqa: E731
-    return {"forward_start_ms": ms(t.start_s),
-            "groups": [{"layers": f"{g.start}-{g.stop - 1}", "landed_ms": ms(w),
-                        "dispatched_ms": ms(d)}
-                       for g, w, d in zip(t.groups, t.waited_s, t.dispatched_s)],
-            "head_dispatched_ms": ms(t.head_dispatched_s), "first_token_ms": ms(first_token_s),
-            "note": "host clock from the add_request call (TTFT counts from the request's "
-                    "arrival, after validation); 'landed' is when the wait for a group's last "
-                    "layer returned; 'first token' when step() returned it"}
+def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict]:
+    """`ttft_of` through `add_request` and `step`, with the host clock of each `step` call's
+    return in ms from the `add_request` call (the first dispatches the whole forward; with
+    overlap scheduling a later one reads its token) and of the first token's arrival."""
+    start = time.perf_counter()
+    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+    returned, out = [], None
+    while out is None:
+        out = next((o for o in engine.step() if o.request_id == request_id), None)
+        returned.append(time.perf_counter())
+    while engine.has_unfinished():
+        engine.step()
+    ms = lambda at: (at - start) * 1e3  # noqa: E731
+    return out.ttft_s, out, {
+        "steps_returned_ms": [ms(t) for t in returned], "first_token_ms": ms(returned[-1]),
+        "note": "host clock from the add_request call (TTFT counts from the request's arrival, "
+                "after validation)"}
 
 
 def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[int],

@@ -162,7 +162,17 @@ def host_hit_table(result: dict) -> str:
             f"{format_rate(result['write_back_copy_gbps'])} "
             f"(PCIe to host {format_rate(result['pcie_to_host_gbps'])}); device hit beside a "
             f"write-back {result['device_hit_beside_write_back_ttft_s'] * 1e3:.1f} ms"
-            + _trials_text(result) + _timeline_text(result.get("host_hit_timeline")))
+            + _gate_text(result) + _trials_text(result)
+            + _timeline_text(result.get("host_hit_timeline")))
+
+
+def _gate_text(result: dict) -> str:
+    """The load's copies by CUDA events, and whether the device-side wait held."""
+    if "engine_load_back_s" not in result:
+        return ""
+    return (f"\n  its load's copies {result['engine_load_back_s'] * 1e3:.2f} ms (device clock); "
+            f"forwards that waited on the device {result['engine_load_gated_steps']}, "
+            f"gate timeouts {result['gate_timeouts']}")
 
 
 def _trials_text(result: dict) -> str:
@@ -178,14 +188,13 @@ def _trials_text(result: dict) -> str:
 
 
 def _timeline_text(t: dict | None) -> str:
-    """The host hit's layer-split forward, in ms from its add_request call (host clock)."""
+    """The host hit on the host clock, in ms from its add_request call, and the load's copies
+    on the device clock."""
     if not t:
         return ""
-    last = t["groups"][-1]
-    return (f"\n  host hit, ms from add_request: forward starts {t['forward_start_ms']:.2f}, "
-            f"first group landed {t['groups'][0]['landed_ms']:.2f}, last landed "
-            f"{last['landed_ms']:.2f}, head dispatched {t['head_dispatched_ms']:.2f}, "
-            f"first token {t['first_token_ms']:.2f}")
+    steps = ", ".join(f"{at:.2f}" for at in t["steps_returned_ms"])
+    return (f"\n  host hit, ms from add_request: step() returned at {steps}, first token "
+            f"{t['first_token_ms']:.2f}")
 
 
 # (marker, dashes, marker size) per mode in the order run: lines that coincide (hierarchical and

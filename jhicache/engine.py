@@ -70,6 +70,9 @@ class Engine:
                                  config.load_back_threshold, config.write_through_threshold, copier)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
+        # With a host tier every forward takes the load flags (one compiled variant per shape,
+        # whether or not its loads are still landing); without one nothing is ever loaded.
+        self._load_flags = self.device_pool.load_flags if host_pool is not None else None
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
@@ -242,7 +245,8 @@ class Engine:
         # forward still overlapped most of the load (the host-hit rows of BENCHMARKS.md), so
         # they did not wait for the whole burst.
         self.cache.launch_loads()
-        inputs = model_inputs(batch, self.config.page_size) if batch is not None else None
+        inputs = (model_inputs(batch, self.config.page_size, self._load_flags)
+                  if batch is not None else None)
         self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
         self.cache.launch()  # write-backs and the prefetched load-backs start now
         launched = self._launch(batch, inputs) if batch is not None else None
@@ -262,20 +266,19 @@ class Engine:
             assert self._in_flight is not None
             tokens = patch_tokens(tokens, *inputs.patches, self._in_flight.sampled)
         start = time.perf_counter()
-        forward = self.runner.run(tokens, inputs.meta, inputs.last_index, batch.tickets)
-        logits = forward.logits
+        gated = any(not t.done() for t in batch.tickets)  # its loads had not all landed
+        logits = self.runner.run(tokens, inputs.meta, inputs.last_index)
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
-        return _Launched(batch, sampled, start, forward.load_wait_s, forward.layered)
+        return _Launched(batch, sampled, start, gated)
 
     def _end(self, step: _Launched) -> list[RequestOutput]:
         """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
         ids = np.asarray(step.sampled)
         now = time.perf_counter()
-        self.counters.record_forward(step.batch, now - step.dispatched_s, step.load_wait_s,
-                                     step.layered)
+        self.counters.record_forward(step.batch, now - step.dispatched_s, step.gated)
         gained = self.scheduler.commit(step.batch, ids, now)
         finished = [r for r in gained if r.finished]
         self.counters.record_finished(finished)
@@ -389,8 +392,7 @@ class _Launched(NamedTuple):
     batch: Batch
     sampled: jax.Array  # [B] int32, on the device
     dispatched_s: float
-    load_wait_s: float
-    layered: bool  # run layer group by layer group, waiting for loads
+    gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
 
 
 def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel | None:

@@ -18,15 +18,13 @@ class StepCounters:
     decode_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    layered_steps: int = 0
+    load_gated_steps: int = 0
     finished_requests: int = 0
     prefill_forward_s: float = 0.0
     decode_forward_s: float = 0.0
-    layered_forward_s: float = 0.0
-    load_wait_s: float = 0.0  # host time blocked in ticket.wait, waiting for loaded layers to land
+    load_gated_forward_s: float = 0.0
 
-    def record_forward(self, batch: Batch, seconds: float, load_wait_s: float,
-                       layered: bool) -> None:
+    def record_forward(self, batch: Batch, seconds: float, gated: bool) -> None:
         if batch.is_decode:
             self.decode_forward_s += seconds
             self.decode_steps += 1
@@ -35,10 +33,9 @@ class StepCounters:
         self.prefill_forward_s += seconds
         self.prefill_steps += 1
         self.computed_prompt_tokens += batch.num_tokens
-        if layered:
-            self.layered_steps += 1
-            self.layered_forward_s += seconds
-            self.load_wait_s += load_wait_s
+        if gated:
+            self.load_gated_steps += 1
+            self.load_gated_forward_s += seconds
 
     def record_finished(self, finished: list[Request]) -> None:
         self.finished_requests += len(finished)
@@ -58,12 +55,12 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    layered_steps: int = 0  # steps run layer group by layer group around a load-back
+    # steps dispatched while load-backs they read were landing: their layers waited on the device
+    load_gated_steps: int = 0
     finished_requests: int = 0
     prefill_forward_s: float = 0.0
     decode_forward_s: float = 0.0
-    layered_forward_s: float = 0.0
-    load_wait_s: float = 0.0
+    load_gated_forward_s: float = 0.0
     # scheduler: prompt tokens served by each tier, requests retracted under page pressure
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

@@ -27,6 +27,11 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [B] int32 tokens cached after this step (prefix + new), 0 = padding
     query_start: jax.Array  # [B] int32 first token row of each request
     query_lens: jax.Array  # [B] int32 new tokens of each request, 0 = padding
+    # With a host tier: a flag per layer that the loads' copy stream sets once that layer's pages
+    # have landed, and the newest load this step reads (0: none); each layer's attention waits,
+    # on the device, until its flag reaches it (`LayerGate`). None: nothing is ever loaded.
+    load_flags: jax.Array | None = None  # [num_layers + 1] int32
+    load_seq: jax.Array | None = None  # [1] int32
     decode_only: bool = False
 
     @property
@@ -40,7 +45,8 @@ class AttentionMetadata:
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["positions", "token_req", "page_table", "seq_lens", "query_start", "query_lens"],
+    data_fields=["positions", "token_req", "page_table", "seq_lens", "query_start", "query_lens",
+                 "load_flags", "load_seq"],
     meta_fields=["decode_only"],
 )
 

@@ -8,6 +8,7 @@ from flax import nnx
 from jhicache.models.config import Qwen2Config
 from jhicache.models.metadata import AttentionMetadata
 from jhicache.models.sharding import LOCAL, Collectives
+from jhicache.pallas_kernels import LayerGate
 from jhicache.pallas_kernels.decode_attention import paged_decode_attention
 from jhicache.pallas_kernels.extend_attention import paged_attention
 from jhicache.pallas_kernels.kv_write import write_kv
@@ -64,15 +65,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-           sm_scale: float) -> jax.Array:
-    """Paged attention of q [T, H, D] over the cache, by the decode kernel when the batch is
-    decode-only."""
+           sm_scale: float, layer: int) -> jax.Array:
+    """Paged attention of q [T, H, D] over layer `layer`'s cache, by the decode kernel when the
+    batch is decode-only. This is where a forward waits for loaded pages: with `load_flags`, the
+    kernel first waits on the device until the layer's flag says its loads have landed."""
+    gate = None
+    if meta.load_flags is not None:
+        gate = LayerGate(meta.load_flags, meta.load_seq, jnp.full((1,), layer, jnp.int32))
     if meta.decode_only:
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens,
-                                      sm_scale=sm_scale)
+                                      sm_scale=sm_scale, gate=gate)
     return paged_attention(
         q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens,
-        sm_scale=sm_scale
+        sm_scale=sm_scale, gate=gate
     )
 
 
@@ -95,7 +100,7 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-        comm: Collectives = LOCAL,
+        comm: Collectives = LOCAL, layer: int = 0,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden] -> ([T, hidden], pages, pages)
         d = self.shape[2]
         t = x.shape[0]
@@ -105,7 +110,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(t, -1, d)  # [T, KV, D]
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req,
                                     meta.positions)
-        out = attend(q, k_pages, v_pages, meta, sm_scale=d**-0.5)  # [T, H, D]
+        out = attend(q, k_pages, v_pages, meta, d**-0.5, layer)  # [T, H, D]
         return comm.sum(self.o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
 
 
@@ -133,10 +138,10 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-        comm: Collectives = LOCAL,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden]
+        comm: Collectives = LOCAL, layer: int = 0,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden]; `layer`: this layer's index
         attn, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, meta,
-                                                comm)
+                                                comm, layer)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), comm), k_pages, v_pages
 
@@ -189,7 +194,7 @@ class Qwen2ForCausalLM(nnx.Module):
 
         The page arguments are consumed (write_kv donates them), also when called eagerly.
         """
-        return self.layers[i](hidden, k_pages, v_pages, meta)
+        return self.layers[i](hidden, k_pages, v_pages, meta, layer=i)
 
     def head(self, hidden: jax.Array) -> jax.Array:  # [T, hidden] -> [T, vocab] float32
         return self.head_module(hidden)

@@ -1,7 +1,10 @@
-"""Pieces shared by the extend and decode attention kernels: paged key gather, online softmax, split
-merge, cheap argument validation, and the pure-jnp reference both kernels are tested against."""
+"""Pieces shared by the extend and decode attention kernels: the wait for a layer's loaded pages,
+paged key gather, online softmax, split merge, cheap argument validation, and the pure-jnp
+reference both kernels are tested against."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,64 @@ from jhicache.pallas_kernels._common import check, check_pages_pair
 from jhicache.pallas_kernels.backend import use_interpreter
 
 NEG = -1e30  # finite: a fully masked block then gives exp(-huge) = 0, never inf - inf = NaN
+# Flag reads a program makes before it stops waiting and records a timeout: far past any copy
+# (a read takes ~0.5 us on the GPU, so this is seconds); only a bug waits that long.
+GATE_SPIN_LIMIT = 1 << 24
+
+
+class LayerGate(NamedTuple):
+    """What a kernel waits for before it reads a layer's pages: until `flags[layer] >= seq[0]`.
+
+    A copy stream writes `flags[l]` (int32, one per layer plus a last slot for timeouts) with
+    the load's sequence number once layer l's pages have landed, in layer order; `seq` is the
+    newest load the step reads (0: none, so no wait). Arrays, not constants, so every layer's
+    call is the same compiled kernel."""
+
+    flags: jax.Array  # [num_layers + 1] int32
+    seq: jax.Array  # [1] int32
+    layer: jax.Array  # [1] int32
+
+
+def await_layer(flags_ref, seq_ref, layer_ref, *, limit: int = GATE_SPIN_LIMIT) -> None:
+    """Kernel piece, first thing in every program: spins on volatile reads of flags[layer] (a
+    value another stream wrote must show, so no cached load) until it reaches seq. A spin that
+    runs out sets the flags' last slot to 1, which `gate_timeouts` callers check; the program
+    then goes on (a hang would take the GPU with it)."""
+    target, layer = seq_ref[0], layer_ref[0]
+
+    def read() -> jax.Array:
+        # An atomic add of 0, the usual acquiring read, zeroed the flag on the H200 (jax
+        # 0.11.2); a volatile load reads it correctly (benchmarks/spin_wait_probe.py).
+        return plgpu.load(flags_ref.at[pl.ds(layer, 1)], volatile=True)[0]
+
+    seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < limit),
+                                 lambda c: (read(), c[1] + 1), (read(), 0))
+
+    @pl.when(seen < target)
+    def _():
+        flags_ref[pl.ds(flags_ref.shape[0] - 1, 1)] = jnp.ones((1,), jnp.int32)
+
+
+def gate_operands(gate: LayerGate | None) -> tuple[jax.Array, ...]:
+    """A gate's arrays as a kernel's leading operands (none without a gate)."""
+    return () if gate is None else (gate.flags, gate.seq, gate.layer)
+
+
+def split_gate(refs: tuple, gated: bool) -> tuple:
+    """In a kernel: waits on the leading gate refs when `gated`, returns the other refs."""
+    if not gated:
+        return refs
+    await_layer(*refs[:3])
+    return refs[3:]
+
+
+def check_gate(gate: LayerGate | None) -> None:
+    if gate is None:
+        return
+    check(gate.flags.ndim == 1 and gate.flags.dtype == np.int32 and gate.flags.shape[0] >= 2,
+          f"gate flags must be int32 [layers + 1], got {gate.flags.dtype}{gate.flags.shape}")
+    for name, x in (("seq", gate.seq), ("layer", gate.layer)):
+        check(x.shape == (1,) and x.dtype == np.int32, f"gate {name} must be int32 [1]")
 
 
 # ---------------------------------------------------------------- kernel pieces

@@ -11,20 +11,24 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._attention import (
+    LayerGate,
     attend,
+    check_gate,
     check_pages_in_range,
     combine_splits,
+    gate_operands,
     paged_attention_reference,
+    split_gate,
     validate_common,
 )
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
 
 
-def _decode_kernel(pt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, sm_scale, block_k,
-                   page_size, split_tokens):
+def _decode_kernel(*refs, gated, sm_scale, block_k, page_size, split_tokens):
     """Program (b, kv head, split): the padded query-head group of request b over one token
-    range."""
+    range (after the gate, when there is one)."""
+    pt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref = split_gate(refs, gated)
     b, hk, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo = s * split_tokens
     hi = jnp.minimum(lens_ref[b], lo + split_tokens)
@@ -37,26 +41,26 @@ def _decode_kernel(pt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
     l_ref[b, hk, s, :] = l
 
 
-def _decode_call(q_groups, k_flat, v_flat, page_table, seq_lens, *, splits, split_tokens, sm_scale,
-                 block_k, page_size, num_warps, num_stages):
+def _decode_call(q_groups, k_flat, v_flat, page_table, seq_lens, gate, *, splits, split_tokens,
+                 sm_scale, block_k, page_size, num_warps, num_stages):
     """q_groups: [B, Hkv, Gp, D] -> per-split (acc [B, Hkv, splits, Gp, D], m, l [B, Hkv, splits,
     Gp])."""
     batch, kv_heads, gp, dim = q_groups.shape
-    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, block_k=block_k,
-                               page_size=page_size, split_tokens=split_tokens)
+    kernel = functools.partial(_decode_kernel, gated=gate is not None, sm_scale=sm_scale,
+                               block_k=block_k, page_size=page_size, split_tokens=split_tokens)
     stats = jax.ShapeDtypeStruct((batch, kv_heads, splits, gp), jnp.float32)
     return pl.pallas_call(
         kernel, grid=(batch, kv_heads, splits), interpret=use_interpreter(),
         out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, splits, gp, dim), jnp.float32),
                    stats, stats],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(page_table, seq_lens, q_groups, k_flat, v_flat)
+    )(*gate_operands(gate), page_table, seq_lens, q_groups, k_flat, v_flat)
 
 
 @functools.partial(jax.jit,
                    static_argnames=("sm_scale", "block_k", "splits", "num_warps", "num_stages"))
-def _decode(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_k, splits, num_warps,
-            num_stages):
+def _decode(q, k_pages, v_pages, page_table, seq_lens, gate, *, sm_scale, block_k, splits,
+            num_warps, num_stages):
     batch, heads, dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
@@ -66,7 +70,7 @@ def _decode(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_k, spl
     max_tokens = page_table.shape[1] * page_size
     split_tokens = pl.cdiv(pl.cdiv(max_tokens, splits), block_k) * block_k
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
-    acc, m, l = _decode_call(q_groups, flat(k_pages), flat(v_pages), page_table, seq_lens,
+    acc, m, l = _decode_call(q_groups, flat(k_pages), flat(v_pages), page_table, seq_lens, gate,
                              splits=pl.cdiv(max_tokens, split_tokens), split_tokens=split_tokens,
                              sm_scale=sm_scale, block_k=block_k, page_size=page_size,
                              num_warps=num_warps, num_stages=num_stages)
@@ -87,17 +91,19 @@ def paged_decode_attention(
     splits: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
+    gate: LayerGate | None = None,  # wait for this layer's loaded pages first (on the device)
 ) -> jax.Array:  # [B, num_heads, head_dim]
     """Decode attention: each request's single query over all of its cached tokens (split-K, merged
     in f32)."""
     check(q.ndim == 3 and q.shape[0] == page_table.shape[0],
           f"q must be [B, H, D] with B = {page_table.shape[0]}")
     validate_common(q, k_pages, v_pages, page_table, seq_lens, seq_lens)
+    check_gate(gate)
     if all(is_concrete(x) for x in (page_table, seq_lens)):
         check_pages_in_range(np.asarray(page_table), np.asarray(seq_lens), *k_pages.shape[:2])
     if q.shape[0] == 0:
         return jnp.zeros_like(q)
-    return _decode(q, k_pages, v_pages, page_table, seq_lens, sm_scale=float(sm_scale),
+    return _decode(q, k_pages, v_pages, page_table, seq_lens, gate, sm_scale=float(sm_scale),
                    block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages)
 
 

@@ -11,10 +11,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._attention import (
+    LayerGate,
     attend,
+    check_gate,
     check_pages_in_range,
     combine_splits,
+    gate_operands,
     paged_attention_reference,
+    split_gate,
     token_requests,
     validate_common,
 )
@@ -64,10 +68,11 @@ def _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, lo, hi, *, sm_sc
                   lambda tok: tok[None, :] <= pos[:, None], init=carry, **kw)
 
 
-def _extend_kernel(pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, _o_in, o_ref, *,
-                   group, heads, sm_scale, block_q, block_k, page_size, num_tiles):
+def _extend_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size, num_tiles):
     """Program (b, row tile, kv head): block_q packed query rows of request b over all their keys,
     normalised. A GQA group shares each K/V block load and dot (no padding of the group)."""
+    pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, _o_in, o_ref = split_gate(refs,
+                                                                                         gated)
     b, hk = pl.program_id(0), pl.program_id(2)
     # heaviest (latest, most keys) tiles launch first: shorter tail
     tile = num_tiles - 1 - pl.program_id(1)
@@ -83,12 +88,13 @@ def _extend_kernel(pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, 
         o_ref[row_idx, cols] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _extend_split_kernel(pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, acc_ref,
-                         m_ref, l_ref, *, group, heads, sm_scale, block_q, block_k, page_size,
+def _extend_split_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size,
                          num_tiles, splits):
     """Program (b, row tile, kv head, split): as _extend_kernel over split s's share of the tile's
     key blocks, writing the un-normalised state (acc, m, l) to rows s * T * H + row of the partial
     buffers."""
+    (pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, acc_ref, m_ref,
+     l_ref) = split_gate(refs, gated)
     b, hk, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     tile = num_tiles - 1 - pl.program_id(1)
 
@@ -112,22 +118,23 @@ def _extend_split_kernel(pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v
         l_ref[part] = l
 
 
-def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, *, group,
-                 splits, sm_scale, block_q, block_k, page_size, num_warps, num_stages):
+def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, gate, *,
+                 group, splits, sm_scale, block_q, block_k, page_size, num_warps, num_stages):
     """q_rows: [T * H, D]; k/v_flat: [pages*S, Hkv, D]. splits 1: the output [T * H, D], starting as
     zeros (aliased) so padding rows stay 0. splits > 1: partial (acc [splits * T * H, D], m, l
     [splits * T * H]) in float32, rows of padding tokens left unwritten."""
     kv_heads = k_flat.shape[1]
     num_tiles = pl.cdiv(q_rows.shape[0] // kv_heads, block_q)  # T * group rows per kv head, at most
-    kw = dict(group=group, heads=group * kv_heads, sm_scale=sm_scale, block_q=block_q,
-              block_k=block_k, page_size=page_size, num_tiles=num_tiles)
+    kw = dict(gated=gate is not None, group=group, heads=group * kv_heads, sm_scale=sm_scale,
+              block_q=block_q, block_k=block_k, page_size=page_size, num_tiles=num_tiles)
     params = dict(interpret=use_interpreter(),
                   compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    args = (page_table, seq_lens, query_start, query_lens, q_rows, k_flat, v_flat)
+    gated = gate_operands(gate)
+    args = (*gated, page_table, seq_lens, query_start, query_lens, q_rows, k_flat, v_flat)
     grid = (page_table.shape[0], num_tiles, kv_heads)
     if splits == 1:
         return pl.pallas_call(functools.partial(_extend_kernel, **kw), grid=grid,
-                              input_output_aliases={7: 0},
+                              input_output_aliases={len(args): 0},
                               out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype), **params,
                               )(*args, jnp.zeros_like(q_rows))
     rows = splits * q_rows.shape[0]
@@ -166,13 +173,14 @@ def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, k
 # ---------------------------------------------------------------- jitted public function
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "splits",
                                              "num_warps", "num_stages"))
-def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, *, sm_scale,
+def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, gate, *, sm_scale,
             block_q, block_k, splits, num_warps, num_stages):
     num_pages, page_size, kv_heads, dim = k_pages.shape
     tokens, heads, _ = q.shape
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
     out = _extend_call(q.reshape(tokens * heads, dim), flat(k_pages), flat(v_pages), page_table,
-                       seq_lens, query_start, query_lens, group=heads // kv_heads, splits=splits,
+                       seq_lens, query_start, query_lens, gate, group=heads // kv_heads,
+                       splits=splits,
                        sm_scale=sm_scale, block_q=block_q, block_k=block_k, page_size=page_size,
                        num_warps=num_warps, num_stages=num_stages)
     if splits == 1:
@@ -206,10 +214,12 @@ def paged_attention(
     splits: int | None = None,  # key-range splits per program (split-K); None: choose_extend_splits
     num_warps: int = 4,
     num_stages: int = 2,
+    gate: LayerGate | None = None,  # wait for this layer's loaded pages first (on the device)
 ) -> jax.Array:  # [T, num_heads, head_dim], zeros at padding tokens
     """Causal attention of each request's new tokens over all of its cached pages (new KV already
     written)."""
     validate_common(q, k_pages, v_pages, page_table, seq_lens, query_lens)
+    check_gate(gate)
     check(query_start.shape == seq_lens.shape and query_start.dtype == np.int32,
           "query_start must be int32 [B]")
     check(splits is None or splits >= 1, f"splits must be >= 1, got {splits}")
@@ -223,7 +233,7 @@ def paged_attention(
     splits = splits or choose_extend_splits(tokens, page_table.shape[0],
                                             page_table.shape[1] * k_pages.shape[1], heads,
                                             k_pages.shape[2], dim, block_q=block_q, block_k=block_k)
-    return _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens,
+    return _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, gate,
                    sm_scale=float(sm_scale), block_q=block_q, block_k=block_k, splits=splits,
                    num_warps=num_warps, num_stages=num_stages)
 

@@ -193,7 +193,7 @@ def check_deferred_copies_wait_on_every_shard() -> None:
     eng = hierarchical(tp_model(), 4)
     assert run_chats(eng) == reference(tp_model())
     assert_host_tier_used(eng)
-    assert eng.stats().layered_steps > 0 and all(c.copies > 0 for c in copiers)
+    assert eng.stats().load_gated_steps > 0 and all(c.copies > 0 for c in copiers)
 
     def wait_first_shard(ticket: LoadTicket, layer: int) -> None:  # the runner's sync point
         load = ticket._checked(layer)
@@ -290,8 +290,9 @@ def check_sharded_random_init() -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
 
 
-def check_layer_programs_match_fused() -> None:
-    """Sharded embed, layer groups and head (the layer-split path) give the fused logits."""
+def check_gated_fused_matches_ungated() -> None:
+    """The sharded fused program with load flags (replicated: one per device) already set past
+    the step's load gives the logits and pages of the ungated program."""
     tp = TensorParallel.create(2, tp_model().config)
     programs = ModelPrograms(tp_model(), tp)
     meta = build_metadata([0, 0], [5, 3], [[1], [2]], page_size=16, num_tokens=8, num_reqs=2,
@@ -302,14 +303,14 @@ def check_layer_programs_match_fused() -> None:
         shape = (4, 16, tp.storage_kv_heads, tp_model().config.head_dim)
         return tuple(jax.device_put(jnp.zeros(shape), tp.kv_pages_sharding) for _ in range(2))
 
-    fused, k, v = programs.fused(pages(), pages(), tokens, meta, rows)
-    hidden, ks, vs = programs.embed(tokens), pages(), pages()
-    hidden, k0, v0 = programs.layers(range(0, 1), hidden, ks[:1], vs[:1], meta)
-    hidden, k1, v1 = programs.layers(range(1, 2), hidden, ks[1:], vs[1:], meta)
-    split = programs.head(hidden, rows)
-    np.testing.assert_allclose(np.asarray(split), np.asarray(fused), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(k1[0]), np.asarray(k[1]), rtol=1e-6, atol=1e-6)
-    assert k0[0].sharding.is_equivalent_to(tp.kv_pages_sharding, 4)
+    plain, k, _ = programs.fused(pages(), pages(), tokens, meta, rows)
+    replicated = jax.sharding.NamedSharding(tp.mesh, jax.sharding.PartitionSpec())
+    flags = jax.device_put(jnp.array([3, 3, 0], jnp.int32), replicated)
+    gated_meta = dataclasses.replace(meta, load_flags=flags, load_seq=jnp.array([2], jnp.int32))
+    gated, gated_k, _ = programs.fused(pages(), pages(), tokens, gated_meta, rows)
+    np.testing.assert_allclose(np.asarray(gated), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gated_k[1]), np.asarray(k[1]), rtol=1e-6, atol=1e-6)
+    assert gated_k[0].sharding.is_equivalent_to(tp.kv_pages_sharding, 4)
 
 
 def check_bad_sizes_rejected() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jhicache import bench, bench_clients
@@ -196,28 +198,27 @@ def test_compile_counter_names_what_compiled_in_its_block() -> None:
     assert len(compiles.programs) == 1 and "shifted_by_seven" in compiles.programs[0]
 
 
-def test_host_hit_timeline_follows_the_layer_split_forward(monkeypatch) -> None:
+def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
     from tests.test_engine import deferred_copies, make_engine
 
-    deferred_copies(monkeypatch)  # copies land only when waited for: the forward runs layered
+    deferred_copies(monkeypatch)  # copies land only when waited for
     engine = make_engine(page_size=4, device_kv_tokens=32, host_kv_tokens=128)
     first, other = list(range(1, 25)), list(range(100, 124))
     engine.generate([first], SamplingParams(max_new_tokens=1))
     engine.generate([other], SamplingParams(max_new_tokens=1))  # evicts `first` to host
     ttft_s, out, timeline = bench.traced_ttft(engine, first + [7, 7, 7, 7])
-    assert out.host_hit_tokens == 24 and timeline is not None
-    assert engine.runner.probe is None  # the probe is off again
-    groups = timeline["groups"]
-    expected = [f"{g.start}-{g.stop - 1}" for g in engine.runner.groups]
-    assert [g["layers"] for g in groups] == expected
-    times = ([timeline["forward_start_ms"]]
-             + [t for g in groups for t in (g["landed_ms"], g["dispatched_ms"])]
-             + [timeline["head_dispatched_ms"], timeline["first_token_ms"]])
-    assert times[0] >= 0 and times == sorted(times)
+    assert out.host_hit_tokens == 24
+    flags = np.asarray(jnp.copy(engine.device_pool.load_flags))
+    assert (flags[:-1] >= 1).all() and flags[-1] == 0  # every layer's flag set by its load
+    times = timeline["steps_returned_ms"]
+    assert times[0] >= 0 and times == sorted(times) and times[-1] == timeline["first_token_ms"]
     # one clock: the add_request call comes before the arrival the TTFT counts from
     assert timeline["first_token_ms"] >= ttft_s * 1e3 > 0
-    assert "first group landed" in bench.report.host_hit_table(
-        {**_HOST_HIT_ROW, "host_hit_timeline": timeline})
+    assert engine.device_pool.gate_timeouts() == 0
+    row = {**_HOST_HIT_ROW, "host_hit_timeline": timeline, "engine_load_back_s": 0.002,
+           "engine_load_gated_steps": 1, "gate_timeouts": 0}
+    text = bench.report.host_hit_table(row)
+    assert "step() returned at" in text and "gate timeouts 0" in text
 
 
 _HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,

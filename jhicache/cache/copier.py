@@ -42,6 +42,10 @@ class Copier:
     """The interface; `HostCopier` is also the implementation where copies complete at once."""
 
     synchronous = True  # copies have finished when `copy` returns
+    # Copies run beside the compute, so a kernel can wait on the device for a `signal` while
+    # they land. Not so where the copier is the host itself (the CPU backend, test doubles):
+    # there a forward's loads must have landed before it runs (`LoadTicket.gate_seq` waits).
+    beside_compute = False
 
     def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
              sizes: np.ndarray) -> None:
@@ -52,6 +56,12 @@ class Copier:
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         """A mark behind everything queued so far; `timed` ones can be measured between."""
         return Mark(None, timed)
+
+    def signal(self, direction: Direction, addresses: np.ndarray, value: int) -> None:
+        """Stores int32 `value` at each device address (one per shard) once everything queued
+        so far in `direction` has finished: what kernels waiting on the device read."""
+        for address in addresses.tolist():
+            ctypes.c_int32.from_address(address).value = value
 
     def is_done(self, mark: Mark) -> bool:
         return mark.done
@@ -84,6 +94,7 @@ class CudaCopier(Copier):
     write-backs never delays the copies a forward is waiting for; each queue runs in order."""
 
     synchronous = False
+    beside_compute = True
 
     def __init__(self, driver: CudaDriver) -> None:
         self.driver = driver
@@ -102,6 +113,10 @@ class CudaCopier(Copier):
         event = spare.pop() if spare else self.driver.event(timing=timed)
         self.driver.record(event, self._streams[direction])
         return Mark(event, timed)
+
+    def signal(self, direction: Direction, addresses: np.ndarray, value: int) -> None:
+        (address,) = addresses.tolist()
+        self.driver.write_value32(self._streams[direction], address, value)
 
     def elapsed_s(self, start: Mark, end: Mark) -> float:
         return self.driver.elapsed_ms(start.event, end.event) / 1e3
@@ -154,6 +169,7 @@ class ShardedCopier(Copier):
             raise ValueError(f"a ShardedCopier needs >= 2 copiers, got {len(copiers)}")
         self.copiers = tuple(copiers)
         self.synchronous = all(c.synchronous for c in copiers)
+        self.beside_compute = all(c.beside_compute for c in copiers)
 
     def copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
              sizes: np.ndarray) -> None:
@@ -163,6 +179,11 @@ class ShardedCopier(Copier):
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         return ShardMark([c.mark(direction, timed) for c in self.copiers], timed)
+
+    def signal(self, direction: Direction, addresses: np.ndarray, value: int) -> None:
+        """`addresses`: one per device, in shard order."""
+        for copier, address in zip(self.copiers, addresses, strict=True):
+            copier.signal(direction, np.asarray([address], np.uint64), value)
 
     def is_done(self, mark: Mark) -> bool:
         if not mark.done:

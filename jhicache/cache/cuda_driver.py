@@ -153,6 +153,14 @@ class CudaDriver:
         self._check("cuStreamWaitEvent", self._lib.cuStreamWaitEvent(
             ctypes.c_void_p(stream), ctypes.c_void_p(event), 0))
 
+    def write_value32(self, stream: int, address: int, value: int) -> None:
+        """Queues a 32-bit store of `value` at device `address` on `stream`, after (and fenced
+        behind) the stream's earlier work: how a copy stream tells kernels a layer has landed."""
+        self._bind()
+        fn = getattr(self._lib, "cuStreamWriteValue32_v2", None) or self._lib.cuStreamWriteValue32
+        self._check("cuStreamWriteValue32", fn(ctypes.c_void_p(stream), ctypes.c_uint64(address),
+                                               ctypes.c_uint32(value), 0))
+
     def elapsed_ms(self, start: int, end: int) -> float:
         """Milliseconds between two completed timing events."""
         ms = ctypes.c_float()

@@ -132,3 +132,24 @@ class DevicePool(PagePool):
         if layout.num_pages <= RESERVED_PAGES:
             raise ValueError(f"num_pages must be > {RESERVED_PAGES} (device page 0 is reserved)")
         super().__init__(layout, device, memory_kind="device", sharding=sharding)
+        # Per layer, the sequence number of the newest load whose pages of that layer have
+        # landed (set by the loads' copy stream, read by the attention kernels: `LayerGate`),
+        # and a last slot that a kernel sets when it gave up waiting. One copy per device: a
+        # device's copies set its own.
+        replicated = self.sharding
+        if isinstance(replicated, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(replicated.mesh, jax.sharding.PartitionSpec())
+        self.load_flags = jax.jit(lambda: jnp.zeros((layout.num_layers + 1,), jnp.int32),
+                                  out_shardings=replicated)()
+
+    def flag_addresses(self, layer: int) -> np.ndarray:
+        """Device addresses of `layer`'s load flag, one per shard in shard order."""
+        return np.asarray(self.shard_pointers(self.load_flags), np.uint64) + np.uint64(4 * layer)
+
+    def gate_timeouts(self) -> int:
+        """1 if an attention kernel ever stopped waiting for a layer's loads before they landed
+        (a bug: it then read pages still being copied), else 0. Reads the device (blocks on the
+        compute queued so far); for checks, not for every step."""
+        # a copy, because a JAX array caches what it read first, and each device's own
+        return max(int(np.asarray(jnp.copy(shard.data))[-1])
+                   for shard in self.load_flags.addressable_shards)

@@ -1,10 +1,12 @@
 """LoadTicket: the one object through which a forward learns that a load-back's layer is on device.
 
 A ticket is created when a load-back is queued and bound, when the transfer controller launches
-it, to the launch's per-layer copies (several tickets may share one launch). `wait(layer)`
-blocks the host until that layer's pages have landed; the runner calls it at one explicit site
-in its layer loop, so the compute it dispatches next reads whole pages. `is_ready(layer)` and
-`done()` poll without blocking; `wait_all()` blocks until every layer is on device.
+it, to the launch's per-layer copies (several tickets may share one launch). A forward that
+reads its pages takes `gate_seq()`, the number its layers' device flags reach once each layer
+has landed, and its attention kernels wait on the device for it (`AttentionMetadata.load_flags`);
+the host does not wait. `wait(layer)` blocks the host until a layer has landed (`flush`, tests),
+`is_ready(layer)` and `done()` poll without blocking; `wait_all()` blocks until every layer is
+on device.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class LayerCopies(Protocol):
 
     def wait(self, layer: int) -> None: ...  # blocks until layer's pages have landed
     def is_ready(self, layer: int) -> bool: ...  # non-blocking
+    def issued_seq(self) -> int: ...  # issues the copies if held back; their flags' number
 
 
 class LoadTicket:
@@ -57,6 +60,12 @@ class LoadTicket:
     def wait(self, layer: int) -> None:
         """Blocks until `layer`'s pages are on device."""
         self._checked(layer).wait(layer)
+
+    def gate_seq(self) -> int:
+        """The sequence number each layer's load flag reaches once this load's pages of that
+        layer have landed. Issues the copies first if something held them back (blocking the
+        host on it): a forward may wait on the device only for copies already queued."""
+        return self._checked(0).issued_seq()
 
     def done(self) -> bool:
         """Non-blocking: every layer landed (False while still queued)."""

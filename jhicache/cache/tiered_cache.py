@@ -366,8 +366,9 @@ class TieredCache:
                          extra_owned_host_pages: Iterable[int] = ()) -> None:
         """Raises InvariantError on any page-accounting error in either tier (pass the device
         pages held by running requests), when a layer's device pages are not split over the
-        devices as the pool's sharding says, or when any shard of a layer left the buffer the
-        host tier's copies target."""
+        devices as the pool's sharding says, when any shard of a layer left the buffer the
+        host tier's copies target, or when a kernel ever stopped waiting for loaded pages before
+        they landed (this reads the device: it waits for the compute queued so far)."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
                          extra_owned_device_pages, extra_owned_host_pages)
         misplaced = self.device_pool.misplaced_layers()
@@ -379,3 +380,6 @@ class TieredCache:
                 self.controller.check_buffers()
             except RuntimeError as e:
                 raise InvariantError(str(e)) from e
+            if self.device_pool.gate_timeouts():
+                raise InvariantError("an attention kernel stopped waiting for a layer's loaded "
+                                     "pages before they landed (its forward read stale pages)")

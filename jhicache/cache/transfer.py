@@ -12,8 +12,10 @@ How pages move
 |                | compute that reuses them); its device->host copies are queued once the   |
 |                | staging is ready (`poll`), on the copier's low-priority stream           |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
-|                | donated pool buffers, and a mark after each layer (high-priority stream) |
-| ticket.wait(l) | the host blocks until layer l's mark (the runner's one sync point)       |
+|                | donated pool buffers, then the load's sequence number stored in that     |
+|                | layer's device flag, and a mark (high-priority stream)                   |
+| forward        | each layer's attention kernel waits on the device until the layer's flag |
+|                | reaches the newest load the step reads (`LoadTicket.gate_seq`)           |
 Copies run on streams of their own (`jhicache.cache.copier`), beside the forward; JAX does not
 see them, so this module orders them by hand:
 - A device page freed while dispatched compute may still write it (the in-flight step of a
@@ -46,7 +48,7 @@ import numpy as np
 
 from jhicache.buckets import pow2_bucket
 from jhicache.cache.copier import Copier, Direction, Mark, ShardedCopier
-from jhicache.cache.device_pool import PagePool
+from jhicache.cache.device_pool import DevicePool, PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
 
@@ -122,11 +124,22 @@ class _Load:
         self.device_ids, self.host_ids = device_ids, host_ids
         self.marks: list[Mark] = []  # per layer, once issued
         self.start: Mark | None = None  # timed, before its first copy
+        self.seq = 0  # set when issued: what its layers' flags are set to once landed
 
     def wait(self, layer: int) -> None:
+        self.controller.copier.wait(self.marks[layer] if self.marks else self.issue()[layer])
+
+    def issue(self) -> list[Mark]:
+        """Issues the copies now if held back (blocking on what holds them); the marks."""
         if not self.marks:
             self.controller.force_issue(self)
-        self.controller.copier.wait(self.marks[layer])
+        return self.marks
+
+    def issued_seq(self) -> int:
+        marks, copier = self.issue(), self.controller.copier
+        if not copier.beside_compute:  # the device cannot wait for these copies: land them now
+            copier.wait(marks[-1])
+        return self.seq
 
     def is_ready(self, layer: int) -> bool:
         return bool(self.marks) and self.controller.copier.is_done(self.marks[layer])
@@ -135,7 +148,7 @@ class _Load:
 class TransferController:
     """Merges, launches, fences and retires the copies between a device pool and a host pool."""
 
-    def __init__(self, device_pool: PagePool, host_pool: HostPool, copier: Copier) -> None:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier) -> None:
         if not device_pool.layout.same_page_shape(host_pool.layout):
             raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
         shards = device_pool.num_shards
@@ -154,6 +167,7 @@ class TransferController:
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
         self._fences: dict[int, list[jax.Array]] = {}  # device page -> compute that may touch it
         self._last_load: Mark | None = None
+        self._last_seq = 0  # of the newest load issued; flags only grow (copies go in order)
         self._buffers: np.ndarray | None = None  # [layers, K|V, shards] uint64 addresses
         self._next_id = 0
         # *_s: per launch, its first copy's start to its last copy's end, by the copier's
@@ -326,9 +340,13 @@ class TransferController:
         dsts = np.concatenate([buffers[:, :, 0] + offsets, buffers[:, :, 1] + offsets], axis=2)
         srcs = np.concatenate([self.host_pool.layer_addresses(0, src_pages),
                                self.host_pool.layer_addresses(1, src_pages)], axis=2)
+        self._last_seq += 1
+        load.seq = self._last_seq
+        flags = pool.flag_addresses(0)  # [shards]; layer l's flag is 4 * l bytes on
         load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
-        for layer in range(pool.num_layers):  # in layer order, a mark after each
+        for layer in range(pool.num_layers):  # in layer order, a flag and a mark after each
             self._copy(Direction.TO_DEVICE, dsts[:, layer], srcs[:, layer], sizes)
+            self.copier.signal(Direction.TO_DEVICE, flags + np.uint64(4 * layer), load.seq)
             load.marks.append(self.copier.mark(Direction.TO_DEVICE,
                                                timed=layer == pool.num_layers - 1))
         self._last_load = load.marks[-1]

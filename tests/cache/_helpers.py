@@ -45,6 +45,9 @@ class DeferredCopier(Copier):
         if not mark.done:
             self.queues[direction].append(("after", mark))
 
+    def signal(self, direction: Direction, addresses, value: int) -> None:
+        self.queues[direction].append(("signal", addresses.tolist(), value))
+
     def _run(self, direction: Direction, until: Mark) -> None:
         queue = self.queues[direction]
         while not until.done:
@@ -55,6 +58,9 @@ class DeferredCopier(Copier):
                 self.copies += 1
             elif item[0] == "mark":
                 item[1].done = True
+            elif item[0] == "signal":
+                for address in item[1]:
+                    ctypes.c_int32.from_address(address).value = item[2]
             else:
                 self.wait(item[1])
 

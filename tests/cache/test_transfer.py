@@ -3,6 +3,8 @@ order copies JAX does not see (HostCopier copies at once; DeferredCopier as late
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -381,3 +383,53 @@ def test_gpu_random_pages_round_trip_bit_exact() -> None:
         assert np.array_equal(got_k.view(np.uint16), want_k.view(np.uint16))
         assert np.array_equal(got_v.view(np.uint16), want_v.view(np.uint16))
 
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_wait_on_the_device_for_layers_still_landing() -> None:
+    """Attention kernels dispatched right after a 1 GB load was issued, each gated on its
+    layer's flag, read the loaded pages: they give what the same kernels give once the load has
+    landed, and no gate timed out. An ungated read dispatched at the same moment (the control)
+    sees pages not yet copied, so the comparison can fail."""
+    import jax
+    import jax.numpy as jnp
+    from jhicache.pallas_kernels import LayerGate, paged_decode_attention
+
+    from jhicache.cache import DevicePool, HostPool, PoolLayout
+
+    layers, pages = 8, 1024
+    layout = PoolLayout(layers, pages + 1, 64, 4, 128, jnp.bfloat16)
+    device = DevicePool(layout)
+    host = HostPool(dataclasses.replace(layout, num_pages=pages), make_copier("gpu")[1])
+    rng = np.random.default_rng(3)
+    for layer in range(layers):
+        k, v = (jnp.asarray(rng.standard_normal(layout.page_shape), jnp.bfloat16) for _ in "kv")
+        device.set_layer(layer, k, v)
+    ctl = TransferController(device, host, _gpu_copier())
+    ids = list(range(1, pages + 1))
+    ctl.queue_write_back(ids, list(range(pages)))
+    ctl.flush()
+    for layer in range(layers):  # the device copy gone: only the load can bring it back
+        device.set_layer(layer, jnp.zeros(layout.page_shape, layout.dtype),
+                         jnp.zeros(layout.page_shape, layout.dtype))
+    jax.block_until_ready((device.k, device.v))
+    q = jnp.asarray(rng.standard_normal((1, 28, 128)), jnp.bfloat16)
+    table, lens = jnp.asarray([ids], jnp.int32), jnp.asarray([pages * 64], jnp.int32)
+
+    def attend(gate_seq: int | None) -> list[jax.Array]:
+        return [paged_decode_attention(
+            q, device.k[layer], device.v[layer], table, lens, sm_scale=0.1,
+            gate=None if gate_seq is None else LayerGate(
+                device.load_flags, jnp.array([gate_seq], jnp.int32),
+                jnp.array([layer], jnp.int32))) for layer in range(layers)]
+
+    ticket = ctl.queue_load_back(list(range(pages)), ids)
+    ctl.launch()
+    control, gated = attend(None), attend(ticket.gate_seq())
+    ticket.wait_all()
+    landed = attend(None)
+    for layer in range(layers):
+        assert np.array_equal(np.asarray(gated[layer]), np.asarray(landed[layer])), layer
+    assert any(not np.array_equal(np.asarray(c), np.asarray(w)) for c, w in zip(control, landed))
+    assert device.gate_timeouts() == 0
+    ctl.flush()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jhicache.pallas_kernels import decode_attention as da
 from jhicache.pallas_kernels import extend_attention as ea
-from jhicache.pallas_kernels._attention import NEG
+from jhicache.pallas_kernels._attention import NEG, LayerGate
 
 from tests.kernels.batches import make_batch
 from tests.kernels.helpers import rand
@@ -182,6 +182,33 @@ def test_empty_batches():
     chex.assert_shape(da.paged_decode_attention(jnp.zeros((0, 4, 16)), k, v,
                                                 np.zeros((0, 1), np.int32), empty, sm_scale=0.25),
                       (0, 4, 16))
+
+
+def _open_gate(layer: int = 2, seq: int = 5) -> LayerGate:
+    """A gate whose flag is already past its sequence number: the kernels must not wait."""
+    flags = np.zeros(6, np.int32)
+    flags[layer] = seq + 1
+    return LayerGate(jnp.asarray(flags), jnp.array([seq], jnp.int32),
+                     jnp.array([layer], jnp.int32))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gated_kernels_match_reference(splits):
+    """With a gate (flags set, as once a layer's loads landed) both kernels give the reference;
+    the gate adds its operands in front, which shifts the split-1 kernel's aliased output."""
+    run_extend(11, [(37, 5), (0, 9)], 16, np.float32, splits=splits, gate=_open_gate())
+    run_decode(12, [33, 0, 70], 16, np.float32, splits=splits, gate=_open_gate(0, 1))
+
+
+def test_gate_arguments_checked():
+    q, pages = jnp.ones((2, 2, 16)), jnp.ones((3, 16, 1, 16))
+    table, lens = jnp.array([[1]], jnp.int32), jnp.array([2], jnp.int32)
+    bad = _open_gate()._replace(seq=jnp.array([1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="gate seq"):
+        da.paged_decode_attention(q[:1], pages, pages, table, lens, sm_scale=0.3, gate=bad)
+    with pytest.raises(ValueError, match="gate flags"):
+        ea.paged_attention(q, pages, pages, table, lens, jnp.array([0], jnp.int32), lens,
+                           sm_scale=0.3, gate=bad._replace(flags=jnp.zeros(4, jnp.float32)))
 
 
 @pytest.mark.gpu
