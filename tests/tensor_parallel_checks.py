@@ -185,24 +185,23 @@ def _deferred_copiers(tp: int) -> list:
 
 def check_deferred_copies_wait_on_every_shard() -> None:
     """Each device's copies run only when its own mark is waited for: the tokens are still one
-    device's, so every shard's wait is made. With the forward's wait on shard 0's mark only,
+    device's, so every shard's wait is made. With a forward that lands shard 0's copies only,
     the other shards' pages are read before they land and the tokens change: so it matters."""
-    from jhicache.cache import LoadTicket
+    from jhicache.cache.transfer import _Load
 
     copiers = _deferred_copiers(4)
     eng = hierarchical(tp_model(), 4)
     assert run_chats(eng) == reference(tp_model())
     assert_host_tier_used(eng)
-    assert eng.stats().load_gated_steps > 0 and all(c.copies > 0 for c in copiers)
+    assert eng.stats().host_hit_tokens > 0 and all(c.copies > 0 for c in copiers)
 
-    def wait_first_shard(ticket: LoadTicket, layer: int) -> None:  # the runner's sync point
-        load = ticket._checked(layer)
-        if not load.marks:
-            load.controller.force_issue(load)
-        load.controller.copier.copiers[0].wait(load.marks[layer].parts[0])
+    def first_shard_only(load: _Load) -> int:  # lands shard 0's copies before the forward
+        landed = load.issue()
+        load.controller.copier.copiers[0].wait(landed.parts[0])
+        return load.seq
 
     _deferred_copiers(4)
-    LoadTicket.wait = wait_first_shard
+    _Load.issued_seq = first_shard_only
     assert run_chats(hierarchical(tp_model(), 4)) != reference(tp_model())
 
 

@@ -68,6 +68,7 @@ class CudaDriver:
         self._always_bind = always_bind
         self._bound = threading.local()  # a context is current per thread: bind it once in each
         self._batch = self._batch_function()
+        self._write32 = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         host, gpu = _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, device_ordinal)
         self._attrs = {to_device: _CopyAttributes(
             _ACCESS_ORDER_STREAM, host if to_device else gpu, gpu if to_device else host,
@@ -157,9 +158,8 @@ class CudaDriver:
         """Queues a 32-bit store of `value` at device `address` on `stream`, after (and fenced
         behind) the stream's earlier work: how a copy stream tells kernels a layer has landed."""
         self._bind()
-        fn = getattr(self._lib, "cuStreamWriteValue32_v2", None) or self._lib.cuStreamWriteValue32
-        self._check("cuStreamWriteValue32", fn(ctypes.c_void_p(stream), ctypes.c_uint64(address),
-                                               ctypes.c_uint32(value), 0))
+        self._check("cuStreamWriteValue32", self._write32(
+            ctypes.c_void_p(stream), ctypes.c_uint64(address), ctypes.c_uint32(value), 0))
 
     def elapsed_ms(self, start: int, end: int) -> float:
         """Milliseconds between two completed timing events."""

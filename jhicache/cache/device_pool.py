@@ -106,9 +106,11 @@ class PagePool:
                            for a in (self.k[layer], self.v[layer]))]
 
     def read_pages(self, layer: int, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Copies `pages` of one layer to numpy (tests and debugging; blocks)."""
-        idx = np.asarray(pages, dtype=np.int64)
-        return np.asarray(self.k[layer])[idx], np.asarray(self.v[layer])[idx]
+        """Copies `pages` of one layer to numpy (tests and debugging; blocks). Through a gather
+        on the device, not `np.asarray` of the pool array: a JAX array keeps what it read first,
+        and copies JAX does not see may have changed its buffer since."""
+        idx = jnp.asarray(np.asarray(pages, dtype=np.int32))
+        return np.asarray(self.k[layer][idx]), np.asarray(self.v[layer][idx])
 
 
 def _shard_devices(pages: jax.Array) -> tuple[jax.Device, ...]:

@@ -4,9 +4,9 @@ A ticket is created when a load-back is queued and bound, when the transfer cont
 it, to the launch's per-layer copies (several tickets may share one launch). A forward that
 reads its pages takes `gate_seq()`, the number its layers' device flags reach once each layer
 has landed, and its attention kernels wait on the device for it (`AttentionMetadata.load_flags`);
-the host does not wait. `wait(layer)` blocks the host until a layer has landed (`flush`, tests),
-`is_ready(layer)` and `done()` poll without blocking; `wait_all()` blocks until every layer is
-on device.
+the host does not wait. The host learns only of the whole load's landing: `wait(layer)` and
+`wait_all()` block until the load has landed (`flush`, tests), `is_ready(layer)` and `done()`
+poll it without blocking.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Protocol
 class LayerCopies(Protocol):
     """The per-layer copies of one load-back launch, as a ticket sees them."""
 
-    def wait(self, layer: int) -> None: ...  # blocks until layer's pages have landed
-    def is_ready(self, layer: int) -> bool: ...  # non-blocking
+    def wait(self, layer: int) -> None: ...  # blocks until layer's pages (at least) have landed
+    def is_ready(self, layer: int) -> bool: ...  # non-blocking; may say False for a landed layer
     def issued_seq(self) -> int: ...  # issues the copies if held back; their flags' number
 
 

@@ -13,7 +13,7 @@ How pages move
 |                | staging is ready (`poll`), on the copier's low-priority stream           |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
 |                | donated pool buffers, then the load's sequence number stored in that     |
-|                | layer's device flag, and a mark (high-priority stream)                   |
+|                | layer's device flag; a mark after the last (high-priority stream)        |
 | forward        | each layer's attention kernel waits on the device until the layer's flag |
 |                | reaches the newest load the step reads (`LoadTicket.gate_seq`)           |
 Copies run on streams of their own (`jhicache.cache.copier`), beside the forward; JAX does not
@@ -116,33 +116,36 @@ class _Write:
 
 
 class _Load:
-    """One merged load-back launch (the `LayerCopies` its tickets wait on)."""
+    """One merged load-back launch (the `LayerCopies` its tickets wait on). The device learns of
+    each layer's landing through its flag; the host only of the whole load's, by one mark."""
 
     def __init__(self, controller: TransferController, ops: list[TransferOp],
                  device_ids: np.ndarray, host_ids: np.ndarray) -> None:
         self.controller, self.ops = controller, ops
         self.device_ids, self.host_ids = device_ids, host_ids
-        self.marks: list[Mark] = []  # per layer, once issued
         self.start: Mark | None = None  # timed, before its first copy
+        self.landed: Mark | None = None  # timed, after its last copy; set when issued
         self.seq = 0  # set when issued: what its layers' flags are set to once landed
 
     def wait(self, layer: int) -> None:
-        self.controller.copier.wait(self.marks[layer] if self.marks else self.issue()[layer])
+        """Blocks until `layer` has landed: on the host, until the whole load has."""
+        self.controller.copier.wait(self.issue())
 
-    def issue(self) -> list[Mark]:
-        """Issues the copies now if held back (blocking on what holds them); the marks."""
-        if not self.marks:
+    def issue(self) -> Mark:
+        """Issues the copies now if held back (blocking on what holds them); the landed mark."""
+        if self.landed is None:
             self.controller.force_issue(self)
-        return self.marks
+        assert self.landed is not None
+        return self.landed
 
     def issued_seq(self) -> int:
-        marks, copier = self.issue(), self.controller.copier
+        landed, copier = self.issue(), self.controller.copier
         if not copier.beside_compute:  # the device cannot wait for these copies: land them now
-            copier.wait(marks[-1])
+            copier.wait(landed)
         return self.seq
 
     def is_ready(self, layer: int) -> bool:
-        return bool(self.marks) and self.controller.copier.is_done(self.marks[layer])
+        return self.landed is not None and self.controller.copier.is_done(self.landed)
 
 
 class TransferController:
@@ -337,19 +340,20 @@ class TransferController:
         sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
         offsets = dst_pages.astype(np.uint64) * size
         buffers = self._pool_buffers().transpose(2, 0, 1)[..., None]  # [shards, layers, K|V, 1]
-        dsts = np.concatenate([buffers[:, :, 0] + offsets, buffers[:, :, 1] + offsets], axis=2)
-        srcs = np.concatenate([self.host_pool.layer_addresses(0, src_pages),
-                               self.host_pool.layer_addresses(1, src_pages)], axis=2)
+        # [shards, layers, 2 runs], contiguous per layer: the loop below only slices
+        dsts = np.ascontiguousarray(np.concatenate([buffers[:, :, 0] + offsets,
+                                                    buffers[:, :, 1] + offsets], axis=2))
+        srcs = np.ascontiguousarray(np.concatenate(
+            [self.host_pool.layer_addresses(0, src_pages),
+             self.host_pool.layer_addresses(1, src_pages)], axis=2), np.uint64)
         self._last_seq += 1
         load.seq = self._last_seq
         flags = pool.flag_addresses(0)  # [shards]; layer l's flag is 4 * l bytes on
         load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
-        for layer in range(pool.num_layers):  # in layer order, a flag and a mark after each
+        for layer in range(pool.num_layers):  # in layer order, each layer's flag after it
             self._copy(Direction.TO_DEVICE, dsts[:, layer], srcs[:, layer], sizes)
             self.copier.signal(Direction.TO_DEVICE, flags + np.uint64(4 * layer), load.seq)
-            load.marks.append(self.copier.mark(Direction.TO_DEVICE,
-                                               timed=layer == pool.num_layers - 1))
-        self._last_load = load.marks[-1]
+        load.landed = self._last_load = self.copier.mark(Direction.TO_DEVICE, timed=True)
 
     def _copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
               sizes: np.ndarray) -> None:
@@ -408,14 +412,15 @@ class TransferController:
         self._prune_fences()  # also when no load waits: finished computes are let go
         self._advance_writes()
         for load in self._loads:
-            if not load.marks:
+            if load.landed is None:
                 self._try_issue(load)
         done: list[TransferOp] = []
         for write in [w for w in self._writes
                       if w.mark is not None and self.copier.is_done(w.mark)]:
             self._retire_write(write)
             done += write.ops
-        for load in [ld for ld in self._loads if ld.marks and self.copier.is_done(ld.marks[-1])]:
+        for load in [ld for ld in self._loads
+                     if ld.landed is not None and self.copier.is_done(ld.landed)]:
             self._retire_load(load)
             done += load.ops
         return done
@@ -429,7 +434,7 @@ class TransferController:
 
     def _retire_load(self, load: _Load) -> None:
         self._loads.remove(load)
-        self.counters["load_back_s"] += self._timed(load.start, load.marks[-1])
+        self.counters["load_back_s"] += self._timed(load.start, load.landed)
 
     def _timed(self, start: Mark | None, end: Mark | None) -> float:
         """Seconds between two done, timed marks (then given back to the copier)."""

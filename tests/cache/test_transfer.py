@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jhicache.cache import TransferController, make_copier
+from jhicache.cache.copier import Direction, Mark
 from jhicache.config import WritePolicy
 from tests.cache._helpers import (
     DeferredCopier,
@@ -118,22 +120,41 @@ def _launched_load_of_host_only(cache, tokens: list[int]):
     return ticket
 
 
-def test_layers_land_in_order_and_only_a_waited_layer_is_safe() -> None:
-    """With copies as late as they may run, waiting for layer 0 lands layer 0 and not layer 1."""
+def test_each_layer_flag_is_set_only_after_that_layers_copies() -> None:
+    """Stepping a deferred copy queue one item at a time: when layer l's flag first reads the
+    load's number, layer l's pages have landed and layer l + 1's have not, and its flag is
+    unset: a kernel that waits for its layer's flag reads whole pages."""
     cache = make_cache(4, device_pages=2, host_pages=4, copier=DeferredCopier(),
                        load_back_threshold=0)
     a = list(range(8))
     ticket = _launched_load_of_host_only(cache, a)
-    pages = list(ticket.device_pages)
-    ticket.wait(0)
-    k0, _ = cache.device_pool.read_pages(0, pages)
-    k1, _ = cache.device_pool.read_pages(1, pages)
-    np.testing.assert_array_equal(k0, expected_kv(a, 0, 4)[0])
-    assert not np.array_equal(k1, expected_kv(a, 1, 4)[0])  # not landed: the wait is needed
-    assert ticket.is_ready(0) and not ticket.done()
-    ticket.wait(1)
-    assert ticket.done()
+    pages, pool = list(ticket.device_pages), cache.device_pool
+    copier = cache.controller.copier
+    queue = copier.queues[Direction.TO_DEVICE]
+    flags = lambda: np.asarray(jnp.copy(pool.load_flags))  # noqa: E731
+    seen = []
+    while queue:
+        item = queue[0]
+        copier._run(Direction.TO_DEVICE, _after(queue))
+        if item[0] != "signal":
+            continue
+        layer = len(seen)
+        seen.append(layer)
+        assert list(flags()[:pool.num_layers] > 0) == [i <= layer for i in range(pool.num_layers)]
+        k, _ = pool.read_pages(layer, pages)
+        np.testing.assert_array_equal(k, expected_kv(a, layer, 4)[0])
+        if layer + 1 < pool.num_layers:
+            k_next, _ = pool.read_pages(layer + 1, pages)
+            assert not np.array_equal(k_next, expected_kv(a, layer + 1, 4)[0])
+    assert seen == list(range(pool.num_layers)) and ticket.done()
     assert_device_kv(cache, a, pages)
+
+
+def _after(queue: list) -> Mark:
+    """A mark placed right after the queue's first item, so running to it runs that item."""
+    mark = Mark(0)
+    queue.insert(1, ("mark", mark))
+    return mark
 
 
 class _Compute:
@@ -423,13 +444,15 @@ def test_gpu_kernels_wait_on_the_device_for_layers_still_landing() -> None:
                 device.load_flags, jnp.array([gate_seq], jnp.int32),
                 jnp.array([layer], jnp.int32))) for layer in range(layers)]
 
+    jax.block_until_ready((attend(None), attend(0)))  # compiled before the load starts
     ticket = ctl.queue_load_back(list(range(pages)), ids)
     ctl.launch()
     control, gated = attend(None), attend(ticket.gate_seq())
     ticket.wait_all()
     landed = attend(None)
-    for layer in range(layers):
-        assert np.array_equal(np.asarray(gated[layer]), np.asarray(landed[layer])), layer
-    assert any(not np.array_equal(np.asarray(c), np.asarray(w)) for c, w in zip(control, landed))
+    same = [np.array_equal(np.asarray(g), np.asarray(w)) for g, w in zip(gated, landed)]
+    early = [np.array_equal(np.asarray(c), np.asarray(w)) for c, w in zip(control, landed)]
+    assert all(same), f"gated reads equal to the landed pages, per layer: {same}"
+    assert not all(early), f"the control saw every layer landed already: {early}"
     assert device.gate_timeouts() == 0
     ctl.flush()
