@@ -4,9 +4,9 @@
 
 Per trial (the `host-hit` bench's setup: the prefix computed, pushed to host, then a new turn on
 it): the engine phases of the first `step()` (timed by wrapping the engine's methods), then,
-polling without blocking, when each layer's load landed (its event) and when the sampled token
-was ready on the device; the same for a device hit of the same shape. Polling adds no work to
-the device; it delays the host's next step, so the step() after it is not timed.
+polling without blocking, when the load had landed (its event) and when the sampled token was
+ready on the device; the same for a device hit of the same shape. Polling adds no work to the
+device; it delays the host's next step, so the step() after it is not timed.
 """
 
 from __future__ import annotations
@@ -50,19 +50,16 @@ def traced(engine, prompt: list[int], log: list) -> dict:
     returned = time.perf_counter()
     step = engine._in_flight
     tickets = step.batch.tickets
-    layers = engine.device_pool.num_layers
-    landed: list[float | None] = [None] * layers
+    landed = None
     while not step.sampled.is_ready():
-        now = time.perf_counter()
-        for layer in range(layers):
-            if landed[layer] is None and all(t.is_ready(layer) for t in tickets):
-                landed[layer] = now
+        if landed is None and tickets and all(t.done() for t in tickets):
+            landed = time.perf_counter()
     ready = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     ms = lambda t: None if t is None else round((t - t0) * 1e3, 3)  # noqa: E731
     return {"phases": [(n, ms(a), ms(b)) for n, a, b in log], "step_returned_ms": ms(returned),
-            "landed_ms": [ms(t) for t in landed] if tickets else None,
+            "load_landed_ms": ms(landed),
             "sampled_ready_ms": ms(ready), "request": rid}
 
 
