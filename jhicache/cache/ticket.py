@@ -1,12 +1,11 @@
 """LoadTicket: the one object through which a forward learns that a load-back's layer is on device.
 
 A ticket is created when a load-back is queued and bound, when the transfer controller launches
-it, to the launch's per-layer copies (several tickets may share one launch). A forward that
-reads its pages takes `gate_seq()`, the number its layers' device flags reach once each layer
-has landed, and its attention kernels wait on the device for it (`AttentionMetadata.load_flags`);
-the host does not wait. The host learns only of the whole load's landing: `wait(layer)` and
-`wait_all()` block until the load has landed (`flush`, tests), `is_ready(layer)` and `done()`
-poll it without blocking.
+it, to the launch's copies (several tickets may share one launch). A forward that reads its
+pages takes `gate_seq()`, the number its layers' device flags reach once each layer has landed,
+and its attention kernels wait on the device for it (`AttentionMetadata.load_flags`); the host
+does not wait. The host learns only of the whole load's landing: `wait_all()` blocks until it
+(`flush`, benchmarks, tests), `done()` polls it.
 """
 
 from __future__ import annotations
@@ -15,16 +14,16 @@ from collections.abc import Sequence
 from typing import Protocol
 
 
-class LayerCopies(Protocol):
-    """The per-layer copies of one load-back launch, as a ticket sees them."""
+class LoadCopies(Protocol):
+    """The copies of one load-back launch, as a ticket sees them."""
 
-    def wait(self, layer: int) -> None: ...  # blocks until layer's pages (at least) have landed
-    def is_ready(self, layer: int) -> bool: ...  # non-blocking; may say False for a landed layer
+    def wait(self) -> None: ...  # blocks until every layer has landed
+    def is_ready(self) -> bool: ...  # non-blocking: has every layer landed?
     def issued_seq(self) -> int: ...  # issues the copies if held back; their flags' number
 
 
 class LoadTicket:
-    """Per-layer readiness of one queued load-back."""
+    """Readiness of one queued load-back: on the device layer by layer, on the host as a whole."""
 
     def __init__(self, op_id: int, num_layers: int, host_pages: Sequence[int],
                  device_pages: Sequence[int]) -> None:
@@ -32,7 +31,7 @@ class LoadTicket:
         self.num_layers = num_layers
         self.host_pages = tuple(host_pages)
         self.device_pages = tuple(device_pages)
-        self._copies: LayerCopies | None = None
+        self._copies: LoadCopies | None = None
 
     def __repr__(self) -> str:
         state = "launched" if self.launched else "queued"
@@ -42,34 +41,26 @@ class LoadTicket:
     def launched(self) -> bool:
         return self._copies is not None
 
-    def bind(self, copies: LayerCopies) -> None:
+    def bind(self, copies: LoadCopies) -> None:
         """Called by the controller at launch."""
         self._copies = copies
 
-    def _checked(self, layer: int) -> LayerCopies:
+    def _checked(self) -> LoadCopies:
         if self._copies is None:
             raise RuntimeError(f"{self} was not launched: call TieredCache.launch() (or "
                                "TransferController.launch()) before the forward that reads it")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         return self._copies
-
-    def is_ready(self, layer: int) -> bool:
-        return self._checked(layer).is_ready(layer)
-
-    def wait(self, layer: int) -> None:
-        """Blocks until `layer`'s pages are on device."""
-        self._checked(layer).wait(layer)
 
     def gate_seq(self) -> int:
         """The sequence number each layer's load flag reaches once this load's pages of that
         layer have landed. Issues the copies first if something held them back (blocking the
         host on it): a forward may wait on the device only for copies already queued."""
-        return self._checked(0).issued_seq()
+        return self._checked().issued_seq()
 
     def done(self) -> bool:
         """Non-blocking: every layer landed (False while still queued)."""
-        return self.launched and self.is_ready(self.num_layers - 1)  # layers land in order
+        return self.launched and self._checked().is_ready()
 
     def wait_all(self) -> None:
-        self.wait(self.num_layers - 1)
+        """Blocks until every layer has landed (issuing the copies first if held back)."""
+        self._checked().wait()

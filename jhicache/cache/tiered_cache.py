@@ -201,7 +201,8 @@ class TieredCache:
         `load_back_threshold` tokens, it needs more than `quota_pages`, device pages cannot be
         freed, or the match is stale. On success the nodes are on device at once and locked
         until the copy completes (released by `poll`); the caller reads the data only after
-        `launch()` and `ticket.wait(layer)`. Matched pages = match.device_pages +
+        `launch()`, in a forward gated on `ticket.gate_seq()` or after `ticket.wait_all()`.
+        Matched pages = match.device_pages +
         ticket.device_pages.
         """
         run = self._host_run(match.last_node) if self.controller and match.host_len else []

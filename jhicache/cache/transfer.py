@@ -116,7 +116,7 @@ class _Write:
 
 
 class _Load:
-    """One merged load-back launch (the `LayerCopies` its tickets wait on). The device learns of
+    """One merged load-back launch (the `LoadCopies` its tickets wait on). The device learns of
     each layer's landing through its flag; the host only of the whole load's, by one mark."""
 
     def __init__(self, controller: TransferController, ops: list[TransferOp],
@@ -127,8 +127,7 @@ class _Load:
         self.landed: Mark | None = None  # timed, after its last copy; set when issued
         self.seq = 0  # set when issued: what its layers' flags are set to once landed
 
-    def wait(self, layer: int) -> None:
-        """Blocks until `layer` has landed: on the host, until the whole load has."""
+    def wait(self) -> None:
         self.controller.copier.wait(self.issue())
 
     def issue(self) -> Mark:
@@ -144,7 +143,7 @@ class _Load:
             copier.wait(landed)
         return self.seq
 
-    def is_ready(self, layer: int) -> bool:
+    def is_ready(self) -> bool:
         return self.landed is not None and self.controller.copier.is_done(self.landed)
 
 
@@ -450,7 +449,7 @@ class TransferController:
         jax.block_until_ready([w.staging for w in self._writes])
         self._advance_writes(budget=math.inf)
         for load in self._loads:
-            load.wait(self.device_pool.num_layers - 1)
+            load.wait()
         for write in self._writes:
             assert write.mark is not None
             self.copier.wait(write.mark)

@@ -67,12 +67,11 @@ def _controller_round_trip(copier) -> None:
         np.testing.assert_array_equal(v[2:], expected_kv(b, layer, 4)[1])
     ticket = ctl.queue_load_back([0, 1, 4, 5], pages)
     with pytest.raises(RuntimeError, match="not launched"):
-        ticket.wait(0)
+        ticket.wait_all()
+    with pytest.raises(RuntimeError, match="not launched"):
+        ticket.gate_seq()
     assert not ticket.done()
     ctl.launch()
-    ticket.wait(0)
-    with pytest.raises(ValueError):
-        ticket.wait(2)
     ticket.wait_all()
     assert ticket.done() and [op.op_id for op in ctl.poll()] == [ticket.op_id]
     assert_device_kv(cache, b, pages[:2])
@@ -97,8 +96,7 @@ def _cache_round_trip(policy: WritePolicy, copier) -> None:
     ticket = cache.load_back(m)
     assert ticket is not None
     cache.launch()
-    for layer in range(ticket.num_layers):
-        ticket.wait(layer)
+    ticket.wait_all()
     assert_device_kv(cache, prompts[0], list(ticket.device_pages))
     cache.flush()
     cache.check_invariants()
