@@ -218,8 +218,9 @@ class Engine:
     def check_invariants(self) -> None:
         """Raises `InvariantError` on any page-accounting error in either tier (one tree and one
         page id space serve every device shard), when a layer's device pages are not split over
-        the devices as the pool's sharding says, or when any shard of a layer left the buffer
-        the host tier's copies target."""
+        the devices as the pool's sharding says, when any shard of a layer left the buffer
+        the host tier's copies target, or when an attention kernel stopped waiting for loaded
+        pages before they landed (a device read: it waits for the compute queued so far)."""
         with self._lock:
             self.cache.check_invariants(
                 extra_owned_device_pages=self.scheduler.owned_device_pages())
