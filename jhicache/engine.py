@@ -241,10 +241,10 @@ class Engine:
             self.cache.poll()
             batch = self.scheduler.schedule(may_retract=True)
         # This step's loads start before the rest of the step's host work: a host hit waits for
-        # its last layer, so every host phase ahead of the copies adds to its TTFT. They run on
-        # the copier's own stream; the inputs' small copies go on XLA's, and on the H200 the
-        # forward still overlapped most of the load (the host-hit rows of BENCHMARKS.md), so
-        # they did not wait for the whole burst.
+        # its last layer, so every host phase ahead of the copies adds to its TTFT when the
+        # load is the longer part. They run on the copier's own stream and the inputs' small
+        # copies on XLA's, so those do not queue behind the burst (BENCHMARKS.md, host-hit
+        # phases: a third or more of a 7B load had landed by the forward's dispatch).
         self.cache.launch_loads()
         inputs = (model_inputs(batch, self.config.page_size, self._load_flags)
                   if batch is not None else None)
