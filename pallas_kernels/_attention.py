@@ -33,12 +33,13 @@ class LayerGate(NamedTuple):
     layer: jax.Array  # [1] int32
 
 
-def await_layer(flags_ref, seq_ref, layer_ref, *, limit: int = GATE_SPIN_LIMIT) -> None:
+def await_layer(flags_ref, seq_ref, layer_ref) -> None:
     """Kernel piece, first thing in every program: spins on volatile reads of flags[layer] (a
-    value another stream wrote must show, so no cached load) until it reaches seq. A spin that
-    runs out sets the flags' last slot to 1, which `gate_timeouts` callers check; the program
-    then goes on (a hang would take the GPU with it)."""
-    target, layer = seq_ref[0], layer_ref[0]
+    value another stream wrote must show, so no cached load) until it reaches seq, at most
+    GATE_SPIN_LIMIT reads (read when the kernel is traced). A spin that runs out sets the flags'
+    last slot to 1, which `gate_timeouts` callers check; the program then goes on (a hang would
+    take the GPU with it)."""
+    target, layer, limit = seq_ref[0], layer_ref[0], GATE_SPIN_LIMIT
 
     def read() -> jax.Array:
         # An atomic add of 0, the usual acquiring read, zeroed the flag on the H200 (jax

@@ -212,6 +212,20 @@ def test_gate_arguments_checked():
 
 
 @pytest.mark.gpu
+def test_gpu_gate_that_runs_out_of_spins_reports_it(monkeypatch):
+    """A gate whose flag never reaches its number: every program gives up after the spin limit
+    (shortened here), sets the flags' last slot, and computes on what the pages hold."""
+    from jhicache.pallas_kernels import _attention
+
+    monkeypatch.setattr(_attention, "GATE_SPIN_LIMIT", 64)  # read when the kernel is traced
+    flags = jnp.zeros(5, jnp.int32)
+    gate = LayerGate(flags, jnp.array([1], jnp.int32), jnp.array([2], jnp.int32))
+    # a shape no other test uses, so the kernel is traced with the short limit
+    run_decode(13, [45, 7], 16, np.float32, heads=6, kv_heads=3, dim=32, gate=gate)
+    assert np.asarray(jnp.copy(flags)).tolist() == [0, 0, 0, 0, 1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_gpu_extend_and_decode(page_size, dtype):
