@@ -155,7 +155,6 @@ def gpu_probe(how: str) -> dict:
     lib = load_library()
     assert lib is not None, "no libcuda"
     drv = CudaDriver(lib)
-    write32 = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
     stream = drv.stream(priority=drv.priority_range()[1])
     count = LAYER_BYTES // 2  # bf16 elements a layer
     values = (np.random.default_rng(0).standard_normal(LAYERS * count, dtype=np.float32)
@@ -176,9 +175,7 @@ def gpu_probe(how: str) -> dict:
             drv.copy(np.array([x.unsafe_buffer_pointer()], np.uint64),
                      np.array([host.address + i * LAYER_BYTES], np.uint64),
                      np.array([LAYER_BYTES], np.uint64), stream, to_device=True)
-            _check("cuStreamWriteValue32", write32(ctypes.c_void_p(stream),
-                                                   ctypes.c_uint64(flag_ptr + 4 * i),
-                                                   ctypes.c_uint32(seq), 0))
+            drv.write_value32(stream, flag_ptr + 4 * i, seq)
 
     def clear() -> None:
         """Zeroes every layer on the device, so a read before its copy lands shows."""
@@ -227,7 +224,6 @@ def diagnose() -> dict:
 
     lib = load_library()
     drv = CudaDriver(lib)
-    write32 = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
     stream = drv.stream()
     x = jnp.ones((8 * BLOCK,), jnp.bfloat16)
     out: dict = {}
@@ -244,8 +240,7 @@ def diagnose() -> dict:
         flags = jnp.zeros((FLAG_SLOTS,), jnp.int32)
         jax.block_until_ready(flags)
         ptr = flags.unsafe_buffer_pointer()
-        _check("cuStreamWriteValue32", write32(ctypes.c_void_p(stream),
-                                               ctypes.c_uint64(ptr + 12), ctypes.c_uint32(9), 0))
+        drv.write_value32(stream, ptr + 12, 9)
         _check("cuCtxSynchronize", lib.cuCtxSynchronize())
         read("written_by_stream_before", flags, 9)
     return out

@@ -244,7 +244,7 @@ class Engine:
         # its last layer, so every host phase ahead of the copies adds to its TTFT when the
         # load is the longer part. They run on the copier's own stream and the inputs' small
         # copies on XLA's, so those do not queue behind the burst (BENCHMARKS.md, host-hit
-        # phases: a third or more of a 7B load had landed by the forward's dispatch).
+        # phases).
         self.cache.launch_loads()
         inputs = (model_inputs(batch, self.config.page_size, self._load_flags)
                   if batch is not None else None)

@@ -33,15 +33,6 @@ from jhicache.models.sharding import KV_PAGES_SPEC, LOCAL, Collectives, TensorPa
 Leaves = list[jax.Array]
 
 
-class _Pieces(NamedTuple):
-    """The model's parts as one device runs them (unjitted), and the whole forward."""
-
-    embed: Callable
-    layers: Callable
-    head: Callable
-    fused: Callable
-
-
 class _Specs(NamedTuple):
     """A sharded model's layout and the partition specs of its flat leaves (hashable)."""
 
@@ -52,8 +43,8 @@ class _Specs(NamedTuple):
 
 
 def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
-              trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef], comm: Collectives) -> _Pieces:
-    """The pieces, unjitted, as one device runs them (`comm` its collectives)."""
+              trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef], comm: Collectives) -> Callable:
+    """The whole forward, unjitted, as one device runs it (`comm` its collectives)."""
     embed_tree, layer_tree, head_tree = trees
 
     def embed(leaves: Leaves, tokens: jax.Array) -> jax.Array:  # [T] int32 -> [T, hidden]
@@ -80,10 +71,10 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
         hidden, new_k, new_v = layers(layers_l, embed(embed_l, tokens), k_pages, v_pages, meta)
         return head(head_l, hidden, rows), new_k, new_v
 
-    return _Pieces(embed, layers, head, fused)
+    return fused
 
 
-def _over_mesh(local: _Pieces, specs: _Specs) -> Callable:
+def _over_mesh(local: Callable, specs: _Specs) -> Callable:
     """The fused program as a `shard_map` over the mesh: weights and pages enter as each device's
     shard, everything else (tokens, metadata, hidden states, logits) replicated.
 
@@ -102,7 +93,7 @@ def _over_mesh(local: _Pieces, specs: _Specs) -> Callable:
     def fused(embed_l, layers_l, head_l, ks, vs, tokens, meta, rows):  # as _programs' fused
         pages = (kv,) * len(ks)
         in_specs = (embed_s, [layer_s] * len(layers_l), head_s, pages, pages, rep, rep, rep)
-        return tp.shard_map(local.fused, in_specs, (rep, pages, pages))(
+        return tp.shard_map(local, in_specs, (rep, pages, pages))(
             embed_l, layers_l, head_l, ks, vs, tokens, meta, rows)
 
     return fused
@@ -115,7 +106,7 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     """The fused program for one model structure (and layout); cached so engines of the same
     shape share compiles. `specs` None: one device, no shard_map."""
     if specs is None:
-        fused = _programs(embed_def, layer_def, head_def, trees, LOCAL).fused
+        fused = _programs(embed_def, layer_def, head_def, trees, LOCAL)
     else:
         fused = _over_mesh(_programs(embed_def, layer_def, head_def, trees,
                                      specs.tp.collectives), specs)

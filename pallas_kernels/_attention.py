@@ -15,8 +15,8 @@ from jhicache.pallas_kernels._common import check, check_pages_pair
 from jhicache.pallas_kernels.backend import use_interpreter
 
 NEG = -1e30  # finite: a fully masked block then gives exp(-huge) = 0, never inf - inf = NaN
-# Flag reads a program makes before it stops waiting and records a timeout: far past any copy
-# (a read takes ~0.5 us on the GPU, so this is seconds); only a bug waits that long.
+# Flag reads a program makes before it stops waiting and records a timeout: meant to lie far past
+# any copy the engine queues, so that only a bug waits that long (the time it takes is unmeasured).
 GATE_SPIN_LIMIT = 1 << 24
 
 
