@@ -1,6 +1,6 @@
-"""ModelRunner: runs one batch through the model over the device KV pages, in one program.
+"""ModelRunner: runs one batch through the model over the device KV pages.
 
-A step whose pages are still being loaded back runs the same program as any other: each layer's
+A step whose pages are still being loaded back runs the same programs as any other: each layer's
 attention kernel waits on the device until that layer's load flag says its pages have landed
 (`AttentionMetadata.load_flags`, built by `jhicache.batch.model_inputs` from the step's load
 tickets), so the host dispatches the whole forward at once and the copy stream and the layers
@@ -19,7 +19,7 @@ from jhicache.models.sharding import TensorParallel
 
 
 class ModelRunner:
-    """Owns the model's jitted program and drives it over a DevicePool's per-layer K/V arrays."""
+    """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
     def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool,
                  tp: TensorParallel | None = None) -> None:
@@ -29,8 +29,8 @@ class ModelRunner:
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
         """Logits [B, vocab] float32 of the rows `last_index`; KV pages updated in the pool."""
-        logits, new_k, new_v = self.programs.fused(tuple(self.pool.k), tuple(self.pool.v), tokens,
-                                                   meta, last_index)
+        logits, new_k, new_v = self.programs.forward(tuple(self.pool.k), tuple(self.pool.v),
+                                                     tokens, meta, last_index)
         for layer in range(self.num_layers):
             self.pool.set_layer(layer, new_k[layer], new_v[layer])
         self.pool.last_compute = logits  # pages freed from now on are fenced on this forward

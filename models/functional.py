@@ -1,19 +1,21 @@
-"""ModelPrograms: the jitted whole-model program a runner calls, over a Qwen2 model's flat weights.
+"""ModelPrograms: the jitted programs of a Qwen2 forward a runner calls, over flat weights.
 
     programs = ModelPrograms(model)
-    logits, k, v = programs.fused(k, v, tokens, meta, rows)
+    logits, k, v = programs.forward(k, v, tokens, meta, rows)
 
-One program per step: a forward that reads pages still being loaded waits for them on the device,
-layer by layer inside its attention kernels (`AttentionMetadata.load_flags`), so no host wait and
-no layer-split programs are needed.
+Two programs per step, dispatched back to back: the first quarter of the layers (with the
+embedding), then the rest (with the head). The GPU starts a program only once the host has
+dispatched all of it, so the GPU runs the first while the host dispatches the second. A forward
+that reads pages still being loaded waits for them on the device, layer by layer inside its
+attention kernels (`AttentionMetadata.load_flags`), so no host wait is needed between them.
 
 Dispatch cost is the design constraint here: a call that passes an `nnx.GraphDef` as a static
 argument spends host time hashing it (measured: benchmarks/LOG.md, 2026-11-30). So the graphdefs
-and state tree structures are closed over when the program is built (once per model structure:
-engines of the same shape share the compiled programs), and each call passes only flat lists of
-arrays. The k/v page arguments are donated: the caller must replace its references with the
-returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a one-off whole-model entry
-point for tests and scripts.
+and state tree structures are closed over when the programs are built (once per model
+structure: engines of the same shape share the compiled programs), and each call passes only
+flat lists of arrays. The k/v page arguments are donated: the caller must replace its
+references with the returned ones. `forward_apply(graphdef, state, tokens, kv, meta)` is a
+one-off whole-model entry point for tests and scripts.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 from jhicache.models.sharding import KV_PAGES_SPEC, LOCAL, Collectives, TensorParallel
 
 Leaves = list[jax.Array]
+Pages = tuple[jax.Array, ...]  # one [pages, page_size, kv_heads, head_dim] array per layer
 
 
 class _Specs(NamedTuple):
@@ -43,39 +46,40 @@ class _Specs(NamedTuple):
 
 
 def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
-              trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef], comm: Collectives) -> Callable:
-    """The whole forward, unjitted, as one device runs it (`comm` its collectives)."""
+              trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef],
+              comm: Collectives) -> tuple[Callable, Callable]:
+    """The forward's two programs, unjitted, as one device runs them (`comm` its collectives):
+    `first` embeds the tokens and runs the first layers, `rest` the other layers and the head.
+    A call's layer count sets which layers a program holds; `start` is the first one's index."""
     embed_tree, layer_tree, head_tree = trees
 
-    def embed(leaves: Leaves, tokens: jax.Array) -> jax.Array:  # [T] int32 -> [T, hidden]
-        return comm.lookup(nnx.merge(embed_def, jax.tree.unflatten(embed_tree, leaves)), tokens)
-
-    def layers(leaves: list[Leaves], hidden: jax.Array, ks: tuple[jax.Array, ...],
-               vs: tuple[jax.Array, ...], meta: AttentionMetadata
-               ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    def layers(leaves: list[Leaves], hidden: jax.Array, ks: Pages, vs: Pages,
+               meta: AttentionMetadata, start: int) -> tuple[jax.Array, Pages, Pages]:
         new_k, new_v = [], []
-        for index, (layer_leaves, k, v) in enumerate(zip(leaves, ks, vs)):
+        for index, (layer_leaves, k, v) in enumerate(zip(leaves, ks, vs), start):
             layer = nnx.merge(layer_def, jax.tree.unflatten(layer_tree, layer_leaves))
             hidden, k, v = layer(hidden, k, v, meta, comm, index)
             new_k.append(k)
             new_v.append(v)
         return hidden, tuple(new_k), tuple(new_v)
 
-    def head(leaves: Leaves, hidden: jax.Array, rows: jax.Array) -> jax.Array:  # -> [B, vocab] f32
-        return nnx.merge(head_def, jax.tree.unflatten(head_tree, leaves))(hidden[rows], comm)
+    def first(embed_l: Leaves, layers_l: list[Leaves], k_pages: Pages, v_pages: Pages,
+              tokens: jax.Array, meta: AttentionMetadata) -> tuple[jax.Array, Pages, Pages]:
+        embed = nnx.merge(embed_def, jax.tree.unflatten(embed_tree, embed_l))
+        return layers(layers_l, comm.lookup(embed, tokens), k_pages, v_pages, meta, 0)
 
-    def fused(embed_l: Leaves, layers_l: list[Leaves], head_l: Leaves,
-              k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-              tokens: jax.Array, meta: AttentionMetadata,
-              rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        hidden, new_k, new_v = layers(layers_l, embed(embed_l, tokens), k_pages, v_pages, meta)
-        return head(head_l, hidden, rows), new_k, new_v
+    def rest(layers_l: list[Leaves], head_l: Leaves, k_pages: Pages, v_pages: Pages,
+             hidden: jax.Array, meta: AttentionMetadata, rows: jax.Array,
+             start: int) -> tuple[jax.Array, Pages, Pages]:  # logits [B, vocab] f32 of `rows`
+        hidden, new_k, new_v = layers(layers_l, hidden, k_pages, v_pages, meta, start)
+        head = nnx.merge(head_def, jax.tree.unflatten(head_tree, head_l))
+        return head(hidden[rows], comm), new_k, new_v
 
-    return fused
+    return first, rest
 
 
-def _over_mesh(local: Callable, specs: _Specs) -> Callable:
-    """The fused program as a `shard_map` over the mesh: weights and pages enter as each device's
+def _over_mesh(first: Callable, rest: Callable, specs: _Specs) -> tuple[Callable, Callable]:
+    """The two programs as `shard_map`s over the mesh: weights and pages enter as each device's
     shard, everything else (tokens, metadata, hidden states, logits) replicated.
 
     Why shard_map over whole programs rather than GSPMD annotations with shard_map around the
@@ -90,27 +94,46 @@ def _over_mesh(local: Callable, specs: _Specs) -> Callable:
     tp, rep, kv = specs.tp, P(), KV_PAGES_SPEC
     embed_s, layer_s, head_s = list(specs.embed), list(specs.layer), list(specs.head)
 
-    def fused(embed_l, layers_l, head_l, ks, vs, tokens, meta, rows):  # as _programs' fused
+    def sharded_first(embed_l, layers_l, ks, vs, tokens, meta):  # as _programs' first
         pages = (kv,) * len(ks)
-        in_specs = (embed_s, [layer_s] * len(layers_l), head_s, pages, pages, rep, rep, rep)
-        return tp.shard_map(local, in_specs, (rep, pages, pages))(
-            embed_l, layers_l, head_l, ks, vs, tokens, meta, rows)
+        in_specs = (embed_s, [layer_s] * len(layers_l), pages, pages, rep, rep)
+        return tp.shard_map(first, in_specs, (rep, pages, pages))(
+            embed_l, layers_l, ks, vs, tokens, meta)
 
-    return fused
+    def sharded_rest(layers_l, head_l, ks, vs, hidden, meta, rows, start):  # as _programs' rest
+        pages = (kv,) * len(ks)
+        in_specs = (([layer_s] * len(layers_l)), head_s, pages, pages, rep, rep, rep)
+        return tp.shard_map(functools.partial(rest, start=start), in_specs, (rep, pages, pages))(
+            layers_l, head_l, ks, vs, hidden, meta, rows)
+
+    return sharded_first, sharded_rest
+
+
+class _Jitted(NamedTuple):
+    """The forward's two jitted programs (see `_programs`)."""
+
+    first: Callable
+    rest: Callable
 
 
 @functools.lru_cache(maxsize=16)
 def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
-            trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef],
-            specs: _Specs | None = None) -> Callable:
-    """The fused program for one model structure (and layout); cached so engines of the same
-    shape share compiles. `specs` None: one device, no shard_map."""
-    if specs is None:
-        fused = _programs(embed_def, layer_def, head_def, trees, LOCAL)
-    else:
-        fused = _over_mesh(_programs(embed_def, layer_def, head_def, trees,
-                                     specs.tp.collectives), specs)
-    return jax.jit(fused, donate_argnums=(3, 4))
+            trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef], specs: _Specs | None = None) -> _Jitted:
+    """The two programs for one model structure (and layout); cached so engines of the same
+    shape share compiles. `specs` None: one device, no shard_map. The pages are donated."""
+    comm = LOCAL if specs is None else specs.tp.collectives
+    first, rest = _programs(embed_def, layer_def, head_def, trees, comm)
+    if specs is not None:
+        first, rest = _over_mesh(first, rest, specs)
+    return _Jitted(jax.jit(first, donate_argnums=(2, 3)),
+                   jax.jit(rest, donate_argnums=(2, 3), static_argnames=("start",)))
+
+
+def first_program_layers(num_layers: int) -> int:
+    """Layers the first program runs: a quarter. The GPU starts on a program only once the host
+    has dispatched all of it, so a short first program lets the GPU run it while the host
+    dispatches the rest; its GPU time must outlast that dispatch (BENCHMARKS.md, host hits)."""
+    return max(1, -(-num_layers // 4))
 
 
 class ModelPrograms:
@@ -148,21 +171,31 @@ class ModelPrograms:
     def num_layers(self) -> int:
         return len(self.layer_leaves)
 
-    def fused(self, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
-              tokens: jax.Array, meta: AttentionMetadata,
-              rows: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """The whole model in one program: (logits [B, vocab] f32 of `rows`, new k, new v per
-        layer)."""
-        return self._jit(self.embed_leaves, self.layer_leaves, self.head_leaves,
-                         k_pages, v_pages, tokens, meta, rows)
+    def forward(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array, meta: AttentionMetadata,
+                rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
+        """The whole model, dispatched as its two programs: (logits [B, vocab] f32 of `rows`,
+        new k, new v per layer)."""
+        split = first_program_layers(self.num_layers)
+        hidden, k_first, v_first = self._jit.first(
+            self.embed_leaves, self.layer_leaves[:split], k_pages[:split], v_pages[:split],
+            tokens, meta)
+        logits, k_rest, v_rest = self._jit.rest(
+            self.layer_leaves[split:], self.head_leaves, k_pages[split:], v_pages[split:], hidden,
+            meta, rows, start=split)
+        return logits, k_first + k_rest, v_first + v_rest
 
-    def lower_fused(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
-                    meta: AttentionMetadata, rows: Any) -> jax.stages.Lowered:
-        """The fused program lowered for these arguments (arrays or ShapeDtypeStructs): with
+    def lower(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
+              meta: AttentionMetadata, rows: Any) -> tuple[jax.stages.Lowered, ...]:
+        """The two programs lowered for these arguments (arrays or ShapeDtypeStructs): with
         programs built over an `nnx.eval_shape` model, a dry run that compiles for a mesh
         without allocating a weight."""
-        return self._jit.lower(self.embed_leaves, self.layer_leaves, self.head_leaves,
-                               k_pages, v_pages, tokens, meta, rows)
+        split = first_program_layers(self.num_layers)
+        first = self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
+                                      k_pages[:split], v_pages[:split], tokens, meta)
+        hidden = first.out_info[0]
+        rest = self._jit.rest.lower(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
+                                    v_pages[split:], hidden, meta, rows, start=split)
+        return first, rest
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))

@@ -120,9 +120,9 @@ def test_eager_jit_and_fused_paths_agree_and_donate(model):
     programs = ModelPrograms(model)
     rows = jnp.arange(tokens.shape[0])
     kv = init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE)
-    fused, _, _ = programs.fused(tuple(k for k, _ in kv), tuple(v for _, v in kv),
-                                 tokens, meta, rows)
-    assert kv[0][0].is_deleted(), "the fused program must donate the KV pages"
+    fused, _, _ = programs.forward(tuple(k for k, _ in kv), tuple(v for _, v in kv),
+                                   tokens, meta, rows)
+    assert all(k.is_deleted() for k, _ in kv), "both programs must donate their KV pages"
     assert_close(fused, eager, rel=1e-6)
     assert_close(jitted, eager, rel=1e-6)
 
@@ -193,3 +193,28 @@ def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: di
     logits, _ = step(model, kv, [(6, toks[6:], [5, 2])], num_tokens=None, num_reqs=2,
                      decode_only=True)
     assert_close(logits[0], ref[6])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("landed", [(1, 1), (1, 0), (0, 1)])
+def test_gpu_each_program_gates_on_its_own_layers(monkeypatch, landed):
+    """The forward's two programs (one layer each here) wait on their own layers' flags: a
+    layer whose flag is short of the step's load runs out of spins (limit shortened) and reports
+    it in the flags' last slot; with both flags set nothing does."""
+    import dataclasses
+
+    from jhicache.models import Qwen2ForCausalLM, init_random, preset_config
+    from jhicache.pallas_kernels import _attention
+
+    monkeypatch.setattr(_attention, "GATE_SPIN_LIMIT", 64)  # read when the kernels are traced
+    config = dataclasses.replace(preset_config("tiny"), num_hidden_layers=2, vocab_size=384,
+                                 num_attention_heads=2, num_key_value_heads=1)
+    model: Qwen2ForCausalLM = init_random(config, seed=4)  # a shape no other test traces
+    programs = ModelPrograms(model)
+    meta = build_metadata([0], [5], [[0, 1]], page_size=PAGE_SIZE)
+    flags = jnp.array([*landed, 0], jnp.int32)
+    meta = dataclasses.replace(meta, load_flags=flags, load_seq=jnp.array([1], jnp.int32))
+    kv = init_kv_pages(config, NUM_PAGES, PAGE_SIZE)
+    programs.forward(tuple(k for k, _ in kv), tuple(v for _, v in kv), pack_tokens([[1] * 5]),
+                     meta, jnp.array([4], jnp.int32))[0].block_until_ready()
+    assert int(np.asarray(jnp.copy(flags))[-1]) == (0 if landed == (1, 1) else 1)
