@@ -228,8 +228,9 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
 
     def _step(self) -> list[RequestOutput]:
-        """Retire finished copies, schedule (and prefetch the next step's loads), launch queued
-        transfers, forward, end a step, commit."""
+        """Retire finished copies, schedule, start the step's loads, forward (the loads' later
+        layers queued between its two programs), prefetch the next step's loads and launch the
+        queued transfers, end a step, commit."""
         self.cache.poll()
         in_flight = self._in_flight is not None
         batch = self.scheduler.schedule(may_retract=not in_flight)
@@ -244,13 +245,17 @@ class Engine:
         # its last layer, so every host phase ahead of the copies adds to its TTFT when the
         # load is the longer part. They run on the copier's own stream and the inputs' small
         # copies on XLA's, so those do not queue behind the burst (BENCHMARKS.md, host-hit
-        # phases).
-        self.cache.launch_loads()
-        inputs = (model_inputs(batch, self.config.page_size, self._load_flags)
-                  if batch is not None else None)
-        self.scheduler.prefetch()  # loads for the next step, queued ahead of this one's forward
+        # phases). Only the first program's layers are queued before it is dispatched, the
+        # rest right after, so the GPU starts before the host has queued every copy; the next
+        # step's prefetch and the write-backs follow the dispatch for the same reason.
+        self.cache.launch_loads(self.runner.first_layers)
+        launched = None
+        if batch is not None:
+            launched = self._launch(batch, model_inputs(batch, self.config.page_size,
+                                                        self._load_flags))
+        self.cache.finish_loads()  # where no forward queued them
+        self.scheduler.prefetch()  # loads for the next step
         self.cache.launch()  # write-backs and the prefetched load-backs start now
-        launched = self._launch(batch, inputs) if batch is not None else None
         if self.config.overlap_schedule:
             ending, self._in_flight = self._take_in_flight(), launched
         else:
@@ -268,7 +273,8 @@ class Engine:
             tokens = patch_tokens(tokens, *inputs.patches, self._in_flight.sampled)
         start = time.perf_counter()
         gated = any(not t.done() for t in batch.tickets)  # its loads had not all landed
-        logits = self.runner.run(tokens, inputs.meta, inputs.last_index)
+        logits = self.runner.run(tokens, inputs.meta, inputs.last_index,
+                                 between=self.cache.finish_loads)
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:

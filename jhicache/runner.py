@@ -11,6 +11,8 @@ relies on that, see `jhicache.cache.transfer`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from jhicache.cache import DevicePool
@@ -27,10 +29,18 @@ class ModelRunner:
         self.pool = device_pool
         self.num_layers = model.config.num_hidden_layers
 
-    def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
-        """Logits [B, vocab] float32 of the rows `last_index`; KV pages updated in the pool."""
+    @property
+    def first_layers(self) -> int:
+        """Layers of the forward's first program, dispatched before `run`'s `between` call."""
+        return self.programs.first_layers
+
+    def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
+            between: Callable[[], object] | None = None) -> jax.Array:
+        """Logits [B, vocab] float32 of the rows `last_index`; KV pages updated in the pool.
+        `between` runs once the first program is dispatched: where the engine queues the loads
+        of the later layers, so that the GPU starts before the host has queued them all."""
         logits, new_k, new_v = self.programs.forward(tuple(self.pool.k), tuple(self.pool.v),
-                                                     tokens, meta, last_index)
+                                                     tokens, meta, last_index, between)
         for layer in range(self.num_layers):
             self.pool.set_layer(layer, new_k[layer], new_v[layer])
         self.pool.last_compute = logits  # pages freed from now on are fenced on this forward

@@ -171,14 +171,22 @@ class ModelPrograms:
     def num_layers(self) -> int:
         return len(self.layer_leaves)
 
+    @property
+    def first_layers(self) -> int:
+        """Layers the first program runs."""
+        return first_program_layers(self.num_layers)
+
     def forward(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array, meta: AttentionMetadata,
-                rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
+                rows: jax.Array, between: Callable[[], object] | None = None,
+                ) -> tuple[jax.Array, Pages, Pages]:
         """The whole model, dispatched as its two programs: (logits [B, vocab] f32 of `rows`,
-        new k, new v per layer)."""
-        split = first_program_layers(self.num_layers)
+        new k, new v per layer). `between` is called once the first program is dispatched."""
+        split = self.first_layers
         hidden, k_first, v_first = self._jit.first(
             self.embed_leaves, self.layer_leaves[:split], k_pages[:split], v_pages[:split],
             tokens, meta)
+        if between is not None:
+            between()
         logits, k_rest, v_rest = self._jit.rest(
             self.layer_leaves[split:], self.head_leaves, k_pages[split:], v_pages[split:], hidden,
             meta, rows, start=split)
@@ -189,7 +197,7 @@ class ModelPrograms:
         """The two programs lowered for these arguments (arrays or ShapeDtypeStructs): with
         programs built over an `nnx.eval_shape` model, a dry run that compiles for a mesh
         without allocating a weight."""
-        split = first_program_layers(self.num_layers)
+        split = self.first_layers
         first = self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
                                       k_pages[:split], v_pages[:split], tokens, meta)
         hidden = first.out_info[0]

@@ -280,10 +280,17 @@ class TieredCache:
         if self.controller is not None:
             self.controller.launch()
 
-    def launch_loads(self) -> None:
-        """Dispatches the queued load-backs alone (write-backs wait for `launch`)."""
+    def launch_loads(self, first_layers: int | None = None) -> None:
+        """Dispatches the queued load-backs alone (write-backs wait for `launch`); with
+        `first_layers`, only their first layers' copies where the device can wait for the rest,
+        which `finish_loads` queues."""
         if self.controller is not None:
-            self.controller.launch_loads()
+            self.controller.launch_loads(first_layers)
+
+    def finish_loads(self) -> None:
+        """Queues the copies `launch_loads(first_layers)` held back."""
+        if self.controller is not None:
+            self.controller.finish_loads()
 
     def poll(self) -> int:
         """Retires completed transfers (unlocks loaded nodes); returns the number retired."""

@@ -13,7 +13,8 @@ How pages move
 |                | staging is ready (`poll`), on the copier's low-priority stream           |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
 |                | donated pool buffers, then the load's sequence number stored in that     |
-|                | layer's device flag; a mark after the last (high-priority stream)        |
+|                | layer's device flag; a mark after the last (high-priority stream). May   |
+|                | stop after the first layers: `finish_loads` queues the rest              |
 | forward        | each layer's attention kernel waits on the device until the layer's flag |
 |                | reaches the newest load the step reads (`LoadTicket.gate_seq`)           |
 Copies run on streams of their own (`jhicache.cache.copier`), beside the forward; JAX does not
@@ -54,6 +55,11 @@ from jhicache.cache.ticket import LoadTicket
 
 # Host copies of write-backs queued per poll: small against a whole write-back (_issue_write).
 WRITE_PIECE_BYTES = 64 << 20
+# A load launched by its first layers queues at least this many bytes (whole layers) before the
+# rest: enough copying to keep the copy engine busy while the host builds the step's inputs and
+# dispatches the forward's first program, after which it queues the rest (the host-hit phases in
+# BENCHMARKS.md). Where the whole load is smaller, it is queued at once.
+LOAD_HEAD_BYTES = 96 << 20
 
 
 class TransferKind(enum.Enum):
@@ -115,6 +121,16 @@ class _Write:
         self.mark: Mark | None = None  # timed, set once all its host copies are queued
 
 
+class _LoadPlan(NamedTuple):
+    """A load's copies per layer: [shards, layers, runs] addresses and [runs] sizes, and the
+    flag addresses of layer 0 per shard."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+    flags: np.ndarray
+
+
 class _Load:
     """One merged load-back launch (the `LoadCopies` its tickets wait on). The device learns of
     each layer's landing through its flag; the host only of the whole load's, by one mark."""
@@ -124,8 +140,10 @@ class _Load:
         self.controller, self.ops = controller, ops
         self.device_ids, self.host_ids = device_ids, host_ids
         self.start: Mark | None = None  # timed, before its first copy
-        self.landed: Mark | None = None  # timed, after its last copy; set when issued
+        self.landed: Mark | None = None  # timed, after its last copy; set once all are queued
         self.seq = 0  # set when issued: what its layers' flags are set to once landed
+        self.queued_layers = 0  # layers whose copies and flag are queued, in order
+        self.plan: _LoadPlan | None = None  # its copies, while some are still to be queued
 
     def wait(self) -> None:
         self.controller.copier.wait(self.issue())
@@ -138,9 +156,11 @@ class _Load:
         return self.landed
 
     def issued_seq(self) -> int:
-        landed, copier = self.issue(), self.controller.copier
+        copier = self.controller.copier
         if not copier.beside_compute:  # the device cannot wait for these copies: land them now
-            copier.wait(landed)
+            copier.wait(self.issue())
+        elif self.seq == 0:  # held back: issue it now (its later layers may follow the forward)
+            self.controller.force_issue(self)
         return self.seq
 
     def is_ready(self) -> bool:
@@ -168,7 +188,8 @@ class TransferController:
         self._loads: list[_Load] = []  # launched, not retired
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
         self._fences: dict[int, list[jax.Array]] = {}  # device page -> compute that may touch it
-        self._last_load: Mark | None = None
+        self._last_load: Mark | None = None  # after the newest load's last copy
+        self._queuing: _Load | None = None  # a load whose later layers are still to be queued
         self._last_seq = 0  # of the newest load issued; flags only grow (copies go in order)
         self._buffers: np.ndarray | None = None  # [layers, K|V, shards] uint64 addresses
         self._next_id = 0
@@ -260,6 +281,7 @@ class TransferController:
         `budget` bytes last; returns what is left of it. Small pieces at a time, because the
         copy engine serves copies in the order queued: the forward's own small device->host
         copy (its sampled tokens) must not wait behind a whole write-back."""
+        self.finish_loads()  # every load issued so far is then behind `_last_load`
         if self._last_load is not None:
             self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
         rows = np.arange(len(write.host_ids))
@@ -282,10 +304,15 @@ class TransferController:
             write.mark = self.copier.mark(Direction.TO_HOST, timed=True)
         return budget
 
-    def launch_loads(self) -> None:
+    def launch_loads(self, first_layers: int | None = None) -> None:
         """Starts every queued load-back whose pages are free of fences; the rest start once
         they are (`poll`), or when a forward waits on them. Called alone (ahead of the queued
-        write-backs), it first launches any write-back that fills a host page to be loaded."""
+        write-backs), it first launches any write-back that fills a host page to be loaded.
+
+        `first_layers`: where the device waits for each layer's flag, queue only that many
+        layers' copies of the load now (what a forward's first program reads), or more, up to
+        LOAD_HEAD_BYTES; the rest follow at `finish_loads`, or before any other copy that must
+        come after them."""
         filling = {p for op in self._queued[TransferKind.WRITE_BACK] for p in op.host_pages}
         if filling and any(p in filling for op in self._queued[TransferKind.LOAD_BACK]
                            for p in op.host_pages):
@@ -298,7 +325,7 @@ class TransferController:
             assert op.ticket is not None
             op.ticket.bind(load)
         self._loads.append(load)
-        self._try_issue(load)
+        self._try_issue(load, first_layers if self.copier.beside_compute else None)
 
     def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
         """What holds `load` back: unready fences on its device pages, unqueued writes of its host
@@ -309,14 +336,18 @@ class TransferController:
                   if (w := self._writing.get(p)) is not None}
         return list(fences.values()), [w for w in writes.values() if w.mark is None]
 
-    def _try_issue(self, load: _Load) -> None:
+    def _try_issue(self, load: _Load, first_layers: int | None = None) -> None:
         self._advance_writes()
         fences, staged = self._blockers(load)
         if not fences and not staged:
-            self._issue_load(load)
+            self._issue_load(load, first_layers)
 
     def force_issue(self, load: _Load) -> None:
-        """Blocks on whatever holds `load` back, then issues it (a forward is waiting for it)."""
+        """Blocks on whatever holds `load` back, then issues it whole (a forward is waiting for
+        it)."""
+        if load.seq:  # issued in part
+            self.finish_loads()
+            return
         fences, staged = self._blockers(load)
         if staged:  # writes go out oldest first: every one before the newest it needs, too
             newest = max(self._writes.index(w) for w in staged)
@@ -326,15 +357,31 @@ class TransferController:
         self._advance_writes(budget=math.inf)
         self._issue_load(load)
 
-    def _issue_load(self, load: _Load) -> None:
+    def _issue_load(self, load: _Load, first_layers: int | None = None) -> None:
+        """Queues the load's copies layer by layer, each layer's flag after it: all of them, or
+        the first `first_layers` (the rest at `finish_loads`)."""
+        self.finish_loads()  # flags only grow: the load before must be wholly queued first
         for write in {id(w): w for p in load.host_ids.tolist()
                       if (w := self._writing.get(p))}.values():
             assert write.mark is not None
             self.copier.order_after(Direction.TO_DEVICE, write.mark)
-        pool, size = self.device_pool, np.uint64(self.layer_bytes)
+        pool = self.device_pool
         if self.copier.synchronous:  # copies at once: must not race the compute producing the pool
             jax.block_until_ready((pool.k, pool.v))
             self.check_buffers()
+        load.plan = self._plan(load)
+        self._last_seq += 1
+        load.seq = self._last_seq
+        load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
+        self._queuing = load
+        upto = pool.num_layers
+        if first_layers is not None:
+            layer_bytes = int(load.plan.sizes.sum()) * self.shards
+            upto = max(first_layers, -(-LOAD_HEAD_BYTES // max(layer_bytes, 1)))
+        self._queue_layers(load, upto)
+
+    def _plan(self, load: _Load) -> _LoadPlan:
+        size = np.uint64(self.layer_bytes)
         src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
         sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
         offsets = dst_pages.astype(np.uint64) * size
@@ -345,14 +392,26 @@ class TransferController:
         srcs = np.ascontiguousarray(np.concatenate(
             [self.host_pool.layer_addresses(0, src_pages),
              self.host_pool.layer_addresses(1, src_pages)], axis=2), np.uint64)
-        self._last_seq += 1
-        load.seq = self._last_seq
-        flags = pool.flag_addresses(0)  # [shards]; layer l's flag is 4 * l bytes on
-        load.start = self.copier.mark(Direction.TO_DEVICE, timed=True)
-        for layer in range(pool.num_layers):  # in layer order, each layer's flag after it
-            self._copy(Direction.TO_DEVICE, dsts[:, layer], srcs[:, layer], sizes)
-            self.copier.signal(Direction.TO_DEVICE, flags + np.uint64(4 * layer), load.seq)
-        load.landed = self._last_load = self.copier.mark(Direction.TO_DEVICE, timed=True)
+        # [shards]; layer l's flag is 4 * l bytes on
+        return _LoadPlan(dsts, srcs, sizes, self.device_pool.flag_addresses(0))
+
+    def _queue_layers(self, load: _Load, upto: int) -> None:
+        """Queues layers [load.queued_layers, upto) of the load, in order, each layer's flag
+        after its copies; the landed mark once every layer is queued."""
+        plan, num_layers = load.plan, self.device_pool.num_layers
+        assert plan is not None
+        for layer in range(load.queued_layers, min(max(upto, 1), num_layers)):
+            self._copy(Direction.TO_DEVICE, plan.dsts[:, layer], plan.srcs[:, layer], plan.sizes)
+            self.copier.signal(Direction.TO_DEVICE, plan.flags + np.uint64(4 * layer), load.seq)
+            load.queued_layers = layer + 1
+        if load.queued_layers == num_layers:
+            load.landed = self._last_load = self.copier.mark(Direction.TO_DEVICE, timed=True)
+            load.plan, self._queuing = None, None
+
+    def finish_loads(self) -> None:
+        """Queues the later layers of a load launched with `first_layers` (no-op without one)."""
+        if self._queuing is not None:
+            self._queue_layers(self._queuing, self.device_pool.num_layers)
 
     def _copy(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
               sizes: np.ndarray) -> None:
@@ -408,6 +467,7 @@ class TransferController:
 
     def poll(self) -> list[TransferOp]:
         """Non-blocking: starts what is no longer held back; returns ops now complete."""
+        self.finish_loads()
         self._prune_fences()  # also when no load waits: finished computes are let go
         self._advance_writes()
         for load in self._loads:
@@ -446,6 +506,7 @@ class TransferController:
     def flush(self) -> list[TransferOp]:
         """Launches everything queued and blocks until every copy has finished."""
         self.launch()
+        self.finish_loads()
         jax.block_until_ready([w.staging for w in self._writes])
         self._advance_writes(budget=math.inf)
         for load in self._loads:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jhicache.cache import TransferController, make_copier
+from jhicache.cache import TransferController, make_copier, transfer
 from jhicache.cache.copier import Direction, Mark
 from jhicache.config import WritePolicy
 from tests.cache._helpers import (
@@ -146,6 +146,65 @@ def test_each_layer_flag_is_set_only_after_that_layers_copies() -> None:
             assert not np.array_equal(k_next, expected_kv(a, layer + 1, 4)[0])
     assert seen == list(range(pool.num_layers)) and ticket.done()
     assert_device_kv(cache, a, pages)
+
+
+class _BesideComputeCopier(DeferredCopier):
+    """A deferred copier whose copies the device could wait for, as a GPU's are."""
+
+    beside_compute = True
+
+
+def _two_loads_on_host(layers: int = 3):
+    """A cache whose copies the device could wait for, with two 8-token prompts on host only."""
+    cache = make_cache(4, device_pages=4, host_pages=8, copier=_BesideComputeCopier(),
+                       load_back_threshold=0, layers=layers)
+    a, b = list(range(8)), list(range(100, 108))
+    for tokens in (a, b):
+        prefill(cache, tokens)
+    cache.evict_device(cache.tree.evictable_pages)
+    cache.flush()
+    return cache, a, b
+
+
+def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish(monkeypatch) -> None:
+    """launch_loads(first_layers=1) queues layer 0's copies and flag only (the head's byte
+    floor lowered below a layer); a forward can gate on the load's number at once, without
+    queuing more. finish_loads queues the other layers and the landed mark. A later load first
+    queues the rest of one still part-queued: flags only grow, so layer 1 must not see the
+    later load's number before its own pages landed."""
+    monkeypatch.setattr(transfer, "LOAD_HEAD_BYTES", 1)
+    cache, a, b = _two_loads_on_host()
+    queue = cache.controller.copier.queues[Direction.TO_DEVICE]
+    signals = lambda: [item[2] for item in queue if item[0] == "signal"]  # noqa: E731
+    first = cache.load_back(cache.match(a))
+    assert first is not None
+    cache.launch_loads(first_layers=1)
+    assert [item[0] for item in queue].count("copy") == 1 and len(signals()) == 1
+    assert first.gate_seq() == 1 and len(signals()) == 1 and not first.done()
+    second = cache.load_back(cache.match(b))
+    assert second is not None
+    cache.launch_loads(first_layers=1)
+    assert signals() == [1, 1, 1, 2]  # the first load's 3 layers first
+    cache.finish_loads()
+    assert signals() == [1, 1, 1, 2, 2, 2]
+    first.wait_all()
+    second.wait_all()
+    assert_device_kv(cache, a, list(first.device_pages))
+    assert_device_kv(cache, b, list(second.device_pages))
+    cache.flush()
+    cache.check_invariants()
+
+
+def test_a_load_under_the_head_bytes_is_queued_whole() -> None:
+    """A load smaller than LOAD_HEAD_BYTES is queued at once, first_layers or not: the copy
+    engine would otherwise idle until the rest is queued."""
+    cache, a, _ = _two_loads_on_host()
+    ticket = cache.load_back(cache.match(a))
+    assert ticket is not None
+    cache.launch_loads(first_layers=1)
+    queue = cache.controller.copier.queues[Direction.TO_DEVICE]
+    assert [item[2] for item in queue if item[0] == "signal"] == [1, 1, 1]
+    assert queue[-1][0] == "mark"  # the landed mark: nothing left for finish_loads
 
 
 def _after(queue: list) -> Mark:
