@@ -354,11 +354,15 @@ class CaseInputs:
 
 
 WARPS_STAGES: Stage = (("num_warps", (4, 8)), ("num_stages", (2, 3)))
-EXTEND_STAGES: tuple[Stage, ...] = ((("splits", (None, 8, 16, 32, 64)),),
-                                    (("block_q", (64, 128)), ("block_k", (64, 128))),
-                                    WARPS_STAGES)
+# A short turn over a long prefix: row tile and warps together first (a 256-row tile needs 8
+# warps for its accumulator; each tile of a kv head reads all of its keys, so larger tiles read
+# fewer bytes from L2), then the split count around them, then key block and pipeline depth.
+EXTEND_STAGES: tuple[Stage, ...] = ((("block_q", (64, 128, 256)), ("num_warps", (4, 8))),
+                                    (("splits", (None, 8, 16, 32)),),
+                                    (("block_k", (64, 128)), ("num_stages", (2, 3))))
 # fresh prefill fills the GPU without split-K (choose_extend_splits gives 1)
-PREFILL_STAGES: tuple[Stage, ...] = EXTEND_STAGES[1:]
+PREFILL_STAGES: tuple[Stage, ...] = ((("block_q", (64, 128)), ("block_k", (64, 128))),
+                                     WARPS_STAGES)
 
 
 def _decode_stages(splits: tuple[int, ...]) -> tuple[Stage, ...]:

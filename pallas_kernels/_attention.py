@@ -83,6 +83,9 @@ LOG2E = 1.4426950408889634  # scores are kept in base-2 units: exp2 is one instr
 def key_slots(pt_ref, b, start, *, block_k: int, page_size: int, max_pages: int, num_slots: int):
     """Flat slots of tokens start..start+block_k of request b; `start` is a multiple of block_k.
     Clamped so masked lanes stay in bounds."""
+    # strongly typed: a weak-typed scalar (start = 0 + i * block_k) broke Pallas-Triton's lowering
+    # of the scalar page arithmetic below
+    start = jnp.asarray(start, jnp.int32)
     tok = start + jnp.arange(block_k, dtype=jnp.int32)
     if page_size % block_k == 0:
         # The block lies inside one page: one page-table read and contiguous slots (a scalar plus

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -281,3 +282,25 @@ def test_gpu_rejects_head_dim_below_16() -> None:
     with pytest.raises(ValueError, match="head_dim"):
         ea.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens,
                            jnp.array([0], jnp.int32), lens, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("block_q,block_k,splits", [(128, 64, 16), (256, 128, 8), (64, 64, 1)])
+def test_kernels_lower_to_triton(block_q, block_k, splits, monkeypatch):
+    """Lowered for CUDA (Pallas -> Triton IR, no GPU needed): every operation of the extend, merge
+    and decode kernels has a Triton lowering rule at the Qwen2-7B shape, page 64, bf16, gated. The
+    interpreter tests cannot catch this (a weak-typed scalar once lowered to a mistyped rem)."""
+    monkeypatch.setattr(ea, "use_interpreter", lambda: False)
+    monkeypatch.setattr(da, "use_interpreter", lambda: False)
+    spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    pages = spec(130, 64, 4, 128, dtype=jnp.bfloat16)
+    gate = LayerGate(spec(29), spec(1), spec(1))
+    extend = functools.partial(ea._extend, sm_scale=0.1, block_q=block_q, block_k=block_k,
+                               splits=splits, num_warps=8, num_stages=3)
+    text = (jax.jit(extend).trace(spec(64, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(1, 130),
+                                  spec(1), spec(1), spec(1), gate)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count("triton") >= (2 if splits > 1 else 1)
+    decode = functools.partial(da._decode, sm_scale=0.1, block_k=block_k, splits=4, num_warps=4,
+                               num_stages=2)
+    jax.jit(decode).trace(spec(8, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(8, 16), spec(8),
+                          gate).lower(lowering_platforms=("cuda",))
