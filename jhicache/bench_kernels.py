@@ -274,8 +274,8 @@ def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: i
 TIMING_NOTE = ("per-layer time from one program running the kernel over L layers: distinct K/V "
                "buffers per layer (so L2 serves no repeats), each layer's query the previous "
                "layer's output; median of reps after warm-up, blocked on around the whole "
-               "program, divided by L. It includes XLA's small ops around the kernel (the split-K "
-               "merge), which the model pays too")
+               "program, divided by L. It includes the ops around the kernel (extend's split-K "
+               "merge kernel, decode's XLA merge), which the model pays too")
 REF_BYTES = 8 << 30  # float32 working set of one reference call at most ([rows, keys, H, D] x 3)
 TOL = 2e-2  # bf16 output vs the float32 reference: atol = rtol, as in the kernel tests
 KINDS = ("extend", "decode", "prefill")
