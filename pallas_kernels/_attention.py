@@ -77,27 +77,39 @@ def check_gate(gate: LayerGate | None) -> None:
 
 
 # ---------------------------------------------------------------- kernel pieces
+LOG2E = 1.4426950408889634  # scores are kept in base-2 units: exp2 is one instruction, exp more
+
+
 def key_slots(pt_ref, b, start, *, block_k: int, page_size: int, max_pages: int, num_slots: int):
-    """Flat slots of tokens start..start+block_k of request b; clamped so masked lanes stay in
-    bounds."""
+    """Flat slots of tokens start..start+block_k of request b; `start` is a multiple of block_k.
+    Clamped so masked lanes stay in bounds."""
+    # strongly typed: a weak-typed scalar (start = 0 + i * block_k) broke Pallas-Triton's lowering
+    # of the scalar page arithmetic below
+    start = jnp.asarray(start, jnp.int32)
     tok = start + jnp.arange(block_k, dtype=jnp.int32)
+    if page_size % block_k == 0:
+        # The block lies inside one page: one page-table read and contiguous slots (a scalar plus
+        # a range, which Triton sees as contiguous rows), not a page lookup per key.
+        page = pt_ref[b, jnp.minimum(start // page_size, max_pages - 1)]
+        first = jnp.clip(page, 0, num_slots // page_size - 1) * page_size + start % page_size
+        return first + jnp.arange(block_k, dtype=jnp.int32), tok
     page = pt_ref[b, jnp.minimum(tok // page_size, max_pages - 1)]
     return jnp.clip(page * page_size + tok % page_size, 0, num_slots - 1), tok
 
 
 def online_softmax_step(q, k, v, visible, carry, *, sm_scale: float):
-    """One key block of flash attention; acc, m, l in float32. visible None: every key of the block
-    is visible."""
+    """One key block of flash attention; acc, m, l in float32, m (the running max) in base-2 units
+    (scores x log2 e). visible None: every key of the block is visible."""
     acc, m, l = carry
     exact = None if q.dtype != jnp.float32 else False  # f32 storage: no TF32 rounding
-    s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact).astype(jnp.float32) * sm_scale
+    s = plgpu.dot(q, k, trans_b=True, allow_tf32=exact).astype(jnp.float32) * (sm_scale * LOG2E)
     if visible is not None:
         s = jnp.where(visible, s, NEG)
     m_new = jnp.maximum(m, s.max(axis=1))
-    p = jnp.exp(s - m_new[:, None])
+    p = jnp.exp2(s - m_new[:, None])
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
-    alpha = jnp.exp(m - m_new)
+    alpha = jnp.exp2(m - m_new)
     acc = (acc * alpha[:, None]
            + plgpu.dot(p.astype(v.dtype), v, allow_tf32=exact).astype(jnp.float32))
     return acc, m_new, l * alpha + p.sum(axis=1)
@@ -105,9 +117,9 @@ def online_softmax_step(q, k, v, visible, carry, *, sm_scale: float):
 
 def attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale, block_k, page_size,
            init=None):
-    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k, continuing from
-    `init`. visible_fn None: the caller promises [lo, hi) is whole blocks all visible to every row
-    (no mask work)."""
+    """Online softmax of q over request b's tokens [lo, hi) in blocks of block_k (lo a multiple of
+    block_k), continuing from `init`. visible_fn None: the caller promises [lo, hi) is whole blocks
+    all visible to every row (no mask work)."""
     max_pages, num_slots = pt_ref.shape[1], k_ref.shape[0]
 
     def body(i, carry):
@@ -126,10 +138,10 @@ def attend(pt_ref, k_ref, v_ref, q, b, kv_head, lo, hi, visible_fn, *, sm_scale,
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> jax.Array:
-    """Merges per-split softmax states (acc [..., D], m and l [...], splits on `axis`) in float32;
-    rows that saw no key in any split (all l = 0) come out as zeros."""
+    """Merges per-split softmax states (acc [..., D], m (base 2) and l [...], splits on `axis`) in
+    float32; rows that saw no key in any split (all l = 0) come out as zeros."""
     m_all = m.max(axis=axis, keepdims=True)
-    w = jnp.exp(m - m_all)
+    w = jnp.exp2(m - m_all)
     total = (l * w).sum(axis=axis)
     out = (acc * w[..., None]).sum(axis=axis)
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

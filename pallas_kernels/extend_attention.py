@@ -1,5 +1,7 @@
 """Paged extend attention over per-layer KV pages: ragged, causal, GQA, float32 accumulation,
-split-K when the grid would be small and the cached prefix long."""
+split-K when the grid would be small and the cached prefix long (a short turn over a long prefix):
+then each split writes a normalised partial output and its log-sum-exp, and one small kernel
+merges them."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jhicache.pallas_kernels._attention import (
+    NEG,
     LayerGate,
     attend,
     check_gate,
     check_pages_in_range,
-    combine_splits,
     gate_operands,
     paged_attention_reference,
     split_gate,
@@ -68,82 +70,126 @@ def _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, lo, hi, *, sm_sc
                   lambda tok: tok[None, :] <= pos[:, None], init=carry, **kw)
 
 
-def _extend_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size, num_tiles):
-    """Program (b, row tile, kv head): block_q packed query rows of request b over all their keys,
-    normalised. A GQA group shares each K/V block load and dot (no padding of the group)."""
-    pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, _o_in, o_ref = split_gate(refs,
-                                                                                         gated)
-    b, hk = pl.program_id(0), pl.program_id(2)
+def _key_range(hi, s, *, splits: int, block_k: int):
+    """Split s's share [lo, end) of keys [0, hi): whole blocks shared out evenly (counts differ by
+    at most one). More splits than blocks: empty ranges, whose state adds nothing to the merge."""
+    if splits == 1:
+        return 0, hi
+    blocks = pl.cdiv(hi, block_k)
+    return (s * blocks // splits * block_k,
+            jnp.minimum(hi, (s + 1) * blocks // splits * block_k))
+
+
+def _extend_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size, num_tiles,
+                   splits):
+    """Program (row tile, split, kv head, b): block_q packed query rows of request b over split s's
+    share of their keys. A GQA group shares each K/V block load and dot (no padding of the group).
+    One split: writes the normalised output. Several: the split's normalised partial output
+    (rows s * T * H + row) and its base-2 log-sum-exp, merged by `_merge_call`.
+
+    The row tile is the fastest grid axis, so the tiles that read the same keys run side by side
+    and all but the first find them in L2."""
+    pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, *out_refs = split_gate(refs,
+                                                                                      gated)
     # heaviest (latest, most keys) tiles launch first: shorter tail
-    tile = num_tiles - 1 - pl.program_id(1)
+    tile = num_tiles - 1 - pl.program_id(0)
+    s, hk, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
     @pl.when(tile * block_q < qlen_ref[b] * group)
     def _():
         rows, pos, lo_pos, hi = _tile(lens_ref, qstart_ref, qlen_ref, b, hk, tile, group=group,
                                       heads=heads, block_q=block_q)
-        row_idx, cols = _row_cols(rows, q_ref.shape[1])
-        q = q_ref[row_idx, cols].astype(k_ref.dtype)
-        acc, _, l = _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, 0, hi,
-                                   sm_scale=sm_scale, block_k=block_k, page_size=page_size)
-        o_ref[row_idx, cols] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
-
-
-def _extend_split_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size,
-                         num_tiles, splits):
-    """Program (b, row tile, kv head, split): as _extend_kernel over split s's share of the tile's
-    key blocks, writing the un-normalised state (acc, m, l) to rows s * T * H + row of the partial
-    buffers."""
-    (pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, acc_ref, m_ref,
-     l_ref) = split_gate(refs, gated)
-    b, hk, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    tile = num_tiles - 1 - pl.program_id(1)
-
-    @pl.when(tile * block_q < qlen_ref[b] * group)
-    def _():
-        rows, pos, lo_pos, hi = _tile(lens_ref, qstart_ref, qlen_ref, b, hk, tile, group=group,
-                                      heads=heads, block_q=block_q)
-        # Whole blocks shared out evenly (sizes differ by at most one); more splits than blocks:
-        # empty ranges, whose state (acc 0, m NEG, l 0) adds nothing to the merge. Rows that see no
-        # key of a range also keep l = 0.
-        blocks = pl.cdiv(hi, block_k)
-        lo = s * blocks // splits * block_k
-        end = jnp.minimum(hi, (s + 1) * blocks // splits * block_k)
+        lo, end = _key_range(hi, s, splits=splits, block_k=block_k)
         row_idx, cols = _row_cols(rows, q_ref.shape[1])
         q = q_ref[row_idx, cols].astype(k_ref.dtype)
         acc, m, l = _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, lo, end,
                                    sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+        # Rows that see no key of the range (l = 0): output 0 and log-sum-exp NEG, which the merge
+        # weighs at exp2(NEG - max) = 0.
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[:, None]
+        if splits == 1:
+            _zeros_in, o_ref = out_refs  # the output aliases the zeros input
+            o_ref[row_idx, cols] = out.astype(o_ref.dtype)
+            return
+        o_ref, lse_ref = out_refs
         part = s * q_ref.shape[0] + rows
-        acc_ref[_row_cols(part, q_ref.shape[1])] = acc
-        m_ref[part] = m
-        l_ref[part] = l
+        o_ref[_row_cols(part, q_ref.shape[1])] = out.astype(o_ref.dtype)
+        lse_ref[part] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), NEG)
+
+
+def _merge_kernel(qstart_ref, qlen_ref, o_ref, lse_ref, out_ref, *, splits, heads, block_rows):
+    """Program i: flat output rows [i * block_rows, ...) (row = token * H + head) from the splits'
+    partial outputs and log-sum-exps; rows of padding tokens, which no split program wrote (they
+    hold garbage, NaN maybe), come out as zeros. Reads no page, so it needs no gate: it runs after
+    the split kernel, which waited."""
+    n = out_ref.shape[0]
+    # Rows past the end redo the last row: the same values to the same place, no mask needed.
+    rows = jnp.minimum(pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32),
+                       n - 1)
+    tok = rows // heads
+
+    def live(b, count):
+        start = qstart_ref[b]
+        return count + ((tok >= start) & (tok < start + qlen_ref[b])).astype(jnp.int32)
+
+    valid = jax.lax.fori_loop(0, qstart_ref.shape[0], live, jnp.zeros_like(rows)) > 0
+    lses = [lse_ref[s * n + rows] for s in range(splits)]  # splits is static: unrolled
+    top = functools.reduce(jnp.maximum, lses)
+    total = jnp.zeros((block_rows,), jnp.float32)
+    acc = jnp.zeros((block_rows, out_ref.shape[1]), jnp.float32)
+    for s, lse in enumerate(lses):
+        w = jnp.exp2(lse - top)  # the largest split weighs 1, so total >= 1
+        total = total + w
+        acc = acc + w[:, None] * o_ref[_row_cols(s * n + rows, o_ref.shape[1])].astype(jnp.float32)
+    out = jnp.where(valid[:, None], acc / total[:, None], 0.0)
+    out_ref[_row_cols(rows, out_ref.shape[1])] = out.astype(out_ref.dtype)
+
+
+def _params(num_warps: int, num_stages: int) -> dict:
+    return dict(interpret=use_interpreter(),
+                compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
 def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, gate, *,
                  group, splits, sm_scale, block_q, block_k, page_size, num_warps, num_stages):
     """q_rows: [T * H, D]; k/v_flat: [pages*S, Hkv, D]. splits 1: the output [T * H, D], starting as
-    zeros (aliased) so padding rows stay 0. splits > 1: partial (acc [splits * T * H, D], m, l
-    [splits * T * H]) in float32, rows of padding tokens left unwritten."""
+    zeros (aliased) so padding rows stay 0. splits > 1: partials (out [splits * T * H, D] in q's
+    dtype, base-2 log-sum-exp [splits * T * H] in float32), rows of padding tokens unwritten."""
     kv_heads = k_flat.shape[1]
     num_tiles = pl.cdiv(q_rows.shape[0] // kv_heads, block_q)  # T * group rows per kv head, at most
-    kw = dict(gated=gate is not None, group=group, heads=group * kv_heads, sm_scale=sm_scale,
-              block_q=block_q, block_k=block_k, page_size=page_size, num_tiles=num_tiles)
-    params = dict(interpret=use_interpreter(),
-                  compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    gated = gate_operands(gate)
-    args = (*gated, page_table, seq_lens, query_start, query_lens, q_rows, k_flat, v_flat)
-    grid = (page_table.shape[0], num_tiles, kv_heads)
+    kernel = functools.partial(_extend_kernel, gated=gate is not None, group=group,
+                               heads=group * kv_heads, sm_scale=sm_scale, block_q=block_q,
+                               block_k=block_k, page_size=page_size, num_tiles=num_tiles,
+                               splits=splits)
+    args = (*gate_operands(gate), page_table, seq_lens, query_start, query_lens, q_rows, k_flat,
+            v_flat)
+    grid = (num_tiles, splits, kv_heads, page_table.shape[0])
     if splits == 1:
-        return pl.pallas_call(functools.partial(_extend_kernel, **kw), grid=grid,
-                              input_output_aliases={len(args): 0},
-                              out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype), **params,
-                              )(*args, jnp.zeros_like(q_rows))
+        return pl.pallas_call(kernel, grid=grid, input_output_aliases={len(args): 0},
+                              out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+                              **_params(num_warps, num_stages))(*args, jnp.zeros_like(q_rows))
     rows = splits * q_rows.shape[0]
-    stats = jax.ShapeDtypeStruct((rows,), jnp.float32)
-    return pl.pallas_call(functools.partial(_extend_split_kernel, splits=splits, **kw),
-                          grid=(*grid, splits),
-                          out_shape=[jax.ShapeDtypeStruct((rows, q_rows.shape[1]), jnp.float32),
-                                     stats, stats],
-                          **params)(*args)
+    return pl.pallas_call(kernel, grid=grid,
+                          out_shape=[jax.ShapeDtypeStruct((rows, q_rows.shape[1]), q_rows.dtype),
+                                     jax.ShapeDtypeStruct((rows,), jnp.float32)],
+                          **_params(num_warps, num_stages))(*args)
+
+
+def merge_rows(rows: int, dim: int, num_sms: int) -> int:
+    """Rows per merge program: enough programs to spread the partials' reads over the SMs (at
+    least 4 rows, at most 64, and a block of at least 512 elements), a power of two."""
+    per_sm = max(1, rows // num_sms)
+    return min(64, max(4, 512 // dim, 1 << (per_sm.bit_length() - 1)))
+
+
+def _merge_call(o_part, lse, query_start, query_lens, *, splits, heads, block_rows):
+    """One kernel: partials (o_part [splits * N, D], lse [splits * N]) -> output [N, D]."""
+    n = o_part.shape[0] // splits
+    kernel = functools.partial(_merge_kernel, splits=splits, heads=heads, block_rows=block_rows)
+    return pl.pallas_call(kernel, grid=(pl.cdiv(n, block_rows),),
+                          out_shape=jax.ShapeDtypeStruct((n, o_part.shape[1]), o_part.dtype),
+                          **_params(4, 1))(query_start, query_lens, o_part, lse)
 
 
 def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, kv_heads: int,
@@ -153,19 +199,20 @@ def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, k
     bucket).
 
     Split only when the un-split grid cannot fill the GPU once (fewer non-empty programs than SMs: a
-    short new turn over a long prefix). Then aim for tuning.programs_per_sm programs per SM, but
-    give each split >= tuning.min_split_blocks key blocks of the longest possible request and
-    keep the float32 partials under tuning.max_partial_bytes. tuning None: the default device's
-    (default_tuning)."""
+    short new turn over a long prefix). Then take as many splits as fit tuning.programs_per_sm
+    programs on every SM (rounded down: a few programs past a full wave would be a second wave of
+    their own), but give each split >= tuning.min_split_blocks key blocks of the longest possible
+    request and keep the partials (at most 4 bytes an element) under tuning.max_partial_bytes.
+    tuning None: the default device's (default_tuning)."""
     tuning = default_tuning() if tuning is None else tuning
     num_tiles = -(-tokens * (heads // kv_heads) // block_q)
     # non-empty programs at most: sum_b ceil(rows_b)
     live = min(batch * num_tiles, num_tiles + batch) * kv_heads
     if live >= tuning.num_sms:
         return 1
-    by_grid = -(-tuning.target_programs // live)
+    by_grid = tuning.target_programs // live
     by_keys = max_tokens // (tuning.min_split_blocks * block_k)
-    by_bytes = tuning.max_partial_bytes // (tokens * heads * dim * 4)
+    by_bytes = tuning.max_partial_bytes // (tokens * heads * (dim + 1) * 4)
     splits = min(by_grid, by_keys, by_bytes)
     return splits if splits >= 2 else 1
 
@@ -180,22 +227,13 @@ def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, 
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
     out = _extend_call(q.reshape(tokens * heads, dim), flat(k_pages), flat(v_pages), page_table,
                        seq_lens, query_start, query_lens, gate, group=heads // kv_heads,
-                       splits=splits,
-                       sm_scale=sm_scale, block_q=block_q, block_k=block_k, page_size=page_size,
-                       num_warps=num_warps, num_stages=num_stages)
-    if splits == 1:
-        return out.reshape(tokens, heads, dim)  # [T, H, D]
-    return _merge_partials(*out, query_start, query_lens, splits=splits,
-                           heads=heads).astype(q.dtype)
-
-
-def _merge_partials(acc, m, l, query_start, query_lens, *, splits: int, heads: int) -> jax.Array:
-    """Split states (acc [splits * T * H, D], m, l [splits * T * H]) -> normalised [T, H, D] in
-    float32. Rows of padding tokens are written by no program (garbage there, NaN maybe): zeros."""
-    merged = combine_splits(*(x.reshape(splits, -1, *x.shape[1:]) for x in (acc, m, l)), axis=0)
-    merged = merged.reshape(-1, heads, acc.shape[1])
-    padding = token_requests(query_start, query_lens, merged.shape[0]) < 0
-    return jnp.where(padding[:, None, None], 0.0, merged)
+                       splits=splits, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
+                       page_size=page_size, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        rows = merge_rows(tokens * heads, dim, default_tuning().num_sms)
+        out = _merge_call(*out, query_start, query_lens, splits=splits, heads=heads,
+                          block_rows=rows)
+    return out.reshape(tokens, heads, dim)  # [T, H, D]
 
 
 def paged_attention(

@@ -17,7 +17,10 @@ class KernelTuning:
     """SM count of the GPU and how extend attention's split-K policy sizes its grid by it."""
 
     num_sms: int
-    programs_per_sm: int = 4  # a few programs per SM hide load latency
+    # Split programs the grid aims for per SM: two resident programs let one's loads and softmax
+    # overlap the other's dots; the split count is rounded down, so the grid never spills a few
+    # programs into an extra wave.
+    programs_per_sm: int = 2
     # key blocks per split at least: finer splits lost to coarser ones on the GPU at both Qwen2
     # shapes (the split-K sweep in benchmarks/LOG.md, 2026-11-30)
     min_split_blocks: int = 8

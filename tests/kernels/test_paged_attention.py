@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,40 +101,66 @@ def test_choose_extend_splits():
     """Automatic splits: many for a short turn over a long prefix, one where the grid fills the
     GPU."""
     choose = functools.partial(ea.choose_extend_splits, block_q=128, block_k=64)
-    # Qwen2-0.5B, 64 new tokens over 8k: 8 programs -> 128
+    # Qwen2-0.5B, 64 new tokens over 8k: 8 programs; 16 splits (>= 8 key blocks each) -> 128
     assert choose(64, 1, 8256, 14, 2, 64) == 16
-    assert choose(64, 1, 8256, 28, 4, 128) == 16  # Qwen2-7B: 16 programs -> 256
-    assert choose(64, 8, 8256, 14, 2, 64) > 1  # padding requests in the batch bucket
+    assert choose(64, 1, 8256, 28, 4, 128) == 16  # Qwen2-7B: 16 programs -> 256, two per SM
+    assert choose(64, 1, 8256, 28, 4, 128, block_k=128) == 8  # 8 blocks of 128 a split
+    assert choose(64, 8, 8256, 14, 2, 64) == 11  # padding requests: 24 programs at most
     assert choose(64, 1, 1024, 14, 2, 64) == 2  # short prefix: >= 8 key blocks per split
     assert choose(64, 1, 512, 14, 2, 64) == 1
     assert choose(8192, 1, 16384, 14, 2, 64) == 1  # a prefill chunk: 896 programs already
     assert choose(2048, 1, 8192, 28, 4, 128) == 1
-    # The float32 partials [splits, T * H, D] stay under 64 MiB: 8 MiB a split here, so at most 8.
-    assert choose(4096, 1, 1 << 20, 4, 4, 128, block_q=512) == 8
+    # The partials [splits, T * H, D + 1] stay under 64 MiB at 4 bytes an element: 8.1 MiB a
+    # split here, so at most 7 (the grid would allow 8).
+    assert choose(4096, 1, 1 << 20, 4, 4, 128, block_q=512) == 7
+
+
+@pytest.mark.parametrize("page_size,block_k", [(16, 16), (64, 32), (16, 32), (1, 16)])
+def test_extend_short_turn_over_long_prefix_splits_itself(page_size, block_k):
+    """The long-prefix path as the model calls it: automatic splits (asserted > 1), a gate, a
+    ragged batch (a long prefix ending mid-page, a short one, a prefix-free request, a padding
+    request and padding tokens), last pages partly filled; key blocks inside one page (page-table
+    read once per block) and spanning pages."""
+    pairs = [(601, 8), (37, 5), (0, 3)]
+    tokens, heads, kv_heads = sum(n for _, n in pairs) + 3, 14, 2
+    max_tokens = -(-max(p + n for p, n in pairs) // page_size) * page_size
+    splits = ea.choose_extend_splits(tokens, len(pairs) + 1, max_tokens, heads, kv_heads, 16,
+                                     block_q=16, block_k=block_k)
+    assert splits > 1
+    run_extend(21, pairs, page_size, np.float32, heads=heads, kv_heads=kv_heads, pad_tokens=3,
+               block_q=16, block_k=block_k, gate=_open_gate())
 
 
 @pytest.mark.parametrize("junk", [np.nan, 7.0])
-def test_merge_partials_zeroes_unwritten_padding_rows(junk):
+def test_merge_zeroes_unwritten_padding_rows(junk):
     """No program writes the partials of padding tokens (on the GPU they hold whatever was there;
-    the interpreter zero-fills), so poison them here: the merged output must still be zeros there,
-    and exact elsewhere."""
+    the interpreter zero-fills), so poison them here: the merge kernel must still write zeros
+    there, and the exact merge elsewhere, also in its last program, which runs past the rows."""
     rng = np.random.default_rng(3)
-    splits, tokens, heads, dim = 3, 5, 2, 4
-    acc = rand(rng, (splits, tokens, heads, dim), np.float32)
-    m, l = (rand(rng, (splits, tokens, heads), np.float32),
-            rand(rng, (splits, tokens, heads), np.float32))
-    m[1, :, 0], l[1, :, 0] = NEG, 0.0  # a split that saw no key for head 0
+    splits, tokens, heads, dim = 3, 5, 2, 16
+    out = rand(rng, (splits, tokens, heads, dim), np.float32)
+    lse = rand(rng, (splits, tokens, heads), np.float32)
+    lse[1, :, 0], out[1, :, 0] = NEG, 0.0  # a split that saw no key for head 0
     # tokens 2 and 4: padding
     start, lens = np.array([0, 3, 0], np.int32), np.array([2, 1, 0], np.int32)
     pad = np.array([False, False, True, False, True])
-    for x in (acc, m, l):
+    for x in (out, lse):
         x[:, pad] = junk
-    got = ea._merge_partials(acc.reshape(-1, dim), m.reshape(-1), l.reshape(-1), start, lens,
-                             splits=splits, heads=heads)
-    w = np.exp(m - m.max(axis=0))
-    want = (acc * w[..., None]).sum(axis=0) / (l * w).sum(axis=0)[..., None]
-    np.testing.assert_allclose(np.asarray(got)[~pad], want[~pad], rtol=1e-6)
-    assert not np.asarray(got)[pad].any()
+    got = ea._merge_call(jnp.asarray(out.reshape(-1, dim)), jnp.asarray(lse.reshape(-1)),
+                         jnp.asarray(start), jnp.asarray(lens), splits=splits, heads=heads,
+                         block_rows=4)  # 10 rows: 3 programs
+    w = np.exp2(lse - lse.max(axis=0))
+    want = (out * w[..., None]).sum(axis=0) / w.sum(axis=0)[..., None]
+    got = np.asarray(got).reshape(tokens, heads, dim)
+    np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-6)
+    assert not got[pad].any()
+
+
+def test_merge_rows_spread_the_partials_over_the_sms():
+    assert ea.merge_rows(64 * 28, 128, 132) == 8  # Qwen2-7B, 64 tokens: 224 programs
+    assert ea.merge_rows(64 * 14, 64, 132) == 8  # a block of 512 elements at least
+    assert ea.merge_rows(1 << 20, 128, 132) == 64
+    assert ea.merge_rows(3, 16, 132) == 32
 
 
 @settings(max_examples=8, deadline=None)
@@ -255,3 +282,25 @@ def test_gpu_rejects_head_dim_below_16() -> None:
     with pytest.raises(ValueError, match="head_dim"):
         ea.paged_attention(q, pages, pages, jnp.array([[1]], jnp.int32), lens,
                            jnp.array([0], jnp.int32), lens, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("block_q,block_k,splits", [(128, 64, 16), (256, 128, 8), (64, 64, 1)])
+def test_kernels_lower_to_triton(block_q, block_k, splits, monkeypatch):
+    """Lowered for CUDA (Pallas -> Triton IR, no GPU needed): every operation of the extend, merge
+    and decode kernels has a Triton lowering rule at the Qwen2-7B shape, page 64, bf16, gated. The
+    interpreter tests cannot catch this (a weak-typed scalar once lowered to a mistyped rem)."""
+    monkeypatch.setattr(ea, "use_interpreter", lambda: False)
+    monkeypatch.setattr(da, "use_interpreter", lambda: False)
+    spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    pages = spec(130, 64, 4, 128, dtype=jnp.bfloat16)
+    gate = LayerGate(spec(29), spec(1), spec(1))
+    extend = functools.partial(ea._extend, sm_scale=0.1, block_q=block_q, block_k=block_k,
+                               splits=splits, num_warps=8, num_stages=3)
+    text = (jax.jit(extend).trace(spec(64, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(1, 130),
+                                  spec(1), spec(1), spec(1), gate)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count("triton") >= (2 if splits > 1 else 1)
+    decode = functools.partial(da._decode, sm_scale=0.1, block_k=block_k, splits=4, num_warps=4,
+                               num_stages=2)
+    jax.jit(decode).trace(spec(8, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(8, 16), spec(8),
+                          gate).lower(lowering_platforms=("cuda",))
