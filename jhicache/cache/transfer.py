@@ -277,10 +277,12 @@ class TransferController:
         self._advance_writes()
 
     def _issue_write(self, write: _Write, budget: float) -> float:
-        """Queues a staged write's host copies (its staging is ready), layer by layer while
-        `budget` bytes last; returns what is left of it. Small pieces at a time, because the
-        copy engine serves copies in the order queued: the forward's own small device->host
-        copy (its sampled tokens) must not wait behind a whole write-back."""
+        """Queues a staged write's host copies (its staging is ready), whole layers while
+        `budget` bytes last, in one batch; returns what is left of it. Small pieces at a time,
+        because the copy engine serves copies in the order queued: the forward's own small
+        device->host copy (its sampled tokens) must not wait behind a whole write-back. One
+        batch per piece, not per layer: no kernel waits for a written layer, so nothing needs
+        the layers apart, and every driver call is host time that the steps around it pay."""
         self.finish_loads()  # every load issued so far is then behind `_last_load`
         if self._last_load is not None:
             self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
@@ -292,14 +294,18 @@ class TransferController:
                    * np.uint64(self.layer_bytes))
         if write.start is None:
             write.start = self.copier.mark(Direction.TO_HOST, timed=True)
+        dsts, srcs = [], []  # per layer of the piece: [shards, K and V runs]
         while write.next_layer < len(write.staging) and budget > 0:
             layer = write.next_layer
-            dsts = np.concatenate([self.host_pool.addresses(layer, 0, dst_pages),
-                                   self.host_pool.addresses(layer, 1, dst_pages)], axis=1)
+            dsts.append(np.concatenate([self.host_pool.addresses(layer, 0, dst_pages),
+                                        self.host_pool.addresses(layer, 1, dst_pages)], axis=1))
             staging = np.asarray(self.device_pool.shard_pointers(write.staging[layer]), np.uint64)
-            self._copy(Direction.TO_HOST, dsts, staging[:, None] + offsets, sizes)
+            srcs.append(staging[:, None] + offsets)
             write.next_layer += 1
             budget -= float(sizes.sum())
+        if dsts:
+            self._copy(Direction.TO_HOST, np.concatenate(dsts, axis=1),
+                       np.concatenate(srcs, axis=1), np.tile(sizes, len(dsts)))
         if write.next_layer == len(write.staging):
             write.mark = self.copier.mark(Direction.TO_HOST, timed=True)
         return budget
@@ -453,9 +459,11 @@ class TransferController:
             if not computes:
                 del self._fences[page]
 
-    def _advance_writes(self, budget: float = WRITE_PIECE_BYTES) -> None:
+    def _advance_writes(self, budget: float | None = None) -> None:
         """Queues host copies of staged writes, strictly oldest first (two may write one host
-        page: the newer must land last), about `budget` bytes of them."""
+        page: the newer must land last), about `budget` bytes of them (None: one piece,
+        WRITE_PIECE_BYTES)."""
+        budget = WRITE_PIECE_BYTES if budget is None else budget
         for write in self._writes:
             if budget <= 0:
                 return

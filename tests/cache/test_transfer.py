@@ -195,6 +195,34 @@ def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish(monkeypat
     cache.check_invariants()
 
 
+def test_a_write_back_piece_is_one_batch_of_whole_layers(monkeypatch) -> None:
+    """A write-back's host copies go out in pieces of whole layers, each piece one batched copy
+    (every layer's K and V runs): with a piece budget of one layer's bytes, one batch per layer
+    and poll; unbounded (flush), one batch for what is left. The host gets every page."""
+    cache = make_cache(4, device_pages=4, host_pages=8, copier=DeferredCopier(), layers=4)
+    ctl = cache.controller
+    tokens = list(range(16))
+    pages = cache.alloc_device(4)
+    assert pages is not None
+    write_kv(cache, tokens, pages)
+    ctl.queue_write_back(pages[:2], [6, 7])
+    ctl.queue_write_back(pages[2:], [0, 1])  # two runs: host pages 6-7 and 0-1
+    monkeypatch.setattr(transfer, "WRITE_PIECE_BYTES", 1)  # a piece is then one layer
+    queue = ctl.copier.queues[Direction.TO_HOST]
+    copies = lambda: [item for item in queue if item[0] == "copy"]  # noqa: E731
+    ctl.launch()  # the gather, then the first piece (the staging is ready on the CPU)
+    assert [len(c[1]) for c in copies()] == [4]  # one layer: K and V of both runs
+    ctl.poll()
+    assert [len(c[1]) for c in copies()] == [4, 4]
+    ctl.flush()  # the last two layers in one batch, then every copy has run
+    ran = ctl.copier.copies
+    assert ran == 3, ran
+    for layer in range(4):
+        k, v = cache.host_pool.read_pages(layer, [6, 7, 0, 1])
+        np.testing.assert_array_equal(k, expected_kv(tokens, layer, 4)[0])
+        np.testing.assert_array_equal(v, expected_kv(tokens, layer, 4)[1])
+
+
 def test_a_load_under_the_head_bytes_is_queued_whole() -> None:
     """A load smaller than LOAD_HEAD_BYTES is queued at once, first_layers or not: the copy
     engine would otherwise idle until the rest is queued."""
