@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import enum
+import gc
 import importlib.util
 import json
 import math
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -597,20 +599,44 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
 def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict]:
     """`ttft_of` through `add_request` and `step`, with the host clock of each `step` call's
     return in ms from the `add_request` call (the first dispatches the whole forward; with
-    overlap scheduling a later one reads its token) and of the first token's arrival."""
-    start = time.perf_counter()
-    request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
-    returned, out = [], None
-    while out is None:
-        out = next((o for o in engine.step() if o.request_id == request_id), None)
-        returned.append(time.perf_counter())
+    overlap scheduling a later one reads its token), of the first token's arrival, and of
+    Python's garbage collections until then (host pauses no engine phase shows)."""
+    with gc_pauses() as pauses:
+        start = time.perf_counter()
+        request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+        returned, out = [], None
+        while out is None:
+            out = next((o for o in engine.step() if o.request_id == request_id), None)
+            returned.append(time.perf_counter())
     while engine.has_unfinished():
         engine.step()
     ms = lambda at: (at - start) * 1e3  # noqa: E731
     return out.ttft_s, out, {
         "steps_returned_ms": [ms(t) for t in returned], "first_token_ms": ms(returned[-1]),
+        "gc_pauses": [{"generation": g, "at_ms": ms(a), "ms": (b - a) * 1e3}
+                      for g, a, b in pauses],
         "note": "host clock from the add_request call (TTFT counts from the request's arrival, "
                 "after validation)"}
+
+
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[list[tuple[int, float, float]]]:
+    """(generation, start, end) on the host clock of each garbage collection inside the block,
+    through `gc.callbacks`: a probe for the benchmarks, not the engine's data path."""
+    pauses: list[tuple[int, float, float]] = []
+    started = [0.0]
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], started[0], time.perf_counter()))
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
 
 
 def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[int],

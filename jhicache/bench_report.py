@@ -193,8 +193,10 @@ def _timeline_text(t: dict | None) -> str:
     if not t:
         return ""
     steps = ", ".join(f"{at:.2f}" for at in t["steps_returned_ms"])
+    pauses = t.get("gc_pauses", [])
     return (f"\n  host hit, ms from add_request: step() returned at {steps}, first token "
-            f"{t['first_token_ms']:.2f}")
+            f"{t['first_token_ms']:.2f}; {len(pauses)} garbage collections, "
+            f"{sum(p['ms'] for p in pauses):.2f} ms")
 
 
 # (marker, dashes, marker size) per mode in the order run: lines that coincide (hierarchical and

@@ -215,10 +215,23 @@ def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
     # one clock: the add_request call comes before the arrival the TTFT counts from
     assert timeline["first_token_ms"] >= ttft_s * 1e3 > 0
     assert engine.device_pool.gate_timeouts() == 0
+    assert all(p["ms"] >= 0 and p["generation"] in (0, 1, 2) for p in timeline["gc_pauses"])
     row = {**_HOST_HIT_ROW, "host_hit_timeline": timeline, "engine_load_back_s": 0.002,
            "engine_load_gated_steps": 1, "gate_timeouts": 0}
     text = bench.report.host_hit_table(row)
     assert "step() returned at" in text and "gate timeouts 0" in text
+    assert "garbage collections" in text
+
+
+def test_gc_pauses_records_each_collection_inside_the_block() -> None:
+    import gc
+
+    with bench.gc_pauses() as pauses:
+        gc.collect(1)
+        gc.collect(2)
+    gc.collect()  # outside: not recorded
+    assert [g for g, _, _ in pauses] == [1, 2]
+    assert all(end >= start for _, start, end in pauses)
 
 
 _HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,
