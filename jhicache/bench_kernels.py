@@ -5,8 +5,6 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   hbm_read     HBM read ceiling: read-only reductions over 4 distinct 1 GiB arrays, one program
   transfers    the host tier's write-back and load-back of scattered pages
   kv_write     write_kv vs XLA's scatter
-  extend       extend attention, 4 x 2048 fresh tokens, single calls on the host clock, vs cuDNN
-  decode       (with extend only) decode attention, 32 x 4096, single calls, vs JAX's Pallas one
   gathers      the write-back's staging gather
   extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
   decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read
@@ -183,63 +181,6 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens=
         out[f"jit_{layers}_layers_{label}"] = _safe(
             lambda step=step: layers * nbytes / timeit(step) / GB)
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
-
-
-def attention(res: dict, name: str, kv_heads: int, dim: int, heads: int, decode: bool = True,
-              **_) -> None:
-    rng = np.random.default_rng(0)
-    b, t = 4, 2048
-    pages_per = t // PAGE
-    table = jnp.asarray(rng.permutation(b * pages_per + 8)[: b * pages_per].reshape(b, -1)
-                        .astype(np.int32))
-    k = _rand(3, (b * pages_per + 8, PAGE, kv_heads, dim))
-    v = _rand(4, k.shape)
-    q = _rand(5, (b * t, heads, dim))
-    lens = jnp.full((b,), t, jnp.int32)
-    start = jnp.arange(b, dtype=jnp.int32) * t
-    scale = dim**-0.5
-    r = {"batch": b, "tokens_per_request": t, "prefix": 0,
-         "note": "block_q = packed (token, GQA-group head) rows per program; s = num_stages"}
-    for bq, bk, w, st in ((128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2),
-                          (128, 128, 8, 2)):
-        f = jax.jit(lambda q, k, v: pk.paged_attention(q, k, v, table, lens, start, lens,
-                                                       sm_scale=scale, block_q=bq, block_k=bk,
-                                                       num_warps=w, num_stages=st))
-        r[f"extend_ms_bq{bq}_bk{bk}_w{w}_s{st}"] = _safe(
-            lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
-    kc = k[table].reshape(b, t, kv_heads, dim)
-    vc = v[table].reshape(b, t, kv_heads, dim)
-    qc = q.reshape(b, t, heads, dim)
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                 scale=scale,
-                                                                 implementation="cudnn"))
-    r["cudnn_ms"] = _safe(lambda: timeit(lambda: cudnn(qc, kc, vc)) * 1e3)
-    res.setdefault("extend_attention", {})[name] = r
-    if decode:
-        decode_attention(res, name, kv_heads, dim, heads)
-
-
-def decode_attention(res: dict, name: str, kv_heads: int, dim: int, heads: int) -> None:
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
-
-    rng = np.random.default_rng(1)
-    b, seq = 32, 4096
-    per = seq // PAGE
-    num_pages = b * per + 8
-    table = jnp.asarray(rng.permutation(num_pages)[: b * per].reshape(b, per).astype(np.int32))
-    k, v = _rand(6, (num_pages, PAGE, kv_heads, dim)), _rand(7, (num_pages, PAGE, kv_heads, dim))
-    q = _rand(8, (b, heads, dim))
-    lens = jnp.full((b,), seq, jnp.int32)
-    r = {"batch": b, "seq_len": seq, "kv_bytes": 2 * b * seq * kv_heads * dim * 2}
-    for splits, bk in ((8, 64), (16, 64), (32, 64), (16, 128)):
-        f = jax.jit(lambda q, k, v: pk.paged_decode_attention(q, k, v, table, lens,
-                                                              sm_scale=dim**-0.5, splits=splits,
-                                                              block_k=bk))
-        r[f"ours_ms_splits{splits}_bk{bk}"] = _safe(lambda f=f: timeit(lambda: f(q, k, v)) * 1e3)
-    kh, vh = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))  # jax's layout [Hkv, pages, S, D]
-    g = jax.jit(lambda q, k, v: jax_paged.paged_attention(q, k, v, table, lens))
-    r["jax_pallas_paged_ms"] = _safe(lambda: timeit(lambda: g(q, kh, vh)) * 1e3)
-    res.setdefault("decode_attention", {})[name] = r
 
 
 def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: int = 128,
@@ -679,8 +620,7 @@ def _run_targets(res: dict, only: set[str], targets: list[str]) -> None:
         judge(res, names)
 
 
-PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "extend", "decode", "gathers",
-         *TARGET_PARTS)
+PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PARTS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -704,8 +644,7 @@ def main(argv: list[str] | None = None) -> dict:
             res.pop(key, None)
     if args.merge:  # the kernels' numbers before this round stay on record beside the new ones
         res.setdefault("previous_round",
-                       {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write", "extend_attention")
-                        if k in res})
+                       {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write") if k in res})
     res.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                 "page_size": PAGE, "dtype": "bfloat16"})
@@ -717,28 +656,15 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
     for name, shape in SHAPES.items():
-        parts = [("kv_write", kv_write),
-                 ("extend", functools.partial(attention, decode="decode" in only)),
-                 ("gathers", gathers)]
-        for key, part in parts:
+        for key, part in (("kv_write", kv_write), ("gathers", gathers)):
             if key in only:
                 err = _safe(lambda part=part: part(res, name, **shape))
                 if isinstance(err, str):
                     res.setdefault("errors", []).append(f"{name} {key}: {err}")
     _run_targets(res, only, targets)
-    best = lambda d: min((v for k, v in d.items()  # noqa: E731
-                          if k.startswith(("extend_ms", "ours_ms")) and isinstance(v, float)),
-                         default=None)
     res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values()
                                 for v in s["gbps"].values()
                                 if isinstance(v, float)), default=None)
-    for name in SHAPES:
-        for key in ("extend_attention", "decode_attention"):
-            if name in res.get(key, {}):
-                res[key][name]["ours_best_ms"] = best(res[key][name])
-        ext = res.get("extend_attention", {}).get(name, {})
-        if isinstance(ext.get("cudnn_ms"), float) and ext.get("ours_best_ms"):
-            ext["ours_over_cudnn"] = ext["ours_best_ms"] / ext["cudnn_ms"]
     text = json.dumps(res, indent=1, default=str)
     print(text)
     if args.out:
