@@ -14,6 +14,7 @@ import pytest
 
 from jhicache.bench_kernels import attention, cli, memory_ops, reference, timing
 from jhicache.bench_kernels.cases import (
+    JAX_PAGED,
     TARGET_PARTS,
     AttnCase,
     KernelConfig,
@@ -53,7 +54,7 @@ EXTEND = AttnCase("extend_tiny", "extend", **TINY, batch=2, seq_len=136, query_l
                   stages=((("splits", (None, 2)),),))  # auto is 1 here: both kernels run
 DECODE = AttnCase("decode_tiny", "decode", **TINY, batch=3, seq_len=100, query_len=1,
                   target=0.0, start=KernelConfig(block_k=32, splits=2),
-                  stages=((("splits", (2, 4)),),))
+                  stages=((("splits", (2, 4)),),), peer=JAX_PAGED)
 PREFILL = AttnCase("prefill_tiny", "prefill", **TINY, batch=2, seq_len=24, query_len=24,
                    target=1e9, start=KernelConfig(block_q=16, block_k=16), stages=(),
                    peer="xla")  # cuDNN on the GPU
@@ -115,8 +116,12 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
         summary = res["attention_summary"][case.name]
         assert {"per_layer_ms", "bytes", "fraction_of_hbm_read", "target", "met"} <= set(summary)
         assert list(row)[:len(summary)] == list(summary)  # the summary fields lead each row
-    assert isinstance(rows[PREFILL.name]["peer_per_layer_ms"], float)
-    assert rows[PREFILL.name]["ours_over_peer"] > 0
+    for case in (DECODE, PREFILL):  # decode's peer is JAX's Pallas paged kernel, for comparison
+        assert isinstance(rows[case.name]["peer_per_layer_ms"], float), rows[case.name]
+        assert rows[case.name]["ours_over_peer"] > 0
+    assert rows[DECODE.name]["peer"].startswith("jax.experimental.pallas.ops.gpu.paged_attention")
+    assert rows[DECODE.name]["target"]["metric"] == "fraction_of_hbm_read"
+    assert "peer" not in rows[EXTEND.name]
 
 
 def test_the_reference_check_catches_a_wrong_output(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,5 +186,11 @@ def test_the_target_parts_cases_derive_from_the_model_shapes() -> None:
     assert [c.layers for c in cases["extend_long"]] == [28, 24]
     assert {(c.batch, c.seq_len) for c in cases["decode_long"]} == {(32, 4096), (8, 32768)}
     assert all(c.peer == "cudnn" for c in cases["prefill"])
+    assert all(c.peer == JAX_PAGED for c in cases["decode_long"])
+    for bad in (dict(query_len=2), dict(peer="cudnn")):
+        with pytest.raises(ValueError):
+            dataclasses.replace(DECODE, **bad)
     with pytest.raises(ValueError):
-        dataclasses.replace(DECODE, query_len=2)
+        dataclasses.replace(PREFILL, peer=JAX_PAGED)
+    with pytest.raises(ValueError):
+        dataclasses.replace(EXTEND, peer="cudnn")

@@ -5,21 +5,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jhicache.bench_kernels.cases import (
+    JAX_PAGED,
     AttnCase,
     KernelConfig,
     inputs,
     kernel,
+    page_table,
     resolve,
     target_cases,
 )
 from jhicache.bench_kernels.reference import reference_check
-from jhicache.bench_kernels.shapes import random_array
+from jhicache.bench_kernels.shapes import PAGE, random_array
 from jhicache.bench_kernels.timing import GB, hbm_read, per_layer_seconds, safe
+from jhicache.pallas_kernels.backend import use_interpreter
 
 # Each target case times its kernel in one dispatch: one jitted program runs it over L layers, and
 # the host clock around the whole program, over L, is the per-layer time. Dispatch and sync (tens
@@ -71,22 +77,48 @@ def sweep(case: AttnCase, measure: Callable[[KernelConfig], float | str]
     return times
 
 
+def _jax_paged_splits(case: AttnCase) -> int:
+    """JAX's paged decode kernel's k_splits: its default 16, or the largest power of two below it
+    that divides the pages per request (it needs a divisor)."""
+    return math.gcd(16, case.pages_per_request)
+
+
+def peer_label(case: AttnCase) -> str:
+    """The peer's call as the result JSON names it."""
+    if case.peer == JAX_PAGED:
+        return ("jax.experimental.pallas.ops.gpu.paged_attention(block_h=16, "
+                f"pages_per_compute_block=8, k_splits={_jax_paged_splits(case)})")
+    return f"jax.nn.dot_product_attention(is_causal=True, implementation={case.peer!r})"
+
+
 def peer_seconds(case: AttnCase, reps: int = 7, warm: int = 2) -> float:
-    """Per-layer time of jax.nn.dot_product_attention (causal, implementation=case.peer) on dense
-    per-layer K/V, timed as the kernel is (one program over the layers)."""
-    shape = (case.batch, case.seq_len, case.kv_heads, case.dim)
-    q = random_array(9, (case.batch, case.query_len, case.heads, case.dim))
+    """Per-layer time of the case's peer, timed as the kernel is (one program over the layers,
+    distinct K/V per layer): decode's is JAX's Pallas paged decode kernel on the same page table
+    (its pools laid out [kv_heads, pages, PAGE, dim]), prefill's jax.nn.dot_product_attention
+    (causal, implementation=case.peer) on dense K/V."""
+    q = random_array(9, (case.batch * case.query_len, case.heads, case.dim))
+    if case.peer == JAX_PAGED:
+        table = page_table(case)
+        shape: tuple[int, ...] = (case.kv_heads, table.size, PAGE, case.dim)
+        attn = functools.partial(jax_paged.paged_attention, k_splits=_jax_paged_splits(case),
+                                 interpret=use_interpreter())
+        meta: tuple[jax.Array, ...] = (table, jnp.full((case.batch,), case.seq_len, jnp.int32))
+    else:
+        q = q.reshape(case.batch, case.query_len, case.heads, case.dim)
+        shape = (case.batch, case.seq_len, case.kv_heads, case.dim)
+        attn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                 scale=case.dim**-0.5, implementation=case.peer)
+        meta = ()
     ks = tuple(random_array(500 + 2 * i, shape) for i in range(case.layers))
     vs = tuple(random_array(501 + 2 * i, shape) for i in range(case.layers))
-    attn = functools.partial(jax.nn.dot_product_attention, is_causal=True, scale=case.dim**-0.5,
-                             implementation=case.peer)
-    return per_layer_seconds(_over_layers(attn), (q, ks, vs), case.layers, reps, warm)
+    return per_layer_seconds(_over_layers(attn), (q, ks, vs, *meta), case.layers, reps, warm)
 
 
 def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> dict:
     """Sweeps the case's kernel configs, checks the fastest against the reference, times the peer
-    (prefill) and stores the row under res["attention_targets"][case.name]; `judge` adds the
-    fraction of the HBM read ceiling and whether the target is met."""
+    (prefill: its target's measure; decode: for comparison) and stores the row under
+    res["attention_targets"][case.name]; `judge` adds the fraction of the HBM read ceiling and
+    whether the target is met."""
     data = inputs(case)
     times = sweep(case, lambda cfg: safe(lambda: per_layer_seconds(
         _over_layers(kernel(case, cfg)), (data.q, data.ks, data.vs, *data.meta), case.layers,
@@ -111,7 +143,7 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
                per_layer_ms=seconds * 1e3, gbps=case.kv_bytes / seconds / GB)
     row["reference_check"] = safe(lambda: reference_check(case, data, resolve(case, best)))
     if case.peer is not None:
-        row["peer"] = f"jax.nn.dot_product_attention(is_causal=True, implementation={case.peer!r})"
+        row["peer"] = peer_label(case)
         peer = safe(lambda: peer_seconds(case, reps, warm))
         row["peer_per_layer_ms"] = peer * 1e3 if isinstance(peer, float) else peer
         if isinstance(peer, float):

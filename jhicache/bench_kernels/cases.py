@@ -14,6 +14,7 @@ from jhicache.bench_kernels.shapes import DT, PAGE, SHAPES, random_array
 from jhicache.pallas_kernels.extend_attention import choose_extend_splits
 
 KINDS = ("extend", "decode", "prefill")
+JAX_PAGED = "jax_pallas_paged"  # decode's peer: jax.experimental.pallas.ops.gpu.paged_attention
 
 # a stage of the sweep: (KernelConfig field, values) pairs whose product is tried
 Stage = tuple[tuple[str, tuple[int | None, ...]], ...]
@@ -57,12 +58,15 @@ class AttnCase:
     target: float  # fraction_of_hbm_read at least; prefill: ours_over_peer at most
     start: KernelConfig
     stages: tuple[Stage, ...]
-    peer: str | None = None  # prefill: jax.nn.dot_product_attention's `implementation`
+    # prefill: jax.nn.dot_product_attention's `implementation`; decode: JAX_PAGED or None
+    peer: str | None = None
 
     def __post_init__(self) -> None:
         ok = self.kind in KINDS and (self.start.block_q is None) == (self.kind == "decode")
         ok &= self.kind != "decode" or self.query_len == 1
         ok &= self.kind != "prefill" or (self.query_len == self.seq_len and self.peer is not None)
+        ok &= (self.peer == JAX_PAGED) == (self.kind == "decode" and self.peer is not None)
+        ok &= self.kind != "extend" or self.peer is None
         if not ok:
             raise ValueError(f"inconsistent case {self}")
 
@@ -113,16 +117,17 @@ def target_cases() -> dict[str, tuple[AttnCase, ...]]:
                         s["layers"], batch, seq, new, target, **kw)
 
     extend = dict(start=KernelConfig(block_q=128, block_k=64), stages=EXTEND_STAGES)
-    decode = KernelConfig(block_k=128, splits=16)  # paged_decode_attention's defaults
+    decode = dict(start=KernelConfig(block_k=128, splits=16),  # paged_decode_attention's defaults
+                  peer=JAX_PAGED)
     prefill = dict(start=KernelConfig(block_q=128, block_k=64), stages=PREFILL_STAGES,
                    peer="cudnn")
     return {
         "extend_long": tuple(case("extend", s, 1, 8256, 64, 0.40, **extend)
                              for s in ("qwen2-7b", "qwen2-0.5b")),
-        "decode_long": (case("decode", "qwen2-7b", 32, 4096, 1, 0.50, start=decode,
-                             stages=_decode_stages((8, 16, 32, 64))),
-                        case("decode", "qwen2-7b", 8, 32768, 1, 0.50, start=decode,
-                             stages=_decode_stages((16, 32, 64, 128)))),
+        "decode_long": (case("decode", "qwen2-7b", 32, 4096, 1, 0.50,
+                             stages=_decode_stages((8, 16, 32, 64)), **decode),
+                        case("decode", "qwen2-7b", 8, 32768, 1, 0.50,
+                             stages=_decode_stages((16, 32, 64, 128)), **decode)),
         "prefill": tuple(case("prefill", "qwen2-7b", b, t, t, 1.05, **prefill)
                          for b, t in ((4, 2048), (1, 8192))),
     }
@@ -131,12 +136,18 @@ def target_cases() -> dict[str, tuple[AttnCase, ...]]:
 TARGET_PARTS = ("extend_long", "decode_long", "prefill")
 
 
+def page_table(case: AttnCase, seed: int = 0) -> jax.Array:
+    """[batch, pages_per_request] int32: every page of a pool of exactly the batch's pages, in
+    scattered order."""
+    num_pages = case.batch * case.pages_per_request
+    return jnp.asarray(np.random.default_rng(seed).permutation(num_pages)
+                       .reshape(case.batch, -1).astype(np.int32))
+
+
 def inputs(case: AttnCase, seed: int = 0) -> CaseInputs:
     """Random bf16 q and per-layer K/V pools of exactly the batch's pages, in scattered order."""
-    num_pages = case.batch * case.pages_per_request
-    table = jnp.asarray(np.random.default_rng(seed).permutation(num_pages)
-                        .reshape(case.batch, -1).astype(np.int32))
-    shape = (num_pages, PAGE, case.kv_heads, case.dim)
+    table = page_table(case, seed)
+    shape = (table.size, PAGE, case.kv_heads, case.dim)
     ks = tuple(random_array(100 + 2 * i, shape) for i in range(case.layers))
     vs = tuple(random_array(101 + 2 * i, shape) for i in range(case.layers))
     lens = jnp.full((case.batch,), case.seq_len, jnp.int32)

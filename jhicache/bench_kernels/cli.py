@@ -24,7 +24,8 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   kv_write     write_kv vs XLA's scatter
   gathers      the write-back's staging gather
   extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
-  decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read
+  decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read (and the time of
+               JAX's Pallas paged decode kernel beside it, for comparison)
   prefill      target: 4 x 2048 and 1 x 8192 fresh tokens, 7B heads, <= 1.05 x cuDNN's time
 The target parts time per layer from one program over the model's layers (attention.TIMING_NOTE),
 sweep the kernel's tuning arguments, check the fastest config against the float32 reference, and
