@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +111,7 @@ def _decode_stages(splits: tuple[int, ...]) -> tuple[Stage, ...]:
 def target_cases() -> dict[str, tuple[AttnCase, ...]]:
     """The cases of each target part (H200, bf16, page 64, the layers of each Qwen2 model)."""
     def case(kind: str, shape: str, batch: int, seq: int, new: int, target: float,
-             **kw) -> AttnCase:
+             **kw: Any) -> AttnCase:
         s = SHAPES[shape]
         tag = f"{new}_over_{seq - new}" if kind == "extend" else f"{batch}x{seq}"
         return AttnCase(f"{kind}_{shape}_{tag}", kind, s["heads"], s["kv_heads"], s["dim"],
