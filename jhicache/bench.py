@@ -768,9 +768,9 @@ def main(argv: list[str] | None = None) -> int:
             print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
                   "it needs a GPU", file=sys.stderr)
             return 2
-        from jhicache import bench_kernels
+        from jhicache.bench_kernels.cli import main as bench_kernels
 
-        bench_kernels.main([] if args.out is None else ["--out", args.out])
+        bench_kernels([] if args.out is None else ["--out", args.out])
         return 0
     note = None if args.url else timing_note(jax.default_backend())  # --url: the server's
     if note:

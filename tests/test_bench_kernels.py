@@ -1,46 +1,74 @@
-"""`python -m jhicache.bench kernels`: the write-back gather part and the attention-target parts'
-code paths, at tiny CPU sizes (the kernels in interpret mode)."""
+"""`python -m jhicache.bench_kernels` (and `python -m jhicache.bench kernels`): the write-back
+gather part, the HBM read ceiling and the attention-target parts' code paths, at tiny CPU sizes
+(the kernels in interpret mode)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from jhicache import bench_kernels as bk
+from jhicache.bench_kernels import attention, cli, memory_ops, reference, timing
+from jhicache.bench_kernels.cases import (
+    JAX_PAGED,
+    TARGET_PARTS,
+    AttnCase,
+    KernelConfig,
+    inputs,
+    resolve,
+    target_cases,
+)
+from jhicache.bench_kernels.shapes import PAGE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_python_dash_m_runs_the_package_and_lists_its_parts() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "jhicache.bench_kernels", "--help"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert set(cli.PARTS) <= listed
+    assert cli.PARTS == ("ceilings", "hbm_read", "transfers", "kv_write", "gathers",
+                         *TARGET_PARTS)
 
 
 def test_gathers_time_the_engines_staging_of_the_pages() -> None:
     res: dict = {}
-    bk.gathers(res, "tiny", layers=2, kv_heads=2, dim=8, pages=6, pool_pages=32)
+    memory_ops.gathers(res, "tiny", layers=2, kv_heads=2, dim=8, pages=6, pool_pages=32)
     row = res["write_back_gather"]["tiny"]
     assert row["staging_is_the_pages"] is True
-    assert row["bytes_read_and_written"] == 2 * 2 * 2 * 6 * bk.PAGE * 2 * 8 * 2
+    assert row["bytes_read_and_written"] == 2 * 2 * 2 * 6 * PAGE * 2 * 8 * 2
     assert row["xla_gather_ms"] > 0 and row["xla_gather_gbps"] > 0
 
 
 # ---------------------------------------------------------------- attention targets
 TINY = dict(heads=4, kv_heads=2, dim=16, layers=2)
-EXTEND = bk.AttnCase("extend_tiny", "extend", **TINY, batch=2, seq_len=136, query_len=8,
-                     target=0.0, start=bk.KernelConfig(block_q=16, block_k=32),
-                     stages=((("splits", (None, 2)),),))  # auto is 1 here: both kernels run
-DECODE = bk.AttnCase("decode_tiny", "decode", **TINY, batch=3, seq_len=100, query_len=1,
-                     target=0.0, start=bk.KernelConfig(block_k=32, splits=2),
-                     stages=((("splits", (2, 4)),),))
-PREFILL = bk.AttnCase("prefill_tiny", "prefill", **TINY, batch=2, seq_len=24, query_len=24,
-                      target=1e9, start=bk.KernelConfig(block_q=16, block_k=16), stages=(),
-                      peer="xla")  # cuDNN on the GPU
+EXTEND = AttnCase("extend_tiny", "extend", **TINY, batch=2, seq_len=136, query_len=8,
+                  target=0.0, start=KernelConfig(block_q=16, block_k=32),
+                  stages=((("splits", (None, 2)),),))  # auto is 1 here: both kernels run
+DECODE = AttnCase("decode_tiny", "decode", **TINY, batch=3, seq_len=100, query_len=1,
+                  target=0.0, start=KernelConfig(block_k=32, splits=2),
+                  stages=((("splits", (2, 4)),),), peer=JAX_PAGED)
+PREFILL = AttnCase("prefill_tiny", "prefill", **TINY, batch=2, seq_len=24, query_len=24,
+                   target=1e9, start=KernelConfig(block_q=16, block_k=16), stages=(),
+                   peer="xla")  # cuDNN on the GPU
 
 
 def test_hbm_read_reports_its_best_pass_and_keeps_each_pass_best_over_measurements() -> None:
     res: dict = {}
-    bk.hbm_read(res, mib=1, buffers=2, reps=1, warm=1)
+    timing.hbm_read(res, mib=1, buffers=2, reps=1, warm=1)
     row = res["hbm_read"]
     first = dict(row["variants_gbps"])
-    assert set(first) == {name for name, _ in bk.READS}
+    assert set(first) == {name for name, _ in timing.READS}
     assert all(isinstance(v, float) and v > 0 for v in first.values()), first
     assert res["hbm_read_gbps"] == max(first.values())
-    bk.hbm_read(res, mib=1, buffers=2, reps=1, warm=1)
+    timing.hbm_read(res, mib=1, buffers=2, reps=1, warm=1)
     assert row["passes"] == 2
     assert all(row["variants_gbps"][k] >= v for k, v in first.items())
     assert res["hbm_read_gbps"] == max(row["variants_gbps"].values())
@@ -49,13 +77,13 @@ def test_hbm_read_reports_its_best_pass_and_keeps_each_pass_best_over_measuremen
 def test_sweep_searches_around_the_best_and_runs_each_resolved_config_once() -> None:
     case = dataclasses.replace(EXTEND, stages=((("splits", (None, 1, 2, 4)),),
                                                (("num_warps", (4, 8)),)))
-    seen: list[bk.KernelConfig] = []
+    seen: list[KernelConfig] = []
 
-    def measure(cfg: bk.KernelConfig) -> float | str:
+    def measure(cfg: KernelConfig) -> float | str:
         seen.append(cfg)
         return "ERROR boom" if cfg.splits == 4 else 1.0 / cfg.splits + cfg.num_warps
 
-    times = bk.sweep(case, measure)
+    times = attention.sweep(case, measure)
     # auto resolves to splits 1 (timed once); the warps stage adds only w8
     assert len(seen) == len(set(seen)) == 4
     assert all(c.splits is not None for c in seen)
@@ -63,14 +91,14 @@ def test_sweep_searches_around_the_best_and_runs_each_resolved_config_once() -> 
     assert times[dataclasses.replace(case.start, splits=4)] == "ERROR boom"
     # the warps stage ran around the best split count (2), not around the start
     assert times[dataclasses.replace(case.start, splits=2, num_warps=8)] == 8.5
-    assert bk._best(times) == (dataclasses.replace(case.start, splits=2), 4.5)
+    assert attention._best(times) == (dataclasses.replace(case.start, splits=2), 4.5)
 
 
 def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged() -> None:
     res: dict = {"hbm_read_gbps": 1.0}
     for case in (EXTEND, DECODE, PREFILL):
-        bk.attention_case(res, case, reps=1, warm=1)
-    bk.judge(res, [EXTEND.name, DECODE.name, PREFILL.name])
+        attention.attention_case(res, case, reps=1, warm=1)
+    attention.judge(res, [EXTEND.name, DECODE.name, PREFILL.name])
     rows = res["attention_targets"]
     assert rows[EXTEND.name]["auto_splits"] == 1
     assert list(rows[EXTEND.name]["sweep_per_layer_ms"]) == ["bq16_bk32_splitsauto_w4_s2",
@@ -81,34 +109,38 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
         assert all(isinstance(t, float) and t > 0 for t in row["sweep_per_layer_ms"].values()), row
         check = row["reference_check"]
         assert isinstance(check, dict), check
-        assert check["within_tolerance"] and check["max_abs_err"] < bk.TOL, check
+        assert check["within_tolerance"] and check["max_abs_err"] < reference.TOL, check
         assert row["bytes"] == 2 * case.batch * case.seq_len * 2 * 16 * 2
         assert row["fraction_of_hbm_read"] == row["gbps"]  # the ceiling is 1 GB/s
         assert row["met"] is True  # targets 0 (fraction) and 1e9 (ratio): the check decides
         summary = res["attention_summary"][case.name]
         assert {"per_layer_ms", "bytes", "fraction_of_hbm_read", "target", "met"} <= set(summary)
         assert list(row)[:len(summary)] == list(summary)  # the summary fields lead each row
-    assert isinstance(rows[PREFILL.name]["peer_per_layer_ms"], float)
-    assert rows[PREFILL.name]["ours_over_peer"] > 0
+    for case in (DECODE, PREFILL):  # decode's peer is JAX's Pallas paged kernel, for comparison
+        assert isinstance(rows[case.name]["peer_per_layer_ms"], float), rows[case.name]
+        assert rows[case.name]["ours_over_peer"] > 0
+    assert rows[DECODE.name]["peer"].startswith("jax.experimental.pallas.ops.gpu.paged_attention")
+    assert rows[DECODE.name]["target"]["metric"] == "fraction_of_hbm_read"
+    assert "peer" not in rows[EXTEND.name]
 
 
 def test_the_reference_check_catches_a_wrong_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = bk._inputs(DECODE)
-    assert bk.reference_check(DECODE, data, DECODE.start)["within_tolerance"]
-    right = bk._kernel
-    monkeypatch.setattr(bk, "_kernel",
+    data = inputs(DECODE)
+    assert reference.reference_check(DECODE, data, DECODE.start)["within_tolerance"]
+    right = reference.kernel
+    monkeypatch.setattr(reference, "kernel",
                         lambda case, cfg: lambda q, *rest: right(case, cfg)(q * 2, *rest))
-    assert not bk.reference_check(DECODE, data, DECODE.start)["within_tolerance"]
+    assert not reference.reference_check(DECODE, data, DECODE.start)["within_tolerance"]
 
 
 @pytest.mark.parametrize("case", [EXTEND, DECODE, PREFILL], ids=lambda c: c.kind)
-def test_the_reference_check_in_small_chunks_still_passes(case: bk.AttnCase,
+def test_the_reference_check_in_small_chunks_still_passes(case: AttnCase,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 2 rows (tokens of a request; decode: requests): each chunk's positions and key
     bound must be the chunk's own, or the causal mask would differ from the kernel's."""
-    per_row = 3 * case.pages_per_request * bk.PAGE * case.heads * case.dim * 4
-    monkeypatch.setattr(bk, "REF_BYTES", 2 * per_row + 1)
-    check = bk.reference_check(case, bk._inputs(case), bk.resolve(case, case.start))
+    per_row = 3 * case.pages_per_request * PAGE * case.heads * case.dim * 4
+    monkeypatch.setattr(reference, "REF_BYTES", 2 * per_row + 1)
+    check = reference.reference_check(case, inputs(case), resolve(case, case.start))
     assert check["rows_per_reference_call"] == (1 if case is DECODE else 2)  # 3 requests: 1
     assert check["within_tolerance"], check
 
@@ -116,41 +148,49 @@ def test_the_reference_check_in_small_chunks_still_passes(case: bk.AttnCase,
 def test_main_runs_the_target_parts_between_two_read_ceilings(tmp_path,
                                                               monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
-    read = bk.hbm_read
-    monkeypatch.setattr(bk, "hbm_read", lambda res: read(res, mib=1, buffers=2, reps=1, warm=1))
-    monkeypatch.setattr(bk, "target_cases", lambda: {"extend_long": (EXTEND,),
-                                                     "decode_long": (DECODE,),
-                                                     "prefill": (PREFILL,)})
+    read = timing.hbm_read
+    monkeypatch.setattr(attention, "hbm_read",
+                        lambda res: read(res, mib=1, buffers=2, reps=1, warm=1))
+    monkeypatch.setattr(attention, "target_cases", lambda: {"extend_long": (EXTEND,),
+                                                            "decode_long": (DECODE,),
+                                                            "prefill": (PREFILL,)})
     out = tmp_path / "k.json"
-    res = bk.main(["--only", "extend_long,prefill", "--out", str(out)])
+    res = cli.main(["--only", "extend_long,prefill", "--out", str(out)])
     assert "errors" not in res, res["errors"]
     assert res["hbm_read"]["passes"] == 2
     assert set(res["attention_summary"]) == {EXTEND.name, PREFILL.name}
     assert all(row["met"] is not None for row in res["attention_summary"].values())
     assert out.read_text().startswith("{")
-    with pytest.raises(SystemExit):
-        bk.main(["--only", "extend_lng"])
+    for unknown in ("extend_lng", "extend", "decode"):  # the per-call parts were deleted
+        with pytest.raises(SystemExit):
+            cli.main(["--only", unknown])
 
 
 def test_a_case_whose_every_config_fails_raises_and_is_not_met() -> None:
     res: dict = {"hbm_read_gbps": 1.0}
-    case = dataclasses.replace(DECODE, start=bk.KernelConfig(block_k=32, splits=0), stages=())
+    case = dataclasses.replace(DECODE, start=KernelConfig(block_k=32, splits=0), stages=())
     with pytest.raises(RuntimeError, match="every config failed"):
-        bk.attention_case(res, case, reps=1, warm=1)
-    bk.judge(res, [case.name])
+        attention.attention_case(res, case, reps=1, warm=1)
+    attention.judge(res, [case.name])
     row = res["attention_targets"][case.name]
     assert row["sweep_per_layer_ms"]["bk32_splits0_w4_s2"].startswith("ERROR")
     assert row["met"] is None
 
 
 def test_the_target_parts_cases_derive_from_the_model_shapes() -> None:
-    cases = bk.target_cases()
-    assert set(cases) == set(bk.TARGET_PARTS) <= set(bk.PARTS)
+    cases = target_cases()
+    assert set(cases) == set(TARGET_PARTS) <= set(cli.PARTS)
     ext = cases["extend_long"][0]
     assert (ext.layers, ext.seq_len, ext.query_len) == (28, 8256, 64)
     assert ext.kv_bytes == 8256 * 4 * 128 * 2 * 2
     assert [c.layers for c in cases["extend_long"]] == [28, 24]
     assert {(c.batch, c.seq_len) for c in cases["decode_long"]} == {(32, 4096), (8, 32768)}
     assert all(c.peer == "cudnn" for c in cases["prefill"])
+    assert all(c.peer == JAX_PAGED for c in cases["decode_long"])
+    for bad in (dict(query_len=2), dict(peer="cudnn")):
+        with pytest.raises(ValueError):
+            dataclasses.replace(DECODE, **bad)
     with pytest.raises(ValueError):
-        dataclasses.replace(DECODE, query_len=2)
+        dataclasses.replace(PREFILL, peer=JAX_PAGED)
+    with pytest.raises(ValueError):
+        dataclasses.replace(EXTEND, peer="cudnn")

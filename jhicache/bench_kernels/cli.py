@@ -1,0 +1,91 @@
+"""The command line: parts to run (--only), earlier results to merge (--merge), the JSON out."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import jax
+
+from jhicache.bench_kernels.attention import run_targets
+from jhicache.bench_kernels.cases import TARGET_PARTS
+from jhicache.bench_kernels.memory_ops import gathers, kv_write, transfers
+from jhicache.bench_kernels.shapes import PAGE, SHAPES
+from jhicache.bench_kernels.timing import ceilings, safe
+
+DESCRIPTION = """\
+Kernel benchmark on the GPU: pallas_kernels ops at Qwen2 shapes, ceilings, attention targets.
+
+Page 64, bf16. Parts (--only, comma-separated; default: all):
+  ceilings     PCIe both ways (device_put of pinned host arrays); HBM copy (x + 1 on 1 GiB)
+  hbm_read     HBM read ceiling: read-only reductions over 4 distinct 1 GiB arrays, one program
+  transfers    the host tier's write-back and load-back of scattered pages
+  kv_write     write_kv vs XLA's scatter
+  gathers      the write-back's staging gather
+  extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
+  decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read (and the time of
+               JAX's Pallas paged decode kernel beside it, for comparison)
+  prefill      target: 4 x 2048 and 1 x 8192 fresh tokens, 7B heads, <= 1.05 x cuDNN's time
+The target parts time per layer from one program over the model's layers (attention.TIMING_NOTE),
+sweep the kernel's tuning arguments, check the fastest config against the float32 reference, and
+run hbm_read before and after them (its best counts). Results: attention_targets (every config)
+and attention_summary (per case: per_layer_ms, bytes, fraction_of_hbm_read, target, met).
+"""
+
+PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PARTS)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the parts named by --only (all by default) and prints (and with --out writes) the
+    results as JSON; returns them."""
+    parser = argparse.ArgumentParser(prog="python -m jhicache.bench_kernels",
+                                     description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--merge", default=None,
+                        help="earlier result JSON whose parts not re-run are kept")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(PARTS):
+        parser.error(f"unknown parts {sorted(only - set(PARTS))}; choose from {PARTS}")
+    targets = [p for p in TARGET_PARTS if p in only]
+    if targets:  # their fractions are of the read ceiling measured in the same run
+        only.add("hbm_read")
+    res = json.load(open(args.merge)) if args.merge else {}
+    if "hbm_read" in only:  # a merged ceiling is another run's
+        for key in ("hbm_read", "hbm_read_gbps", "hbm_read_note"):
+            res.pop(key, None)
+    if args.merge:  # the kernels' numbers before this round stay on record beside the new ones
+        res.setdefault("previous_round",
+                       {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write") if k in res})
+    res.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                "page_size": PAGE, "dtype": "bfloat16"})
+    if args.merge:
+        res["parts_rerun"] = {"parts": sorted(only), "date": res["date"],
+                              "note": "other fields come from the earlier run in --merge"}
+    for key, part in (("ceilings", lambda: ceilings(res)), ("transfers", lambda: transfers(res))):
+        err = safe(part) if key in only else None
+        if isinstance(err, str):
+            res.setdefault("errors", []).append(err)
+    for name, shape in SHAPES.items():
+        for key, part in (("kv_write", kv_write), ("gathers", gathers)):
+            if key in only:
+                err = safe(lambda part=part: part(res, name, **shape))
+                if isinstance(err, str):
+                    res.setdefault("errors", []).append(f"{name} {key}: {err}")
+    run_targets(res, only, targets)
+    res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values()
+                                for v in s["gbps"].values()
+                                if isinstance(v, float)), default=None)
+    text = json.dumps(res, indent=1, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return res
+
+

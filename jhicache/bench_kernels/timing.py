@@ -1,0 +1,103 @@
+"""Timers (median of calls; per layer of one program) and the PCIe, HBM copy and read ceilings."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhicache.bench_kernels.shapes import random_array
+
+GB = 1e9
+T = TypeVar("T")
+
+
+def _shardings() -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
+    """The first device's HBM and its pinned host memory."""
+    d = jax.devices()[0]
+    mk = jax.sharding.SingleDeviceSharding
+    return mk(d, memory_kind="device"), mk(d, memory_kind="pinned_host")
+
+
+def timeit(step: Callable[[], object], reps: int = 7, warm: int = 2) -> float:
+    """Median seconds of `step` (which must return what to block on) after warm-up calls."""
+    for _ in range(warm):
+        jax.block_until_ready(step())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def safe(fn: Callable[[], T]) -> T | str:
+    """fn's result, or "ERROR <type>: <message>" if it raised."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  a failing path is a result to record, not a crash
+        return f"ERROR {type(e).__name__}: {str(e)[:300]}"
+
+
+def ceilings(res: dict) -> None:
+    """PCIe both ways (device_put of pinned host arrays) and HBM copy (x + 1 on 1 GiB)."""
+    dev, host = _shardings()
+    n = 512 << 20
+    h = jax.device_put(np.ones(n // 2, np.float16), host)
+    d = jax.device_put(np.ones(n // 2, np.float16), dev)
+    res["pcie_h2d_gbps"] = n / timeit(lambda: jax.device_put(h, dev)) / GB
+    res["pcie_d2h_gbps"] = n / timeit(lambda: jax.device_put(d, host)) / GB
+    big = random_array(0, (1 << 29,), jnp.bfloat16)  # 1 GiB
+    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
+    res["hbm_copy_gbps"] = 2 * big.nbytes / timeit(lambda: copy(big)) / GB  # read + write
+    res["hbm_copy_note"] = "elementwise x+1 on 1 GiB bf16, bytes read + written"
+
+
+# read-only passes for the HBM read ceiling; each output is at most 1/1024 of the bytes read
+READS: tuple[tuple[str, Callable[[jax.Array], jax.Array]], ...] = (
+    ("sum_f32", lambda x: jnp.sum(x.astype(jnp.float32))),
+    ("row_max_1024", lambda x: x.reshape(-1, 1024).max(axis=1)),
+    ("row_sum_f32_8192", lambda x: x.reshape(-1, 8192).astype(jnp.float32).sum(axis=1)),
+)
+
+
+def per_layer_seconds(program: Callable[..., object], args: tuple, layers: int, reps: int = 7,
+                      warm: int = 2) -> float:
+    """Median seconds of one call of jit(program)(*args) (a program over `layers` layers, all in
+    one dispatch) after warm-up calls (the first compiles), divided by `layers`."""
+    f = jax.jit(program)
+    return timeit(lambda: f(*args), reps, warm) / layers
+
+
+def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm: int = 10) -> None:
+    """HBM read ceiling: each READS pass over `buffers` distinct `mib` MiB bf16 arrays (well above
+    the 50 MB L2) in one program; bytes read / per-array time. A second call in the same run keeps
+    each pass's best, so a cold first measurement cannot understate the ceiling."""
+    n = (mib << 20) // 2
+    xs = tuple(random_array(50 + i, (n,)) for i in range(buffers))
+    row = res.setdefault("hbm_read", {"variants_gbps": {}, "passes": 0})
+    for name, read in READS:
+        s = safe(lambda read=read: per_layer_seconds(lambda xs: [read(x) for x in xs], (xs,),
+                                                     buffers, reps, warm))
+        old = row["variants_gbps"].get(name)
+        if isinstance(s, float):
+            gbps = 2 * n / s / GB
+            row["variants_gbps"][name] = max(gbps, old) if isinstance(old, float) else gbps
+        elif not isinstance(old, float):
+            row["variants_gbps"][name] = s
+    row["passes"] += 1
+    measured = {k: v for k, v in row["variants_gbps"].items() if isinstance(v, float)}
+    if not measured:
+        raise RuntimeError(f"no HBM read pass ran: {row['variants_gbps']}")
+    best = max(measured, key=measured.get)
+    res["hbm_read_gbps"] = measured[best]
+    res["hbm_read_note"] = (f"{best}: jitted read-only pass over {buffers} distinct {mib} MiB bf16 "
+                            f"arrays in one program, bytes read / per-array time; the best of "
+                            f"{len(READS)} passes (variants_gbps) over {row['passes']} "
+                            f"measurement(s) in this run")
+
