@@ -3,8 +3,8 @@
 A step whose pages are still being loaded back runs the same programs as any other: each layer's
 attention kernel waits on the device until that layer's load flag says its pages have landed
 (`AttentionMetadata.load_flags`, built by `jhicache.batch.model_inputs` from the step's load
-tickets), so the host dispatches the whole forward at once and the copy stream and the layers
-overlap on the GPU. The KV arrays are donated to the program and the pool is given the
+tickets), so the host dispatches the whole forward without waiting and the copy stream and the
+layers overlap on the GPU. The KV arrays are donated to the programs and the pool is given the
 returned arrays at once, so the pool always holds the newest version (the transfer controller
 relies on that, see `jhicache.cache.transfer`).
 """

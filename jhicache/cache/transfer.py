@@ -406,7 +406,7 @@ class TransferController:
         after its copies; the landed mark once every layer is queued."""
         plan, num_layers = load.plan, self.device_pool.num_layers
         assert plan is not None
-        for layer in range(load.queued_layers, min(max(upto, 1), num_layers)):
+        for layer in range(load.queued_layers, min(upto, num_layers)):
             self._copy(Direction.TO_DEVICE, plan.dsts[:, layer], plan.srcs[:, layer], plan.sizes)
             self.copier.signal(Direction.TO_DEVICE, plan.flags + np.uint64(4 * layer), load.seq)
             load.queued_layers = layer + 1
