@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jhicache.cache import TransferController, make_copier, transfer
-from jhicache.cache.copier import Direction, Mark
+from jhicache.cache.copier import CudaCopier, Direction, Mark
+from jhicache.cache.cuda_driver import CudaDriver
 from jhicache.config import WritePolicy
 from tests.cache._helpers import (
     DeferredCopier,
@@ -20,13 +21,18 @@ from tests.cache._helpers import (
     prefill,
     write_kv,
 )
+from tests.cache.fake_cuda import FakeCudaLib
 
-COPIERS = [None, DeferredCopier, pytest.param("gpu", marks=pytest.mark.gpu)]
+# None: the CPU's HostCopier; "fake_cuda": CudaCopier and CudaDriver over a stand-in for libcuda
+# whose streams run lazily (tests.cache.fake_cuda), so the driver path runs on the CPU too
+COPIERS = [None, DeferredCopier, "fake_cuda", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 def _copier(kind):
     if kind == "gpu":
         return make_copier("gpu")[0]
+    if kind == "fake_cuda":
+        return CudaCopier(CudaDriver(FakeCudaLib()))
     return kind() if kind is not None else None
 
 
