@@ -102,7 +102,7 @@ def _over_mesh(first: Callable, rest: Callable, specs: _Specs) -> tuple[Callable
 
     def sharded_rest(layers_l, head_l, ks, vs, hidden, meta, rows, start):  # as _programs' rest
         pages = (kv,) * len(ks)
-        in_specs = (([layer_s] * len(layers_l)), head_s, pages, pages, rep, rep, rep)
+        in_specs = ([layer_s] * len(layers_l), head_s, pages, pages, rep, rep, rep)
         return tp.shard_map(functools.partial(rest, start=start), in_specs, (rep, pages, pages))(
             layers_l, head_l, ks, vs, hidden, meta, rows)
 
@@ -137,7 +137,7 @@ def first_program_layers(num_layers: int) -> int:
 
 
 class ModelPrograms:
-    """The jitted whole-model program over one model's weights (flat leaf lists).
+    """The jitted programs of the whole model over one model's weights (flat leaf lists).
 
     With `tp`, the leaves are placed in its sharded layout (copied only where they are not
     already, as after a sharded load) and the programs run per device over its mesh; the
