@@ -12,7 +12,10 @@ device; it delays the host's next step, so the step() after it is not timed.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections.abc import Callable
 
@@ -23,7 +26,14 @@ from jhicache import engine as engine_module
 from jhicache.sampling import SamplingParams
 
 PHASES = (("cache", "poll"), ("scheduler", "schedule"), ("cache", "launch_loads"),
-          ("scheduler", "prefetch"), ("cache", "launch"), ("runner", "run"), ("", "_sample"))
+          ("cache", "finish_loads"), ("scheduler", "prefetch"), ("cache", "launch"),
+          ("runner", "run"), ("", "_sample"),
+          # inside the phases above
+          ("scheduler", "_attach_prefix"), ("cache", "match"), ("cache", "load_back"),
+          ("cache", "alloc_device"), ("cache.controller", "_plan"),
+          ("cache.controller", "_blockers"), ("cache.controller", "_advance_writes"),
+          ("cache.controller", "_queue_layers"), ("cache.controller.copier", "mark"))
+DRIVER_CALLS = ("copy", "write_value32", "record", "query", "stream_wait")
 
 
 def instrument(engine, log: list) -> None:
@@ -37,16 +47,58 @@ def instrument(engine, log: list) -> None:
         return timed
 
     for owner, name in PHASES:
-        obj = getattr(engine, owner) if owner else engine
+        obj = engine
+        for part in owner.split(".") if owner else ():
+            obj = getattr(obj, part)
         setattr(obj, name, wrap(getattr(obj, name), name))
     engine_module.model_inputs = wrap(engine_module.model_inputs, "model_inputs")
+    programs = engine.runner.programs
+    programs._jit = programs._jit._replace(first=wrap(programs._jit.first, "first"),
+                                           rest=wrap(programs._jit.rest, "rest"))
 
 
-def traced(engine, prompt: list[int], log: list) -> dict:
+def instrument_driver(engine, calls: list) -> None:
+    """Wraps the CUDA driver calls of the engine's copier to append (name, seconds)."""
+    copier = engine.cache.controller.copier if engine.cache.controller else None
+    driver = getattr(copier, "driver", None)
+    if driver is None:
+        return
+
+    def wrap(fn: Callable, name: str) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            calls.append((name, time.perf_counter() - start, len(args[0]) if name == "copy"
+                          else 1))
+            return out
+        return timed
+
+    for name in DRIVER_CALLS:
+        setattr(driver, name, wrap(getattr(driver, name), name))
+
+
+def summarize(calls: list) -> dict:
+    out: dict = {}
+    for name, seconds, entries in calls:
+        row = out.setdefault(name, {"count": 0, "entries": 0, "total_ms": 0.0, "max_ms": 0.0})
+        row["count"] += 1
+        row["entries"] += entries
+        row["total_ms"] = round(row["total_ms"] + seconds * 1e3, 4)
+        row["max_ms"] = round(max(row["max_ms"], seconds * 1e3), 4)
+    return out
+
+
+def traced(engine, prompt: list[int], log: list, calls: list,
+           profile: cProfile.Profile | None = None) -> dict:
     log.clear()
+    calls.clear()
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+    if profile is not None:
+        profile.enable()
     engine.step()
+    if profile is not None:
+        profile.disable()
     returned = time.perf_counter()
     step = engine._in_flight
     tickets = step.batch.tickets
@@ -55,20 +107,54 @@ def traced(engine, prompt: list[int], log: list) -> dict:
         if landed is None and tickets and all(t.done() for t in tickets):
             landed = time.perf_counter()
     ready = time.perf_counter()
+    step_calls = summarize(calls)
     while engine.has_unfinished():
         engine.step()
     ms = lambda t: None if t is None else round((t - t0) * 1e3, 3)  # noqa: E731
     return {"phases": [(n, ms(a), ms(b)) for n, a, b in log], "step_returned_ms": ms(returned),
             "load_landed_ms": ms(landed),
-            "sampled_ready_ms": ms(ready), "request": rid}
+            "sampled_ready_ms": ms(ready), "driver_calls": step_calls, "request": rid}
+
+
+class Burst:
+    """`nbytes` of host->device copies between buffers of its own, in 16 MB pieces, queued on the
+    engine copier's load stream."""
+
+    def __init__(self, engine, nbytes: int) -> None:
+        import jax.numpy as jnp
+
+        from jhicache.cache.copier import Direction
+        from jhicache.cache.host_memory import HostMemory
+        self.copier = engine.cache.controller.copier
+        self.direction = Direction.TO_DEVICE
+        self.device = jnp.zeros((nbytes,), jnp.uint8)
+        self.host = HostMemory(nbytes, getattr(self.copier, "driver", None))
+        piece = 16 << 20
+        offsets = np.arange(0, nbytes, piece, dtype=np.uint64)
+        self.dsts = np.uint64(self.device.unsafe_buffer_pointer()) + offsets
+        self.srcs = np.uint64(self.host.address) + offsets
+        self.sizes = np.minimum(np.uint64(piece), np.uint64(nbytes) - offsets)
+        self.mark = None
+
+    def start(self) -> None:
+        for dst, src, size in zip(self.dsts, self.srcs, self.sizes):
+            self.copier.copy(self.direction, np.asarray([dst]), np.asarray([src]),
+                             np.asarray([size]))
+        self.mark = self.copier.mark(self.direction)
+
+    def wait(self) -> None:
+        self.copier.wait(self.mark)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen2-7b")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--beside-copies", type=int, default=0, metavar="MB")
     parser.add_argument("--out")
     cli = parser.parse_args()
+    profile = cProfile.Profile() if cli.profile else None
     args = bench.parse_args(["host-hit", "--preset", cli.preset])
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
@@ -76,18 +162,30 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 1)
     bench.host_hit_trial(engine, rng, args)  # compiles every shape
     log: list = []
+    calls: list = []
     instrument(engine, log)
+    instrument_driver(engine, calls)
     vocab = engine.model_config.vocab_size
+    burst = Burst(engine, cli.beside_copies << 20) if cli.beside_copies else None
     out = []
     for _ in range(cli.trials):
         prefix, = bench.random_prompts(rng, vocab, 1, args.host_hit_prefix)
         turns = bench.random_prompts(rng, vocab, 3, args.host_hit_turn)
         bench.ttft_of(engine, prefix + turns[0])
         bench.push_to_host(engine)
-        host = traced(engine, prefix + turns[1], log)
-        device = traced(engine, prefix + turns[2], log)
+        host = traced(engine, prefix + turns[1], log, calls, profile)
+        device = traced(engine, prefix + turns[2], log, calls)
         out.append({"host_hit": host, "device_hit": device})
+        if burst is not None:
+            turn, = bench.random_prompts(rng, vocab, 1, args.host_hit_turn)
+            burst.start()
+            out[-1]["device_hit_beside_copies"] = traced(engine, prefix + turn, log, calls)
+            burst.wait()
         print(json.dumps(out[-1]), flush=True)
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(cli.profile)
+        print(text.getvalue())
     if cli.out:
         with open(cli.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -38,6 +38,28 @@ class Mark:
         self.timed = timed
 
 
+class CopyRows:
+    """Copies prepared once and queued a row at a time (a load's layers, in order): row `r` of
+    device shard `s` copies `srcs[s, r, i] -> dsts[s, r, i]`, `sizes[i]` bytes each. It keeps
+    each row's addresses as ints, so that queuing a row is one driver call with nothing built
+    per call: a load queues its rows while the forward waits to be dispatched."""
+
+    def __init__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        self.dsts = np.ascontiguousarray(dsts, np.uint64)  # [shards, rows, n]
+        self.srcs = np.ascontiguousarray(srcs, np.uint64)
+        self.sizes = np.ascontiguousarray(sizes, np.uint64)  # [n]
+        if self.dsts.ndim != 3 or self.dsts.shape != self.srcs.shape or (
+                self.dsts.shape[2] != len(self.sizes)):
+            raise ValueError(f"dsts {self.dsts.shape}, srcs {self.srcs.shape} and sizes "
+                             f"{self.sizes.shape} do not describe [shards, rows, n] copies")
+        shards, rows, count = self.dsts.shape
+        self.count = count
+        row = np.arange(shards * rows).reshape(shards, rows) * 8 * count
+        self.dst_rows = (self.dsts.ctypes.data + row).tolist()  # [shards][rows] addresses
+        self.src_rows = (self.srcs.ctypes.data + row).tolist()
+        self.sizes_address = self.sizes.ctypes.data
+
+
 class Copier:
     """The interface; `HostCopier` is also the implementation where copies complete at once."""
 
@@ -52,6 +74,11 @@ class Copier:
         """Queues `srcs[i] -> dsts[i]` (`sizes[i]` bytes each) behind everything queued in
         `direction`."""
         raise NotImplementedError
+
+    def copy_row(self, direction: Direction, rows: CopyRows, row: int, shard: int = 0) -> None:
+        """Queues row `row` of `rows` (shard `shard`'s) behind everything queued in
+        `direction`."""
+        self.copy(direction, rows.dsts[shard, row], rows.srcs[shard, row], rows.sizes)
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         """A mark behind everything queued so far; `timed` ones can be measured between."""
@@ -107,6 +134,14 @@ class CudaCopier(Copier):
              sizes: np.ndarray) -> None:
         self.driver.copy(dsts, srcs, sizes, self._streams[direction],
                          direction is Direction.TO_DEVICE)
+
+    def copy_row(self, direction: Direction, rows: CopyRows, row: int, shard: int = 0) -> None:
+        if not self.driver.has_batch_copy:
+            super().copy_row(direction, rows, row, shard)
+            return
+        self.driver.copy_batch_at(rows.dst_rows[shard][row], rows.src_rows[shard][row],
+                                  rows.sizes_address, rows.count, self._streams[direction],
+                                  direction is Direction.TO_DEVICE)
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         spare = self._spare[timed]
@@ -176,6 +211,11 @@ class ShardedCopier(Copier):
         """`dsts`, `srcs`: [shards, n] addresses, row i on device i; `sizes`: [n], every shard's."""
         for copier, dst, src in zip(self.copiers, dsts, srcs, strict=True):
             copier.copy(direction, dst, src, sizes)
+
+    def copy_row(self, direction: Direction, rows: CopyRows, row: int, shard: int = 0) -> None:
+        """Every shard's part of the row, each on its own device's copier."""
+        for i, copier in enumerate(self.copiers):
+            copier.copy_row(direction, rows, row, i)
 
     def mark(self, direction: Direction, timed: bool = False) -> Mark:
         return ShardMark([c.mark(direction, timed) for c in self.copiers], timed)

@@ -27,6 +27,15 @@ _PREFER_OVERLAP_WITH_COMPUTE = 0x1  # CUmemcpyFlags: use a copy engine, not the 
 _BATCH_ABI = 13000  # cuMemcpyBatchAsync as of CUDA 13 (no failIdx argument)
 
 
+def _address(array: np.ndarray) -> int:
+    """The address of a C-contiguous array's data; through a ctypes view of its buffer, which
+    costs a third of `array.ctypes.data` (only read-only arrays take that way)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):  # read-only, or empty
+        return array.ctypes.data
+
+
 class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call and the driver's error string."""
 
@@ -73,6 +82,7 @@ class CudaDriver:
         self._attrs = {to_device: _CopyAttributes(
             _ACCESS_ORDER_STREAM, host if to_device else gpu, gpu if to_device else host,
             _PREFER_OVERLAP_WITH_COMPUTE) for to_device in (True, False)}
+        self._attr_refs = {d: ctypes.byref(attrs) for d, attrs in self._attrs.items()}
         self._attr_index = (ctypes.c_size_t * 1)(0)  # one attribute set for a whole batch
         self._bind()
 
@@ -179,13 +189,12 @@ class CudaDriver:
         """Queues copies `srcs[i] -> dsts[i]` of `sizes[i]` bytes on `stream`, in order.
 
         One batched call where the driver has it (CUDA 12.8+), else one call per copy."""
-        self._bind()
-        count = len(sizes)
-        if count == 0:
+        if len(sizes) == 0:
             return
         if self._batch is not None:
             self._copy_batch(dsts, srcs, sizes, stream, to_device)
             return
+        self._bind()
         fn = self._lib.cuMemcpyHtoDAsync_v2 if to_device else self._lib.cuMemcpyDtoHAsync_v2
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             self._check("cuMemcpyAsync", fn(ctypes.c_uint64(dst), ctypes.c_uint64(src),
@@ -193,10 +202,20 @@ class CudaDriver:
 
     def _copy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
                     to_device: bool) -> None:
-        dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
+        dsts = np.ascontiguousarray(dsts, np.uint64)
+        srcs = np.ascontiguousarray(srcs, np.uint64)
+        sizes = np.ascontiguousarray(sizes, np.uint64)
+        self.copy_batch_at(_address(dsts), _address(srcs), _address(sizes), len(sizes), stream,
+                           to_device)
+
+    def copy_batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int,
+                      to_device: bool) -> None:
+        """One batched call (the driver must have it) over `count` uint64 destination, source
+        and size entries at host addresses `dsts`, `srcs`, `sizes`."""
+        assert self._batch is not None, "cuMemcpyBatchAsync needs CUDA 12.8+"
+        self._bind()
         self._check("cuMemcpyBatchAsync", self._batch(
-            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
-            ctypes.byref(self._attrs[to_device]), self._attr_index, 1, ctypes.c_void_p(stream)))
+            dsts, srcs, sizes, count, self._attr_refs[to_device], self._attr_index, 1, stream))
 
     # -- pinned host memory --------------------------------------------------------------------
 

@@ -58,11 +58,12 @@ class HostPool:
         V."""
         return self.base + self._offsets(np.uint64(layer * 2 + kv), pages)
 
-    def layer_addresses(self, kv: int, pages: np.ndarray) -> np.ndarray:
-        """[shards, layers, len(pages)] uint64 addresses of `pages` of every layer's K (kv=0) or
-        V."""
-        layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
-        return self.base[:, :, None] + self._offsets(layers * 2 + kv, pages)
+    def layer_addresses(self, pages: np.ndarray) -> np.ndarray:
+        """[shards, layers, 2 * len(pages)] uint64 addresses of `pages` of every layer's K, then
+        of its V."""
+        blocks = np.arange(2 * self.num_layers, dtype=np.uint64).reshape(-1, 2, 1)
+        offsets = self._offsets(blocks, pages)  # [layers, K|V, pages]
+        return self.base[:, :, None] + offsets.reshape(self.num_layers, -1)
 
     def _offsets(self, blocks: np.ndarray, pages: np.ndarray) -> np.ndarray:
         block = blocks * np.uint64(self.layout.num_pages)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jhicache.buckets import pow2_bucket
-from jhicache.cache.copier import Copier, Direction, Mark, ShardedCopier
+from jhicache.cache.copier import Copier, CopyRows, Direction, Mark, ShardedCopier
 from jhicache.cache.device_pool import DevicePool, PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
@@ -122,12 +122,9 @@ class _Write:
 
 
 class _LoadPlan(NamedTuple):
-    """A load's copies per layer: [shards, layers, runs] addresses and [runs] sizes, and the
-    flag addresses of layer 0 per shard."""
+    """A load's copies, a row per layer, and each layer's flag addresses [shards, layers]."""
 
-    dsts: np.ndarray
-    srcs: np.ndarray
-    sizes: np.ndarray
+    rows: CopyRows
     flags: np.ndarray
 
 
@@ -192,6 +189,7 @@ class TransferController:
         self._queuing: _Load | None = None  # a load whose later layers are still to be queued
         self._last_seq = 0  # of the newest load issued; flags only grow (copies go in order)
         self._buffers: np.ndarray | None = None  # [layers, K|V, shards] uint64 addresses
+        self._flags: np.ndarray | None = None  # [shards, layers] each layer's load flag address
         self._next_id = 0
         # *_s: per launch, its first copy's start to its last copy's end, by the copier's
         # timed marks (device-side events on a GPU), summed; a write-back's copies are queued
@@ -382,24 +380,23 @@ class TransferController:
         self._queuing = load
         upto = pool.num_layers
         if first_layers is not None:
-            layer_bytes = int(load.plan.sizes.sum()) * self.shards
+            layer_bytes = int(load.plan.rows.sizes.sum()) * self.shards
             upto = max(first_layers, -(-LOAD_HEAD_BYTES // max(layer_bytes, 1)))
         self._queue_layers(load, upto)
 
     def _plan(self, load: _Load) -> _LoadPlan:
         size = np.uint64(self.layer_bytes)
         src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
-        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * size
-        offsets = dst_pages.astype(np.uint64) * size
+        sizes = np.tile(lengths.astype(np.uint64) * size, 2)  # the K runs, then the V runs
         buffers = self._pool_buffers().transpose(2, 0, 1)[..., None]  # [shards, layers, K|V, 1]
-        # [shards, layers, 2 runs], contiguous per layer: the loop below only slices
-        dsts = np.ascontiguousarray(np.concatenate([buffers[:, :, 0] + offsets,
-                                                    buffers[:, :, 1] + offsets], axis=2))
-        srcs = np.ascontiguousarray(np.concatenate(
-            [self.host_pool.layer_addresses(0, src_pages),
-             self.host_pool.layer_addresses(1, src_pages)], axis=2), np.uint64)
-        # [shards]; layer l's flag is 4 * l bytes on
-        return _LoadPlan(dsts, srcs, sizes, self.device_pool.flag_addresses(0))
+        dsts = buffers + dst_pages.astype(np.uint64) * size
+        srcs = self.host_pool.layer_addresses(src_pages)
+        layers = self.device_pool.num_layers
+        if self._flags is None:  # the flags array is never replaced: its addresses are read once
+            self._flags = (self.device_pool.flag_addresses(0)[:, None]
+                           + np.arange(layers, dtype=np.uint64) * np.uint64(4))  # int32 flags
+        return _LoadPlan(CopyRows(dsts.reshape(self.shards, layers, -1), srcs, sizes),
+                         self._flags)
 
     def _queue_layers(self, load: _Load, upto: int) -> None:
         """Queues layers [load.queued_layers, upto) of the load, in order, each layer's flag
@@ -407,8 +404,8 @@ class TransferController:
         plan, num_layers = load.plan, self.device_pool.num_layers
         assert plan is not None
         for layer in range(load.queued_layers, min(upto, num_layers)):
-            self._copy(Direction.TO_DEVICE, plan.dsts[:, layer], plan.srcs[:, layer], plan.sizes)
-            self.copier.signal(Direction.TO_DEVICE, plan.flags + np.uint64(4 * layer), load.seq)
+            self.copier.copy_row(Direction.TO_DEVICE, plan.rows, layer)
+            self.copier.signal(Direction.TO_DEVICE, plan.flags[:, layer], load.seq)
             load.queued_layers = layer + 1
         if load.queued_layers == num_layers:
             load.landed = self._last_load = self.copier.mark(Direction.TO_DEVICE, timed=True)

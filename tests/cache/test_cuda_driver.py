@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jhicache.cache.copier import CopyRows, CudaCopier, Direction
 from jhicache.cache.cuda_driver import CudaDriver
 from tests.cache.fake_cuda import FakeCudaLib
 
@@ -51,3 +52,26 @@ def test_a_stream_waits_for_another_streams_event() -> None:
     driver.record(done, second)
     assert driver.query(done)
     np.testing.assert_array_equal(c, a)  # b was filled before c was copied from it
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "one_call_per_copy"])
+def test_copy_rows_queue_one_shards_row_from_addresses_prepared_once(batch: bool) -> None:
+    """CopyRows (a load's layers): row r of shard s copies its own entries, and nothing else."""
+    driver = CudaDriver(FakeCudaLib(batch=batch))
+    copier = CudaCopier(driver)
+    src = np.random.default_rng(1).integers(1, 1 << 30, 48, dtype=np.int64)
+    dst = np.zeros_like(src)
+    at = lambda a, i: a.ctypes.data + 8 * i  # noqa: E731
+    # [2 shards, 3 rows, 2 copies of 2 int64s]; entry (s, r, c) moves elements 2 (6s + 2r + c)
+    # and the one after: shard 1's row 1 is elements 16 to 19
+    index = np.arange(12).reshape(2, 3, 2) * 2
+    dsts = np.vectorize(lambda i: at(dst, int(i)))(index).astype(np.uint64)
+    srcs = np.vectorize(lambda i: at(src, int(i)))(index).astype(np.uint64)
+    rows = CopyRows(dsts, srcs, np.array([16, 16], np.uint64))
+    copier.copy_row(Direction.TO_DEVICE, rows, 1, shard=1)
+    copier.wait(copier.mark(Direction.TO_DEVICE))
+    expected = np.zeros_like(src)
+    expected[16:20] = src[16:20]
+    np.testing.assert_array_equal(dst, expected)
+    with pytest.raises(ValueError, match="rows, n"):
+        CopyRows(dsts[0], srcs[0], rows.sizes)

@@ -411,7 +411,12 @@ def test_host_pool_shards_split_heads_into_blocks() -> None:
         block.array.view(np.float32)[:] = shard + 1
     heads = pool.view()[1, 1, 2]  # [S, H, D]
     assert heads.shape == (4, 4, 2) and heads[:, :2].min() == 1 and heads[:, 2:].min() == 2
-    assert pool.layer_addresses(0, np.array([1])).shape == (2, 2, 1)
+    every = pool.layer_addresses(np.array([1, 2]))  # [shards, layers, K pages then V pages]
+    for shard, block in enumerate(pool.blocks):
+        for layer in range(2):
+            assert every[shard, layer].tolist() == [
+                block.address + ((layer * 2 + kv) * 3 + p) * pool.layer_page_bytes
+                for kv in (0, 1) for p in (1, 2)]
     with pytest.raises(ValueError, match="shards=3"):
         HostPool(PoolLayout(2, 3, 4, 4, 2, jnp.float32), shards=3)
     pool.close()
