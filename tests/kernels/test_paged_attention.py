@@ -304,3 +304,16 @@ def test_kernels_lower_to_triton(block_q, block_k, splits, monkeypatch):
                                num_stages=2)
     jax.jit(decode).trace(spec(8, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(8, 16), spec(8),
                           gate).lower(lowering_platforms=("cuda",))
+
+
+def test_default_stages_pipeline_wide_16_bit_heads_deeper(monkeypatch) -> None:
+    """3 stages only for 16-bit heads of 128 (the H200 sweep); what the kernel is given."""
+    assert ea.default_stages(jnp.bfloat16, 128) == 3 and ea.default_stages(jnp.float16, 128) == 3
+    assert ea.default_stages(jnp.bfloat16, 64) == 2 and ea.default_stages(jnp.float32, 128) == 2
+    seen = []
+    real = ea._extend
+    monkeypatch.setattr(ea, "_extend", lambda *a, **kw: seen.append(kw["num_stages"]) or real(
+        *a, **kw))
+    run_extend(11, [(5, 3)], 4, jnp.bfloat16, heads=2, kv_heads=1, dim=128)
+    run_extend(11, [(5, 3)], 4, jnp.bfloat16, heads=2, kv_heads=1, dim=128, num_stages=2)
+    assert seen == [3, 2]
