@@ -116,6 +116,19 @@ def traced(engine, prompt: list[int], log: list, calls: list,
             "sampled_ready_ms": ms(ready), "driver_calls": step_calls, "request": rid}
 
 
+def block_on_busy_gpu(ms: float = 10.0) -> None:
+    """Blocks the host on a chain of matmuls that keeps the default device busy about `ms`
+    (sized once from a timed run)."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    chain = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: (y @ x) * 1e-3, x))
+    start = time.perf_counter()
+    chain(x, 4).block_until_ready()
+    per = (time.perf_counter() - start) / 4
+    chain(x, max(1, int(ms / 1e3 / per))).block_until_ready()
+
+
 class Burst:
     """`nbytes` of host->device copies between buffers of its own, in 16 MB pieces, queued on the
     engine copier's load stream."""
@@ -152,6 +165,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--beside-copies", type=int, default=0, metavar="MB")
+    parser.add_argument("--after-wait", action="store_true")
     parser.add_argument("--out")
     cli = parser.parse_args()
     profile = cProfile.Profile() if cli.profile else None
@@ -181,6 +195,10 @@ def main() -> None:
             burst.start()
             out[-1]["device_hit_beside_copies"] = traced(engine, prefix + turn, log, calls)
             burst.wait()
+        if cli.after_wait:
+            turn, = bench.random_prompts(rng, vocab, 1, args.host_hit_turn)
+            block_on_busy_gpu()
+            out[-1]["device_hit_after_wait"] = traced(engine, prefix + turn, log, calls)
         print(json.dumps(out[-1]), flush=True)
     if profile is not None:
         text = io.StringIO()
