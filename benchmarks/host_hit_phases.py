@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jhicache import batch as batch_module
 from jhicache import bench
 from jhicache import engine as engine_module
 from jhicache.sampling import SamplingParams
@@ -52,6 +53,8 @@ def instrument(engine, log: list) -> None:
             obj = getattr(obj, part)
         setattr(obj, name, wrap(getattr(obj, name), name))
     engine_module.model_inputs = wrap(engine_module.model_inputs, "model_inputs")
+    for name in ("metadata_arrays", "put_int32"):  # inside model_inputs
+        setattr(batch_module, name, wrap(getattr(batch_module, name), name))
     programs = engine.runner.programs
     programs._jit = programs._jit._replace(first=wrap(programs._jit.first, "first"),
                                            rest=wrap(programs._jit.rest, "rest"))
