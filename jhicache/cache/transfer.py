@@ -7,10 +7,11 @@ How pages move
 | phase          | what runs where                                                          |
 |----------------|--------------------------------------------------------------------------|
 | queue_*        | nothing (page id lists)                                                  |
-| launch_writes  | one jitted gather of the pages into a staging array per layer (compute   |
-|                | stream, so ordered after the compute that wrote them and before any      |
-|                | compute that reuses them); its device->host copies are queued once the   |
-|                | staging is ready (`poll`), on the copier's low-priority stream           |
+| launch_writes  | jitted gathers of the pages into a staging array per layer, one per      |
+|                | power-of-two piece (`gather_pieces`; compute stream, so ordered after    |
+|                | the compute that wrote them and before any compute that reuses them);    |
+|                | the device->host copies are queued once a piece's staging is ready       |
+|                | (`poll`), on the copier's low-priority stream                            |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
 |                | donated pool buffers, then the load's sequence number stored in that     |
 |                | layer's device flag; a mark after the last (high-priority stream). May   |
@@ -108,6 +109,22 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     starts = np.concatenate([[0], cut])
     lengths = np.diff(np.concatenate([starts, [len(src)]]))
     return src[starts], dst[starts], lengths
+
+
+def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
+    """(start, size) pieces of a write-back of `pages` pages, each gathered padded to its
+    power-of-two bucket (`pow2_bucket`, so no new shape compiles). Where padding the whole would
+    waste more than an eighth of it, its largest power of two is split off and the rest pieced
+    the same way, if that gathers fewer pages in all: 129 pages gather 128 + 16, not 256."""
+    def plan(start: int, left: int) -> tuple[int, list[tuple[int, int]]]:
+        whole = (pow2_bucket(left, smallest), [(start, left)])
+        if left <= smallest or whole[0] - left <= left // 8:
+            return whole
+        size = 1 << (left.bit_length() - 1)  # the largest power of two in what is left
+        gathered, pieces = plan(start + size, left - size)
+        return (size + gathered, [(start, size)] + pieces) if size + gathered < whole[0] else whole
+
+    return plan(0, pages)[1]
 
 
 class _Write:
@@ -257,18 +274,23 @@ class TransferController:
         return ops, device, host
 
     def launch_writes(self) -> None:
-        """Dispatches the gather of every queued write-back (its host copies follow in `poll`)."""
+        """Dispatches the gathers of every queued write-back (its host copies follow in `poll`):
+        one per piece of `gather_pieces`, whose ops are reported once the last piece landed."""
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
             return
-        # padded with the last page, read again: one gather program per bucket of id lists
-        ids = np.concatenate([device,
-                              np.repeat(device[-1:], pow2_bucket(len(device)) - len(device))])
         pool = self.device_pool
-        write = _Write(ops, self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32)), host)
-        self._writes.append(write)
-        for page in host.tolist():
-            self._writing[page] = write
+        pieces = gather_pieces(len(device))
+        for i, (start, size) in enumerate(pieces):
+            ids = device[start:start + size]
+            # padded with the last page, read again: one gather program per bucket of id lists
+            ids = np.concatenate([ids, np.repeat(ids[-1:], pow2_bucket(size) - size)])
+            staging = self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32))
+            # One queue, copied in order: the last piece lands last, and carries the ops.
+            write = _Write(ops if i == len(pieces) - 1 else [], staging, host[start:start + size])
+            self._writes.append(write)
+            for page in write.host_ids.tolist():
+                self._writing[page] = write
         # The gather reads the pages before any later compute can overwrite them, but a load's
         # copy is not compute: it must wait for the gather (the cache fences freed pages on
         # every pending gather).
@@ -512,8 +534,9 @@ class TransferController:
         """Launches everything queued and blocks until every copy has finished."""
         self.launch()
         self.finish_loads()
-        jax.block_until_ready([w.staging for w in self._writes])
-        self._advance_writes(budget=math.inf)
+        for write in list(self._writes):  # each piece's copies start once its gather has run
+            jax.block_until_ready(write.staging)
+            self._advance_writes(budget=math.inf)
         for load in self._loads:
             load.wait()
         for write in self._writes:

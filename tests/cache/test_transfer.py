@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache import TransferController, make_copier, transfer
 from jhicache.cache.copier import CudaCopier, Direction, Mark
 from jhicache.cache.cuda_driver import CudaDriver
@@ -384,6 +385,45 @@ def test_fences_do_not_pile_up_on_finished_computes() -> None:
     ctl.fence_device_pages([1], [running])
     ctl.fence_device_pages([1], [finished[0]])
     assert ctl._fences[1] == [running]
+
+
+def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
+    assert transfer.gather_pieces(129) == [(0, 128), (128, 1)]  # 144 pages gathered, not 256
+    assert transfer.gather_pieces(17) == [(0, 17)]  # 16 + 16 would gather no fewer than 32
+    for pages in range(1, 2100):
+        pieces = transfer.gather_pieces(pages)
+        starts = [start for start, _ in pieces]
+        assert starts == list(np.cumsum([0] + [size for _, size in pieces[:-1]]))
+        assert sum(size for _, size in pieces) == pages and all(size > 0 for _, size in pieces)
+        gathered = sum(pow2_bucket(size) for _, size in pieces)
+        assert gathered <= pow2_bucket(pages)
+        assert len(pieces) == 1 or gathered < pow2_bucket(pages)  # a split must pay for itself
+        assert gathered - pages <= max(15, pages // 8)
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_write_back_gathered_in_pieces_lands_whole_and_reports_once(copier) -> None:
+    """33 pages: gathered as 32 + 1 (two staging arrays, two pieces of copies); the op is
+    reported once, after both, and every page lands where it belongs."""
+    cache = make_cache(1, device_pages=40, host_pages=40, copier=_copier(copier))
+    ctl = cache.controller
+    tokens = list(range(500, 533))
+    pages = cache.alloc_device(33)
+    assert pages is not None
+    write_kv(cache, tokens, pages)
+    host = list(range(39, 6, -1))  # reversed: no run to coalesce across the pieces' seam
+    ctl.queue_write_back(pages, host)
+    gathered, real = [], ctl._gather
+    ctl._gather = lambda ks, vs, ids: gathered.append(len(ids)) or real(ks, vs, ids)
+    ctl.launch()
+    assert gathered == [32, 16]  # the second piece, one page, padded to the smallest bucket
+    done = ctl.flush()
+    assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
+    for layer in range(2):
+        k, v = cache.host_pool.read_pages(layer, host)
+        want_k, want_v = expected_kv(tokens, layer, 1)
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
 
 
 def test_coalesced_runs() -> None:
