@@ -7,6 +7,10 @@ it): the engine phases of the first `step()` (timed by wrapping the engine's met
 polling without blocking, when the load had landed (its event) and when the sampled token was
 ready on the device; the same for a device hit of the same shape. Polling adds no work to the
 device; it delays the host's next step, so the step() after it is not timed.
+
+`--write-back`: also the phases of pushing the prefix to host (`bench.push_to_host`: the
+eviction, the gathers, their host copies, the wait), on the host clock from its start, with the
+copies' own span by their device-side marks; `--profile` then profiles that push instead.
 """
 
 from __future__ import annotations
@@ -34,11 +38,17 @@ PHASES = (("cache", "poll"), ("scheduler", "schedule"), ("cache", "launch_loads"
           ("cache", "alloc_device"), ("cache.controller", "_plan"),
           ("cache.controller", "_blockers"), ("cache.controller", "_advance_writes"),
           ("cache.controller", "_queue_layers"), ("cache.controller.copier", "mark"))
+WRITE_PHASES = (("cache", "evict_device"), ("cache", "_release_device"),
+                ("cache.controller", "launch_writes"), ("cache.controller", "_gather"),
+                ("cache.controller", "fence_device_pages"), ("cache.controller", "_issue_write"),
+                ("cache.controller", "check_buffers"), ("cache.controller", "poll"),
+                ("cache.controller", "flush"))
 DRIVER_CALLS = ("copy", "write_value32", "record", "query", "stream_wait")
 
 
-def instrument(engine, log: list) -> None:
-    """Wraps the phases of a step (and `model_inputs`) to append (name, start, end)."""
+def instrument(engine, log: list, write_back: bool = False) -> None:
+    """Wraps the phases of a step (and `model_inputs`; with `write_back`, those of a
+    write-back too) to append (name, start, end)."""
     def wrap(fn: Callable, name: str) -> Callable:
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -47,7 +57,7 @@ def instrument(engine, log: list) -> None:
             return out
         return timed
 
-    for owner, name in PHASES:
+    for owner, name in PHASES + (WRITE_PHASES if write_back else ()):
         obj = engine
         for part in owner.split(".") if owner else ():
             obj = getattr(obj, part)
@@ -119,6 +129,27 @@ def traced(engine, prompt: list[int], log: list, calls: list,
             "sampled_ready_ms": ms(ready), "driver_calls": step_calls, "request": rid}
 
 
+def traced_write_back(engine, log: list, calls: list,
+                      profile: cProfile.Profile | None = None) -> dict:
+    """`bench.push_to_host` with its phases on the host clock from its start (ms), and its
+    copies' span by their device-side marks."""
+    log.clear()
+    calls.clear()
+    before = engine.stats()
+    if profile is not None:
+        profile.enable()
+    t0 = time.perf_counter()
+    seconds = bench.push_to_host(engine)
+    if profile is not None:
+        profile.disable()
+    after = engine.stats()
+    ms = lambda t: round((t - t0) * 1e3, 3)  # noqa: E731
+    return {"phases": [(n, ms(a), ms(b)) for n, a, b in log], "end_to_end_ms": seconds * 1e3,
+            "copies_ms": (after.write_back_s - before.write_back_s) * 1e3,
+            "bytes": after.write_back_bytes - before.write_back_bytes,
+            "driver_calls": summarize(calls)}
+
+
 def block_on_busy_gpu(ms: float = 10.0) -> None:
     """Blocks the host on a chain of matmuls that keeps the default device busy about `ms`
     (sized once from a timed run)."""
@@ -169,6 +200,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--beside-copies", type=int, default=0, metavar="MB")
     parser.add_argument("--after-wait", action="store_true")
+    parser.add_argument("--write-back", action="store_true")
     parser.add_argument("--out")
     cli = parser.parse_args()
     profile = cProfile.Profile() if cli.profile else None
@@ -180,7 +212,7 @@ def main() -> None:
     bench.host_hit_trial(engine, rng, args)  # compiles every shape
     log: list = []
     calls: list = []
-    instrument(engine, log)
+    instrument(engine, log, cli.write_back)
     instrument_driver(engine, calls)
     vocab = engine.model_config.vocab_size
     burst = Burst(engine, cli.beside_copies << 20) if cli.beside_copies else None
@@ -189,10 +221,16 @@ def main() -> None:
         prefix, = bench.random_prompts(rng, vocab, 1, args.host_hit_prefix)
         turns = bench.random_prompts(rng, vocab, 3, args.host_hit_turn)
         bench.ttft_of(engine, prefix + turns[0])
-        bench.push_to_host(engine)
-        host = traced(engine, prefix + turns[1], log, calls, profile)
+        if cli.write_back:
+            pushed = traced_write_back(engine, log, calls, profile)
+        else:
+            bench.push_to_host(engine)
+        host = traced(engine, prefix + turns[1], log, calls,
+                      None if cli.write_back else profile)
         device = traced(engine, prefix + turns[2], log, calls)
         out.append({"host_hit": host, "device_hit": device})
+        if cli.write_back:
+            out[-1]["write_back"] = pushed
         if burst is not None:
             turn, = bench.random_prompts(rng, vocab, 1, args.host_hit_turn)
             burst.start()
