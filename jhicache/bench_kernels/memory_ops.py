@@ -113,9 +113,9 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
 
 def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: int = 128,
             pool_pages: int = 4096, **_: int) -> None:
-    """A write-back's staging gather as the engine runs it (XLA gathers, one [2, n, S, H, D]
-    array per layer) of `pages` scattered pages of every layer (8192 tokens at page 64). Bytes
-    moved count a read and a write of each page; compare hbm_copy_gbps."""
+    """A write-back's staging gather as the engine runs it (XLA gathers into one
+    [layers, 2, n, S, H, D] array) of `pages` scattered pages of every layer (8192 tokens at
+    page 64). Bytes moved count a read and a write of each page; compare hbm_copy_gbps."""
     from jhicache.cache import transfer  # the engine's gather, a private program of its controller
 
     shape = (pool_pages, PAGE, kv_heads, dim)

@@ -7,8 +7,8 @@ How pages move
 | phase          | what runs where                                                          |
 |----------------|--------------------------------------------------------------------------|
 | queue_*        | nothing (page id lists)                                                  |
-| launch_writes  | jitted gathers of the pages into a staging array per layer, one per      |
-|                | power-of-two piece (`gather_pieces`; compute stream, so ordered after    |
+| launch_writes  | jitted gathers of the pages into one staging array, one per power-of-two |
+|                | piece (`gather_pieces`; compute stream, so ordered after                 |
 |                | the compute that wrote them and before any compute that reuses them);    |
 |                | the device->host copies are queued once a piece's staging is ready       |
 |                | (`poll`), on the copier's low-priority stream                            |
@@ -79,10 +79,11 @@ class TransferOp(NamedTuple):
 
 
 def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
-                 ids: jax.Array) -> tuple[jax.Array, ...]:
-    """Per layer, pages `ids` of K then V -> one contiguous [2, n, S, H, D] staging array (an
-    XLA gather: whole pages, every element independent)."""
-    return tuple(jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs))
+                 ids: jax.Array) -> jax.Array:
+    """Pages `ids` of every layer's K then V -> one contiguous [layers, 2, n, S, H, D] staging
+    array (an XLA gather: whole pages, every element independent). One array, not one per
+    layer: the host reads one address per piece, and the dispatch has one output to set up."""
+    return jnp.stack([jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs)])
 
 
 _gather_kv = jax.jit(_stack_pages)
@@ -90,13 +91,14 @@ _gather_kv = jax.jit(_stack_pages)
 
 def _sharded_gather(pool: PagePool):
     """`_gather_kv` whose staging stays split as the pool's pages are (on the head axis, one
-    contiguous [2, n, S, H / shards, D] buffer per device), so each device's shard of a page is
-    copied to its own host block. Stated, not left to propagation: the copies rely on it."""
+    contiguous [layers, 2, n, S, H / shards, D] buffer per device), so each device's shard of a
+    page is copied to its own host block. Stated, not left to propagation: the copies rely on
+    it."""
     sharding = pool.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise ValueError(f"a page pool over several devices needs a NamedSharding, got {sharding}")
     staging = jax.sharding.NamedSharding(sharding.mesh,
-                                         jax.sharding.PartitionSpec(None, *sharding.spec))
+                                         jax.sharding.PartitionSpec(None, None, *sharding.spec))
     return jax.jit(_stack_pages, out_shardings=staging)
 
 
@@ -127,12 +129,21 @@ def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
     return plan(0, pages)[1]
 
 
+class _WriteRows(NamedTuple):
+    """A staged write's copies: [shards, layers, K runs then V runs] addresses, one size per
+    run of a layer."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+
+
 class _Write:
     """One merged write-back launch: staged on device, then copied to host."""
 
-    def __init__(self, ops: list[TransferOp], staging: tuple[jax.Array, ...],
-                 host_ids: np.ndarray) -> None:
+    def __init__(self, ops: list[TransferOp], staging: jax.Array, host_ids: np.ndarray) -> None:
         self.ops, self.staging, self.host_ids = ops, staging, host_ids
+        self.rows: _WriteRows | None = None  # its copies, built once its staging is ready
         self.next_layer = 0  # the next layer whose host copies to queue
         self.start: Mark | None = None  # timed, before its first host copy
         self.mark: Mark | None = None  # timed, set once all its host copies are queued
@@ -243,9 +254,15 @@ class TransferController:
     def fence_device_pages(self, pages: Sequence[int], computes: Sequence[jax.Array]) -> None:
         """No load copies into `pages` before each of `computes` (outputs of dispatched
         programs that may still touch them) is ready."""
+        ready: dict[int, bool] = {}  # each array asked once: pages are many, computes few
+
+        def unready(compute: jax.Array) -> bool:
+            return not ready.setdefault(id(compute), compute.is_ready())
+
+        computes = [c for c in computes if unready(c)]
         for page in pages:
-            fences = [f for f in self._fences.get(page, ()) if not f.is_ready()]  # none piles up
-            fences += [c for c in computes if all(c is not f for f in fences) and not c.is_ready()]
+            fences = [f for f in self._fences.get(page, ()) if unready(f)]  # none piles up
+            fences += [c for c in computes if all(c is not f for f in fences)]
             if fences:
                 self._fences[page] = fences
             else:
@@ -254,7 +271,7 @@ class TransferController:
     def pending_gathers(self) -> list[jax.Array]:
         """The write-back gathers dispatched and not known to have run: they may still read
         any page the cache frees now."""
-        return [w.staging[-1] for w in self._writes if w.mark is None]
+        return [w.staging for w in self._writes if w.mark is None]
 
     # -- launching -----------------------------------------------------------------------------
 
@@ -306,29 +323,33 @@ class TransferController:
         self.finish_loads()  # every load issued so far is then behind `_last_load`
         if self._last_load is not None:
             self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
-        rows = np.arange(len(write.host_ids))
-        src_rows, dst_pages, lengths = runs(rows, write.host_ids)
-        sizes = np.concatenate([lengths, lengths]).astype(np.uint64) * np.uint64(self.layer_bytes)
-        padded = write.staging[0].shape[1]
-        offsets = (np.concatenate([src_rows, padded + src_rows]).astype(np.uint64)
-                   * np.uint64(self.layer_bytes))
-        if write.start is None:
+        if write.rows is None:
+            write.rows = self._write_rows(write)
             write.start = self.copier.mark(Direction.TO_HOST, timed=True)
-        dsts, srcs = [], []  # per layer of the piece: [shards, K and V runs]
-        while write.next_layer < len(write.staging) and budget > 0:
-            layer = write.next_layer
-            dsts.append(np.concatenate([self.host_pool.addresses(layer, 0, dst_pages),
-                                        self.host_pool.addresses(layer, 1, dst_pages)], axis=1))
-            staging = np.asarray(self.device_pool.shard_pointers(write.staging[layer]), np.uint64)
-            srcs.append(staging[:, None] + offsets)
-            write.next_layer += 1
-            budget -= float(sizes.sum())
-        if dsts:
-            self._copy(Direction.TO_HOST, np.concatenate(dsts, axis=1),
-                       np.concatenate(srcs, axis=1), np.tile(sizes, len(dsts)))
-        if write.next_layer == len(write.staging):
+        rows, layers = write.rows, self.device_pool.num_layers
+        layer_bytes = float(rows.sizes.sum())  # of one device shard, on its own copy stream
+        first = write.next_layer
+        more = layers if math.isinf(budget) else max(1, math.ceil(budget / layer_bytes))
+        write.next_layer = min(layers, first + more)
+        self._copy(Direction.TO_HOST, rows.dsts[:, first:write.next_layer].reshape(self.shards, -1),
+                   rows.srcs[:, first:write.next_layer].reshape(self.shards, -1),
+                   np.tile(rows.sizes, write.next_layer - first))
+        if write.next_layer == layers:
             write.mark = self.copier.mark(Direction.TO_HOST, timed=True)
-        return budget
+        return budget - layer_bytes * (write.next_layer - first)
+
+    def _write_rows(self, write: _Write) -> _WriteRows:
+        """Every layer's copies of a staged write, from one address per device shard: row i of
+        the staging (a piece's i-th page) goes to host page host_ids[i], coalesced into runs."""
+        size = np.uint64(self.layer_bytes)
+        src_rows, dst_pages, lengths = runs(np.arange(len(write.host_ids)), write.host_ids)
+        layers, _, padded = write.staging.shape[:3]
+        kv_rows = np.concatenate([src_rows, padded + src_rows]).astype(np.uint64)
+        rows = np.arange(layers, dtype=np.uint64)[:, None] * np.uint64(2 * padded) + kv_rows
+        base = np.asarray(self.device_pool.shard_pointers(write.staging), np.uint64)
+        return _WriteRows(self.host_pool.layer_addresses(dst_pages),
+                          base[:, None, None] + rows * size,
+                          np.tile(lengths.astype(np.uint64) * size, 2))
 
     def launch_loads(self, first_layers: int | None = None) -> None:
         """Starts every queued load-back whose pages are free of fences; the rest start once
@@ -378,7 +399,7 @@ class TransferController:
         if staged:  # writes go out oldest first: every one before the newest it needs, too
             newest = max(self._writes.index(w) for w in staged)
             staged = [w for w in self._writes[:newest + 1] if w.mark is None]
-        for compute in fences + [w.staging[-1] for w in staged]:
+        for compute in fences + [w.staging for w in staged]:
             compute.block_until_ready()
         self._advance_writes(budget=math.inf)
         self._issue_load(load)
@@ -488,7 +509,7 @@ class TransferController:
                 return
             if write.mark is not None:
                 continue
-            if not write.staging[-1].is_ready():
+            if not write.staging.is_ready():
                 return
             budget = self._issue_write(write, budget)
 
