@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -127,6 +127,20 @@ def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
         return (size + gathered, [(start, size)] + pieces) if size + gathered < whole[0] else whole
 
     return plan(0, pages)[1]
+
+
+def _ready_once() -> Callable[[jax.Array], bool]:
+    """`is_ready`, asked of each array once (by identity) however often it is called: the
+    fences of many pages are a few computes, and each `is_ready` is a call into the runtime.
+    Arrays stay alive while it is used, so their ids are not reused."""
+    seen: dict[int, bool] = {}
+
+    def ready(array: jax.Array) -> bool:
+        if id(array) not in seen:
+            seen[id(array)] = array.is_ready()
+        return seen[id(array)]
+
+    return ready
 
 
 class _WriteRows(NamedTuple):
@@ -254,14 +268,10 @@ class TransferController:
     def fence_device_pages(self, pages: Sequence[int], computes: Sequence[jax.Array]) -> None:
         """No load copies into `pages` before each of `computes` (outputs of dispatched
         programs that may still touch them) is ready."""
-        ready: dict[int, bool] = {}  # each array asked once: pages are many, computes few
-
-        def unready(compute: jax.Array) -> bool:
-            return not ready.setdefault(id(compute), compute.is_ready())
-
-        computes = [c for c in computes if unready(c)]
+        ready = _ready_once()
+        computes = [c for c in computes if not ready(c)]
         for page in pages:
-            fences = [f for f in self._fences.get(page, ()) if unready(f)]  # none piles up
+            fences = [f for f in self._fences.get(page, ()) if not ready(f)]  # none piles up
             fences += [c for c in computes if all(c is not f for f in fences)]
             if fences:
                 self._fences[page] = fences
@@ -493,9 +503,9 @@ class TransferController:
     # -- completion ----------------------------------------------------------------------------
 
     def _prune_fences(self) -> None:
-        ready: dict[int, bool] = {}
+        ready = _ready_once()
         for page, computes in list(self._fences.items()):
-            computes[:] = [c for c in computes if not ready.setdefault(id(c), c.is_ready())]
+            computes[:] = [c for c in computes if not ready(c)]
             if not computes:
                 del self._fences[page]
 
