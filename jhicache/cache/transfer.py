@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -129,18 +129,13 @@ def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
     return plan(0, pages)[1]
 
 
-def _ready_once() -> Callable[[jax.Array], bool]:
-    """`is_ready`, asked of each array once (by identity) however often it is called: the
-    fences of many pages are a few computes, and each `is_ready` is a call into the runtime.
-    Arrays stay alive while it is used, so their ids are not reused."""
-    seen: dict[int, bool] = {}
+class _Fence(NamedTuple):
+    """A dispatched compute that may still touch some device pages: no load copies into them
+    before it is ready. Kept per compute, not per page: a step frees many pages and the fences
+    are asked of often (every poll), each `is_ready` a call into the runtime."""
 
-    def ready(array: jax.Array) -> bool:
-        if id(array) not in seen:
-            seen[id(array)] = array.is_ready()
-        return seen[id(array)]
-
-    return ready
+    compute: jax.Array
+    pages: set[int]
 
 
 class _WriteRows(NamedTuple):
@@ -226,7 +221,7 @@ class TransferController:
         self._writes: list[_Write] = []  # launched, not retired
         self._loads: list[_Load] = []  # launched, not retired
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
-        self._fences: dict[int, list[jax.Array]] = {}  # device page -> compute that may touch it
+        self._fences: dict[int, _Fence] = {}  # id of a compute (held by its fence) -> its fence
         self._last_load: Mark | None = None  # after the newest load's last copy
         self._queuing: _Load | None = None  # a load whose later layers are still to be queued
         self._last_seq = 0  # of the newest load issued; flags only grow (copies go in order)
@@ -268,15 +263,16 @@ class TransferController:
     def fence_device_pages(self, pages: Sequence[int], computes: Sequence[jax.Array]) -> None:
         """No load copies into `pages` before each of `computes` (outputs of dispatched
         programs that may still touch them) is ready."""
-        ready = _ready_once()
-        computes = [c for c in computes if not ready(c)]
-        for page in pages:
-            fences = [f for f in self._fences.get(page, ()) if not ready(f)]  # none piles up
-            fences += [c for c in computes if all(c is not f for f in fences)]
-            if fences:
-                self._fences[page] = fences
-            else:
-                self._fences.pop(page, None)
+        self._prune_fences()  # none piles up
+        for compute in computes:
+            if compute.is_ready():
+                continue
+            fence = self._fences.setdefault(id(compute), _Fence(compute, set()))
+            fence.pages.update(pages)
+
+    def fences_on(self, page: int) -> list[jax.Array]:
+        """The computes still fencing a device page (as last asked)."""
+        return [f.compute for f in self._fences.values() if page in f.pages]
 
     def pending_gathers(self) -> list[jax.Array]:
         """The write-back gathers dispatched and not known to have run: they may still read
@@ -388,10 +384,11 @@ class TransferController:
         """What holds `load` back: unready fences on its device pages, unqueued writes of its host
         pages."""
         self._prune_fences()
-        fences = {id(f): f for p in load.device_ids.tolist() for f in self._fences.get(p, ())}
+        pages = set(load.device_ids.tolist())
+        fences = [f.compute for f in self._fences.values() if not pages.isdisjoint(f.pages)]
         writes = {id(w): w for p in load.host_ids.tolist()
                   if (w := self._writing.get(p)) is not None}
-        return list(fences.values()), [w for w in writes.values() if w.mark is None]
+        return fences, [w for w in writes.values() if w.mark is None]
 
     def _try_issue(self, load: _Load, first_layers: int | None = None) -> None:
         self._advance_writes()
@@ -503,11 +500,8 @@ class TransferController:
     # -- completion ----------------------------------------------------------------------------
 
     def _prune_fences(self) -> None:
-        ready = _ready_once()
-        for page, computes in list(self._fences.items()):
-            computes[:] = [c for c in computes if not ready(c)]
-            if not computes:
-                del self._fences[page]
+        for key in [key for key, fence in self._fences.items() if fence.compute.is_ready()]:
+            del self._fences[key]
 
     def _advance_writes(self, budget: float | None = None) -> None:
         """Queues host copies of staged writes, strictly oldest first (two may write one host

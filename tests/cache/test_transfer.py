@@ -287,6 +287,25 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     assert ticket.launched and ctl.poll() is not None
 
 
+def test_a_fence_holds_only_loads_into_its_own_pages() -> None:
+    """A compute fencing one page does not hold a load into another page back."""
+    cache = make_cache(4, device_pages=4, host_pages=4)
+    ctl = cache.controller
+    pages = _written_back(cache, list(range(8)), [0, 1])
+    running = _Compute()
+    ctl.fence_device_pages(pages[:1], [running])
+    assert ctl.fences_on(pages[0]) == [running] and ctl.fences_on(pages[1]) == []
+    other = ctl.queue_load_back([1], pages[1:])
+    ctl.launch()
+    assert other.launched and not running.ready
+    held = ctl.queue_load_back([0], pages[:1])
+    ctl.launch()
+    ctl.poll()
+    assert not held.launched or not held.done()
+    held.wait_all()
+    assert running.ready and held.done()
+
+
 def test_fences_on_one_page_add_up() -> None:
     """A page freed twice keeps both fences: a later, finished compute does not lift an
     earlier one that is still running."""
@@ -378,13 +397,13 @@ def test_fences_do_not_pile_up_on_finished_computes() -> None:
         ctl.fence_device_pages([1, 2], [compute])
         compute.ready = True  # the step ended
         finished.append(compute)
-    assert len(ctl._fences[1]) == 1  # each new fence let the finished ones go
+    assert len(ctl.fences_on(1)) == 1  # each new fence let the finished ones go
     ctl.poll()
-    assert not ctl._fences  # and a poll lets go of the rest, with no load waiting
+    assert not ctl.fences_on(1) and not ctl.fences_on(2)  # a poll lets go of the rest
     running = _Compute()
     ctl.fence_device_pages([1], [running])
     ctl.fence_device_pages([1], [finished[0]])
-    assert ctl._fences[1] == [running]
+    assert ctl.fences_on(1) == [running]
 
 
 def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
