@@ -53,11 +53,6 @@ class HostPool:
     def pinned(self) -> bool:
         return all(b.pinned for b in self.blocks)
 
-    def addresses(self, layer: int, kv: int, pages: np.ndarray) -> np.ndarray:
-        """[shards, len(pages)] uint64 addresses of `pages` (int array) of one layer's K (kv=0) or
-        V."""
-        return self.base + self._offsets(np.uint64(layer * 2 + kv), pages)
-
     def layer_addresses(self, pages: np.ndarray) -> np.ndarray:
         """[shards, layers, 2 * len(pages)] uint64 addresses of `pages` of every layer's K, then
         of its V."""

@@ -462,7 +462,7 @@ def test_host_pool_shards_split_heads_into_blocks() -> None:
 
     pool = HostPool(PoolLayout(2, 3, 4, 4, 2, jnp.float32), shards=2)  # 2 heads per block
     assert pool.layer_page_bytes == 4 * 2 * 2 * 4 and len(pool.blocks) == 2
-    addrs = pool.addresses(1, 1, np.array([2, 0]))
+    addrs = pool.layer_addresses(np.array([2, 0]))[:, 1, 2:]  # layer 1's V of pages 2 and 0
     assert addrs.shape == (2, 2)
     for shard, block in enumerate(pool.blocks):
         assert addrs[shard].tolist() == [
