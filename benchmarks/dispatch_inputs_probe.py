@@ -16,7 +16,6 @@ It prints the median host milliseconds of each and writes them with every sample
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
+from jhicache.bench import save_json
 
 
 def dispatch_ms(engine: Engine, inputs) -> float:
@@ -65,11 +65,8 @@ def main() -> None:
     print(f"{cli.preset}, {cli.prefix} + 64: host dispatch of both programs, median of "
           f"{cli.reps}: same inputs {medians['same']:.3f} ms, fresh inputs "
           f"{medians['fresh']:.3f} ms")
-    if cli.out:
-        with open(cli.out, "w") as f:
-            json.dump({"preset": cli.preset, "prefix": cli.prefix, "device":
-                       jax.devices()[0].device_kind, "median_ms": medians, "samples_ms": samples},
-                      f, indent=1)
+    save_json({"preset": cli.preset, "prefix": cli.prefix, "device": jax.devices()[0].device_kind,
+               "median_ms": medians, "samples_ms": samples}, cli.out)
 
 
 if __name__ == "__main__":

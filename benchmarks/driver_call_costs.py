@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhicache.bench import save_json
 from jhicache.cache.cuda_driver import CudaDriver, load_library
 from jhicache.cache.host_memory import HostMemory
 
@@ -84,9 +85,7 @@ def main() -> None:
     out["query"] = median_us(lambda i: drv.query(event), sync)
     host.close()
     print(json.dumps(out, indent=1))
-    if cli.out:
-        with open(cli.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, cli.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import numpy as np
 from jhicache import batch as batch_module
 from jhicache import bench
 from jhicache import engine as engine_module
+from jhicache.bench import save_json
 from jhicache.sampling import SamplingParams
 
 PHASES = (("cache", "poll"), ("scheduler", "schedule"), ("cache", "launch_loads"),
@@ -245,9 +246,7 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(cli.profile)
         print(text.getvalue())
-    if cli.out:
-        with open(cli.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, cli.out)
 
 
 if __name__ == "__main__":

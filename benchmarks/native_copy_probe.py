@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhicache.bench import save_json
 from jhicache.cache.cuda_driver import CudaDriver, load_library
 from jhicache.cache.host_memory import HostMemory
 
@@ -138,9 +139,7 @@ def main() -> None:
     out["pinning"] = [pinning(drv, int(g)) for g in args.pin_gib.split(",")]
     text = json.dumps(out, indent=1)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    save_json(out, args.out)
 
 
 if __name__ == "__main__":

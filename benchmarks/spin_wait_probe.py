@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jhicache.bench import save_json
+
 LAYERS, LAYER_BYTES = 28, 8192 * 4 * 128 * 2 * 2  # K and V of 8192 tokens, 4 heads x 128, bf16
 BLOCK = 4096  # bf16 elements per program (Triton blocks are powers of two)
 FLAG_SLOTS = 32  # one per layer, padded to a power of two
@@ -258,9 +260,7 @@ def main() -> None:
     else:
         result = diagnose() if args.diagnose else gpu_probe(args.read)
     print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ an API. It runs the model programs only; the engine step also samples and reads 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
+from jhicache.bench import save_json
 
 
 def forward_alone_ms(engine: Engine, n: int) -> float:
@@ -118,9 +118,7 @@ def main() -> None:
               f"({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
         print("  device-hit first step by phase (ms, median): "
               + ", ".join(f"{k} {v:.2f}" for k, v in h["host_phases_ms"].items()), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":
