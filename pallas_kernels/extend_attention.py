@@ -279,9 +279,10 @@ def paged_attention(
 
 
 def default_stages(dtype: jnp.dtype, head_dim: int) -> int:
-    """Pipeline stages where the caller names none: 3 for 16-bit heads of 128 (each of Qwen2-7B's
-    extend and prefill shapes ran 2-6% faster with 3 than with 2 on the H200), else 2 (0.5B's
-    heads of 64 ran slower with 3; float32 blocks would outgrow shared memory)."""
+    """Pipeline stages where the caller names none: 3 for 16-bit heads of 128, where Qwen2-7B's
+    extend and prefill shapes ran faster with 3 than with 2 on the H200, else 2 (0.5B's heads
+    of 64 ran slower with 3; float32 blocks would outgrow shared memory). The sweep's figures
+    are in BENCHMARKS.md (the kernel targets)."""
     return 3 if jnp.dtype(dtype).itemsize == 2 and head_dim >= 128 else 2
 
 

@@ -29,7 +29,7 @@ _BATCH_ABI = 13000  # cuMemcpyBatchAsync as of CUDA 13 (no failIdx argument)
 
 def _address(array: np.ndarray) -> int:
     """The address of a C-contiguous array's data; through a ctypes view of its buffer, which
-    costs a third of `array.ctypes.data` (only read-only arrays take that way)."""
+    costs less host time than `array.ctypes.data` (only read-only arrays take that way)."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(array))
     except (TypeError, ValueError):  # read-only, or empty
