@@ -11,6 +11,7 @@ from jhicache.models.sharding import LOCAL, Collectives
 from jhicache.pallas_kernels import LayerGate
 from jhicache.pallas_kernels.decode_attention import paged_decode_attention
 from jhicache.pallas_kernels.extend_attention import paged_attention
+from jhicache.pallas_kernels.fresh_attention import attend_fresh_apart
 from jhicache.pallas_kernels.kv_write import write_kv
 
 _INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations O(1)
@@ -64,20 +65,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-           sm_scale: float, layer: int) -> jax.Array:
-    """Paged attention of q [T, H, D] over layer `layer`'s cache, by the decode kernel when the
-    batch is decode-only. This is where a forward waits for loaded pages: with `load_flags`, the
-    kernel first waits on the device until the layer's flag says its loads have landed."""
+def attend(q: jax.Array, new_kv: tuple[jax.Array, jax.Array], k_pages: jax.Array,
+           v_pages: jax.Array, meta: AttentionMetadata, sm_scale: float, layer: int) -> jax.Array:
+    """Paged attention of q [T, H, D] over layer `layer`'s cache (this step's K/V, `new_kv`, written
+    in it), by the decode kernel when the batch is decode-only; a long extend batch hands its new
+    tokens' attention among themselves to cuDNN (`attend_fresh_apart`). This is where a forward
+    waits for loaded pages: with `load_flags`, the kernel first waits on the device until the
+    layer's flag says its loads have landed."""
     gate = None
     if meta.load_flags is not None:
         gate = LayerGate(meta.load_flags, meta.load_seq, jnp.full((1,), layer, jnp.int32))
     if meta.decode_only:
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens,
                                       sm_scale=sm_scale, gate=gate)
+    apart = attend_fresh_apart(q.shape[0], q.dtype)
     return paged_attention(
         q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start, meta.query_lens,
-        sm_scale=sm_scale, gate=gate
+        sm_scale=sm_scale, gate=gate, new_kv=new_kv if apart else None
     )
 
 
@@ -110,7 +114,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(t, -1, d)  # [T, KV, D]
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req,
                                     meta.positions)
-        out = attend(q, k_pages, v_pages, meta, d**-0.5, layer)  # [T, H, D]
+        out = attend(q, (k, v), k_pages, v_pages, meta, d**-0.5, layer)  # [T, H, D]
         return comm.sum(self.o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
 
 

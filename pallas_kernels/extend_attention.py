@@ -26,6 +26,7 @@ from jhicache.pallas_kernels._attention import (
 )
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels.fresh_attention import check_back_to_back, fresh_attention
 from jhicache.pallas_kernels.tuning import KernelTuning, default_tuning
 
 __all__ = ["choose_extend_splits", "default_stages", "paged_attention",
@@ -81,36 +82,68 @@ def _key_range(hi, s, *, splits: int, block_k: int):
             jnp.minimum(hi, (s + 1) * blocks // splits * block_k))
 
 
+def _prefix_attend(pt_ref, k_ref, v_ref, q, b, hk, lo, end, init, *, sm_scale, block_k,
+                   page_size):
+    """Online softmax of the tile over cached keys [lo, end) (lo a multiple of block_k), all
+    visible to every row, continuing from `init`: the whole blocks without mask work, then the
+    last partial block masked by its end."""
+    kw = dict(sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+    full = lo + (end - lo) // block_k * block_k
+    carry = attend(pt_ref, k_ref, v_ref, q, b, hk, lo, full, None, init=init, **kw)
+    every = lambda tok: jnp.broadcast_to((tok >= 0)[None, :], (q.shape[0], block_k))  # noqa: E731
+    return attend(pt_ref, k_ref, v_ref, q, b, hk, full, end, every, init=carry, **kw)
+
+
 def _extend_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_size, num_tiles,
-                   splits):
+                   splits, cont):
     """Program (row tile, split, kv head, b): block_q packed query rows of request b over split s's
     share of their keys. A GQA group shares each K/V block load and dot (no padding of the group).
     One split: writes the normalised output. Several: the split's normalised partial output
     (rows s * T * H + row) and its base-2 log-sum-exp, merged by `_merge_call`.
 
+    `cont`: the new tokens' attention among themselves was computed apart (`fresh_attention`):
+    the programs read only the cached prefix, keys [0, seq_len - query_len), visible to every
+    row. One split continues from that state in place (the output aliases o0, lse0 an input), and
+    a request without a prefix has nothing to add: its programs do nothing. Several splits leave
+    the state to the merge.
+
     The row tile is the fastest grid axis, so the tiles that read the same keys run side by side
     and all but the first find them in L2."""
     pt_ref, lens_ref, qstart_ref, qlen_ref, q_ref, k_ref, v_ref, *out_refs = split_gate(refs,
                                                                                       gated)
+    if cont and splits == 1:
+        lse0_ref, *out_refs = out_refs
     # heaviest (latest, most keys) tiles launch first: shorter tail
     tile = num_tiles - 1 - pl.program_id(0)
     s, hk, b = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    live = tile * block_q < qlen_ref[b] * group
+    if cont and splits == 1:  # the output holds the new tokens' state already
+        live &= lens_ref[b] > qlen_ref[b]
 
-    @pl.when(tile * block_q < qlen_ref[b] * group)
+    @pl.when(live)
     def _():
         rows, pos, lo_pos, hi = _tile(lens_ref, qstart_ref, qlen_ref, b, hk, tile, group=group,
                                       heads=heads, block_q=block_q)
+        if cont:
+            hi = lens_ref[b] - qlen_ref[b]  # the cached prefix
         lo, end = _key_range(hi, s, splits=splits, block_k=block_k)
         row_idx, cols = _row_cols(rows, q_ref.shape[1])
         q = q_ref[row_idx, cols].astype(k_ref.dtype)
-        acc, m, l = _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, lo, end,
-                                   sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+        kw = dict(sm_scale=sm_scale, block_k=block_k, page_size=page_size)
+        if not cont:
+            acc, m, l = _causal_attend(pt_ref, k_ref, v_ref, q, b, hk, pos, lo_pos, lo, end, **kw)
+        else:
+            init = None
+            if splits == 1:  # the new tokens' state: normalised output, so l = 1 at m = lse0
+                m0 = lse0_ref[rows]
+                init = (out_refs[0][row_idx, cols].astype(jnp.float32), m0, jnp.ones_like(m0))
+            acc, m, l = _prefix_attend(pt_ref, k_ref, v_ref, q, b, hk, lo, end, init, **kw)
         # Rows that see no key of the range (l = 0): output 0 and log-sum-exp NEG, which the merge
         # weighs at exp2(NEG - max) = 0.
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[:, None]
         if splits == 1:
-            _zeros_in, o_ref = out_refs  # the output aliases the zeros input
+            _start, o_ref = out_refs  # the output aliases its start: zeros, or o0 with `cont`
             o_ref[row_idx, cols] = out.astype(o_ref.dtype)
             return
         o_ref, lse_ref = out_refs
@@ -119,11 +152,13 @@ def _extend_kernel(*refs, gated, group, heads, sm_scale, block_q, block_k, page_
         lse_ref[part] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), NEG)
 
 
-def _merge_kernel(qstart_ref, qlen_ref, o_ref, lse_ref, out_ref, *, splits, heads, block_rows):
+def _merge_kernel(qstart_ref, qlen_ref, o_ref, lse_ref, *refs, splits, heads, block_rows):
     """Program i: flat output rows [i * block_rows, ...) (row = token * H + head) from the splits'
-    partial outputs and log-sum-exps; rows of padding tokens, which no split program wrote (they
+    partial outputs and log-sum-exps, and the new tokens' own state where it was computed apart
+    (refs o0, lse0 before the output); rows of padding tokens, which no split program wrote (they
     hold garbage, NaN maybe), come out as zeros. Reads no page, so it needs no gate: it runs after
     the split kernel, which waited."""
+    *fresh_refs, out_ref = refs
     n = out_ref.shape[0]
     # Rows past the end redo the last row: the same values to the same place, no mask needed.
     rows = jnp.minimum(pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32),
@@ -135,14 +170,19 @@ def _merge_kernel(qstart_ref, qlen_ref, o_ref, lse_ref, out_ref, *, splits, head
         return count + ((tok >= start) & (tok < start + qlen_ref[b])).astype(jnp.int32)
 
     valid = jax.lax.fori_loop(0, qstart_ref.shape[0], live, jnp.zeros_like(rows)) > 0
-    lses = [lse_ref[s * n + rows] for s in range(splits)]  # splits is static: unrolled
-    top = functools.reduce(jnp.maximum, lses)
+    # (log-sum-exp, rows of o) of each split (static count: unrolled), then the new tokens' own
+    parts = [(lse_ref[s * n + rows], o_ref, s * n + rows) for s in range(splits)]
+    if fresh_refs:
+        o0_ref, lse0_ref = fresh_refs
+        parts.append((lse0_ref[rows], o0_ref, rows))
+    top = functools.reduce(jnp.maximum, [lse for lse, _, _ in parts])
     total = jnp.zeros((block_rows,), jnp.float32)
     acc = jnp.zeros((block_rows, out_ref.shape[1]), jnp.float32)
-    for s, lse in enumerate(lses):
-        w = jnp.exp2(lse - top)  # the largest split weighs 1, so total >= 1
+    for lse, part_ref, part_rows in parts:
+        w = jnp.exp2(lse - top)  # the largest part weighs 1, so total >= 1
         total = total + w
-        acc = acc + w[:, None] * o_ref[_row_cols(s * n + rows, o_ref.shape[1])].astype(jnp.float32)
+        acc = acc + w[:, None] * part_ref[_row_cols(part_rows, out_ref.shape[1])].astype(
+            jnp.float32)
     out = jnp.where(valid[:, None], acc / total[:, None], 0.0)
     out_ref[_row_cols(rows, out_ref.shape[1])] = out.astype(out_ref.dtype)
 
@@ -152,24 +192,32 @@ def _params(num_warps: int, num_stages: int) -> dict:
                 compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
-def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, gate, *,
-                 group, splits, sm_scale, block_q, block_k, page_size, num_warps, num_stages):
-    """q_rows: [T * H, D]; k/v_flat: [pages*S, Hkv, D]. splits 1: the output [T * H, D], starting as
-    zeros (aliased) so padding rows stay 0. splits > 1: partials (out [splits * T * H, D] in q's
-    dtype, base-2 log-sum-exp [splits * T * H] in float32), rows of padding tokens unwritten."""
+def _extend_call(q_rows, k_flat, v_flat, page_table, seq_lens, query_start, query_lens, gate, fresh,
+                 *, group, splits, sm_scale, block_q, block_k, page_size, num_warps, num_stages):
+    """q_rows: [T * H, D]; k/v_flat: [pages*S, Hkv, D]; fresh: None, or the new tokens' own state
+    (o0 [T * H, D], base-2 lse0 [T * H]), when the kernel is to read only the cached prefix.
+    splits 1: the output [T * H, D], starting as zeros (aliased) so padding rows stay 0, or with
+    `fresh` as o0 (aliased, so a prompt without a prefix costs no copy; padding rows then hold
+    what o0 held). splits > 1: partials (out [splits * T * H, D] in q's dtype, base-2
+    log-sum-exp [splits * T * H] in float32), rows of padding tokens unwritten; the merge folds
+    `fresh` in."""
     kv_heads = k_flat.shape[1]
     num_tiles = pl.cdiv(q_rows.shape[0] // kv_heads, block_q)  # T * group rows per kv head, at most
     kernel = functools.partial(_extend_kernel, gated=gate is not None, group=group,
                                heads=group * kv_heads, sm_scale=sm_scale, block_q=block_q,
                                block_k=block_k, page_size=page_size, num_tiles=num_tiles,
-                               splits=splits)
+                               splits=splits, cont=fresh is not None)
     args = (*gate_operands(gate), page_table, seq_lens, query_start, query_lens, q_rows, k_flat,
             v_flat)
     grid = (num_tiles, splits, kv_heads, page_table.shape[0])
     if splits == 1:
+        start = jnp.zeros_like(q_rows)
+        if fresh is not None:
+            start, lse0 = fresh
+            args += (lse0,)
         return pl.pallas_call(kernel, grid=grid, input_output_aliases={len(args): 0},
                               out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
-                              **_params(num_warps, num_stages))(*args, jnp.zeros_like(q_rows))
+                              **_params(num_warps, num_stages))(*args, start.astype(q_rows.dtype))
     rows = splits * q_rows.shape[0]
     return pl.pallas_call(kernel, grid=grid,
                           out_shape=[jax.ShapeDtypeStruct((rows, q_rows.shape[1]), q_rows.dtype),
@@ -184,13 +232,14 @@ def merge_rows(rows: int, dim: int, num_sms: int) -> int:
     return min(64, max(4, 512 // dim, 1 << (per_sm.bit_length() - 1)))
 
 
-def _merge_call(o_part, lse, query_start, query_lens, *, splits, heads, block_rows):
-    """One kernel: partials (o_part [splits * N, D], lse [splits * N]) -> output [N, D]."""
+def _merge_call(o_part, lse, query_start, query_lens, fresh, *, splits, heads, block_rows):
+    """One kernel: partials (o_part [splits * N, D], lse [splits * N]) and the new tokens' own
+    state if computed apart (`fresh`: o0 [N, D], lse0 [N]) -> output [N, D]."""
     n = o_part.shape[0] // splits
     kernel = functools.partial(_merge_kernel, splits=splits, heads=heads, block_rows=block_rows)
     return pl.pallas_call(kernel, grid=(pl.cdiv(n, block_rows),),
                           out_shape=jax.ShapeDtypeStruct((n, o_part.shape[1]), o_part.dtype),
-                          **_params(4, 1))(query_start, query_lens, o_part, lse)
+                          **_params(4, 1))(query_start, query_lens, o_part, lse, *(fresh or ()))
 
 
 def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, kv_heads: int,
@@ -221,18 +270,22 @@ def choose_extend_splits(tokens: int, batch: int, max_tokens: int, heads: int, k
 # ---------------------------------------------------------------- jitted public function
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "splits",
                                              "num_warps", "num_stages"))
-def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, gate, *, sm_scale,
-            block_q, block_k, splits, num_warps, num_stages):
+def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, gate, new_kv, *,
+            sm_scale, block_q, block_k, splits, num_warps, num_stages):
     num_pages, page_size, kv_heads, dim = k_pages.shape
     tokens, heads, _ = q.shape
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
+    fresh = None
+    if new_kv is not None:
+        o0, lse0 = fresh_attention(q, *new_kv, query_start, query_lens, sm_scale=sm_scale)
+        fresh = (o0.reshape(tokens * heads, dim), lse0.reshape(tokens * heads))
     out = _extend_call(q.reshape(tokens * heads, dim), flat(k_pages), flat(v_pages), page_table,
-                       seq_lens, query_start, query_lens, gate, group=heads // kv_heads,
+                       seq_lens, query_start, query_lens, gate, fresh, group=heads // kv_heads,
                        splits=splits, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
                        page_size=page_size, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         rows = merge_rows(tokens * heads, dim, default_tuning().num_sms)
-        out = _merge_call(*out, query_start, query_lens, splits=splits, heads=heads,
+        out = _merge_call(*out, query_start, query_lens, fresh, splits=splits, heads=heads,
                           block_rows=rows)
     return out.reshape(tokens, heads, dim)  # [T, H, D]
 
@@ -254,7 +307,13 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int | None = None,  # pipeline stages; None: default_stages
     gate: LayerGate | None = None,  # wait for this layer's loaded pages first (on the device)
-) -> jax.Array:  # [T, num_heads, head_dim], zeros at padding tokens
+    # this step's new K and V ([T, num_kv_heads, head_dim] each, rows as q's), also written in
+    # the pages: given, the new tokens attend among themselves apart (`fresh_attention`: cuDNN on
+    # GPUs that have it) and the kernel reads only the cached prefix; the requests' rows must then
+    # come in request order (as `build_metadata` lays them out), and rows of padding tokens may
+    # hold anything (with one split they keep what the new tokens' attention left there)
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:  # [T, num_heads, head_dim], zeros at padding tokens (without new_kv)
     """Causal attention of each request's new tokens over all of its cached pages (new KV already
     written)."""
     validate_common(q, k_pages, v_pages, page_table, seq_lens, query_lens)
@@ -262,9 +321,15 @@ def paged_attention(
     check(query_start.shape == seq_lens.shape and query_start.dtype == np.int32,
           "query_start must be int32 [B]")
     check(splits is None or splits >= 1, f"splits must be >= 1, got {splits}")
+    if new_kv is not None:
+        shape = (q.shape[0], k_pages.shape[2], q.shape[2])
+        check(all(x.shape == shape for x in new_kv),
+              f"new_kv must be two {shape} arrays, got {[x.shape for x in new_kv]}")
     if all(is_concrete(x) for x in (page_table, seq_lens, query_start, query_lens)):
         _check_extend_values(q.shape[0], k_pages.shape[:2],
                              *map(np.asarray, (page_table, seq_lens, query_start, query_lens)))
+        if new_kv is not None:
+            check_back_to_back(np.asarray(query_start), np.asarray(query_lens))
     if q.shape[0] == 0 or page_table.shape[0] == 0:
         return jnp.zeros_like(q)
     block_q = block_q or (64 if q.dtype.itemsize > 2 else 128)
@@ -274,8 +339,8 @@ def paged_attention(
                                             page_table.shape[1] * k_pages.shape[1], heads,
                                             k_pages.shape[2], dim, block_q=block_q, block_k=block_k)
     return _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, gate,
-                   sm_scale=float(sm_scale), block_q=block_q, block_k=block_k, splits=splits,
-                   num_warps=num_warps, num_stages=num_stages)
+                   new_kv, sm_scale=float(sm_scale), block_q=block_q, block_k=block_k,
+                   splits=splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def default_stages(dtype: jnp.dtype, head_dim: int) -> int:

@@ -1,4 +1,5 @@
-"""Kernel tuning: the SM count read from the device, and the split-K policy's limits."""
+"""Kernel tuning: the SM count read from the device, the split-K policy's limits, and from how
+many new tokens extend attention hands their causal part to cuDNN."""
 
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ class KernelTuning:
     # float32 partial accumulators [splits, T * H, D] at most: written once and read once, they
     # would cost more HBM traffic than the keys of a chunk that fills the GPU anyway
     max_partial_bytes: int = 64 << 20
+    # Extend batches of at least this many token rows compute their new tokens' attention among
+    # themselves apart, on cuDNN where the GPU has it (`fresh_attention`): its kernel beat ours
+    # on fresh prompts of 4 x 2048 and 1 x 8192 tokens (BENCHMARKS.md, the kernel targets),
+    # while a short turn would pay one more launch per layer for a few rows
+    fresh_apart_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if min(self.num_sms, self.programs_per_sm, self.min_split_blocks,
-               self.max_partial_bytes) < 1:
+               self.max_partial_bytes, self.fresh_apart_tokens) < 1:
             raise ValueError(f"every field must be >= 1, got {self}")
 
     @property

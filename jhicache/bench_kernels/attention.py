@@ -16,6 +16,7 @@ from jhicache.bench_kernels.cases import (
     JAX_PAGED,
     AttnCase,
     KernelConfig,
+    apart,
     inputs,
     kernel,
     page_table,
@@ -42,9 +43,9 @@ SUMMARY_KEYS = ("per_layer_ms", "bytes", "fraction_of_hbm_read", "ours_over_peer
 def _over_layers(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """A program running `kernel` once per layer; each layer's query is the previous layer's
     output, as in the model, so XLA can neither drop nor merge a layer's call."""
-    def program(q: jax.Array, ks: tuple, vs: tuple, *meta: jax.Array) -> jax.Array:
-        for k, v in zip(ks, vs, strict=True):
-            q = kernel(q, k, v, *meta)
+    def program(q: jax.Array, ks: tuple, vs: tuple, news: tuple, *meta: jax.Array) -> jax.Array:
+        for k, v, new in zip(ks, vs, news, strict=True):
+            q = kernel(q, k, v, new, *meta)
         return q
     return program
 
@@ -111,7 +112,8 @@ def peer_seconds(case: AttnCase, reps: int = 7, warm: int = 2) -> float:
         meta = ()
     ks = tuple(random_array(500 + 2 * i, shape) for i in range(case.layers))
     vs = tuple(random_array(501 + 2 * i, shape) for i in range(case.layers))
-    return per_layer_seconds(_over_layers(attn), (q, ks, vs, *meta), case.layers, reps, warm)
+    return per_layer_seconds(_over_layers(lambda q, k, v, _new, *meta: attn(q, k, v, *meta)),
+                             (q, ks, vs, (None,) * case.layers, *meta), case.layers, reps, warm)
 
 
 def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> dict:
@@ -121,7 +123,8 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
     whether the target is met."""
     data = inputs(case)
     times = sweep(case, lambda cfg: safe(lambda: per_layer_seconds(
-        _over_layers(kernel(case, cfg)), (data.q, data.ks, data.vs, *data.meta), case.layers,
+        _over_layers(kernel(case, cfg)), (data.q, data.ks, data.vs, data.news, *data.meta),
+        case.layers,
         reps, warm)))
     public = "pk.paged_decode_attention" if case.kind == "decode" else "pk.paged_attention"
     row = {"kernel": public, "heads": case.heads, "kv_heads": case.kv_heads, "dim": case.dim,
@@ -133,6 +136,7 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
                                   for c, t in times.items()}}
     if case.kind != "decode":
         row["auto_splits"] = resolve(case, case.start).splits
+        row["new_tokens_apart"] = apart(case)  # their causal part on cuDNN, as the model runs it
     row["target"] = ({"metric": "ours_over_peer", "at_most": case.target} if case.kind == "prefill"
                      else {"metric": "fraction_of_hbm_read", "at_least": case.target})
     res.setdefault("attention_targets", {})[case.name] = row

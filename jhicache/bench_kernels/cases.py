@@ -13,6 +13,7 @@ import numpy as np
 import jhicache.pallas_kernels as pk
 from jhicache.bench_kernels.shapes import DT, PAGE, SHAPES, random_array
 from jhicache.pallas_kernels.extend_attention import choose_extend_splits
+from jhicache.pallas_kernels.fresh_attention import attend_fresh_apart
 
 KINDS = ("extend", "decode", "prefill")
 JAX_PAGED = "jax_pallas_paged"  # decode's peer: jax.experimental.pallas.ops.gpu.paged_attention
@@ -89,6 +90,9 @@ class CaseInputs:
     q: jax.Array
     ks: tuple[jax.Array, ...]  # one [pages, PAGE, kv_heads, dim] buffer per layer
     vs: tuple[jax.Array, ...]
+    # per layer, the new tokens' K and V rows as the model has them (read out of the pages), for
+    # extend and prefill, whose new tokens the model may attend among themselves apart; decode: None
+    news: tuple[tuple[jax.Array, jax.Array] | None, ...]
     meta: tuple[jax.Array, ...]  # page_table, seq_lens (+ query_start, query_lens for extend)
 
 
@@ -154,17 +158,31 @@ def inputs(case: AttnCase, seed: int = 0) -> CaseInputs:
     lens = jnp.full((case.batch,), case.seq_len, jnp.int32)
     q = random_array(7, (case.batch * case.query_len, case.heads, case.dim))
     if case.kind == "decode":
-        return CaseInputs(q, ks, vs, (table, lens))
+        return CaseInputs(q, ks, vs, (None,) * case.layers, (table, lens))
     start = jnp.arange(case.batch, dtype=jnp.int32) * case.query_len
-    return CaseInputs(q, ks, vs, (table, lens, start, jnp.full_like(lens, case.query_len)))
+    positions = np.arange(case.seq_len - case.query_len, case.seq_len)
+    pages = np.asarray(table)[:, positions // PAGE].reshape(-1)
+    slots = np.tile(positions % PAGE, case.batch)
+    news = tuple((k[pages, slots], v[pages, slots]) for k, v in zip(ks, vs))
+    return CaseInputs(q, ks, vs, news, (table, lens, start, jnp.full_like(lens, case.query_len)))
 
 
 def kernel(case: AttnCase, cfg: KernelConfig) -> Callable[..., jax.Array]:
-    """(q, k, v, *meta) -> output shaped like q, for the case's public kernel function."""
+    """(q, k, v, new, *meta) -> output shaped like q, for the case's public kernel function as the
+    model calls it: extend gets the new tokens' K/V `new` where the model would attend them
+    apart (`apart`)."""
     kw = dict(sm_scale=case.dim**-0.5, **cfg.kwargs())
     if case.kind == "decode":
-        return lambda q, k, v, *meta: pk.paged_decode_attention(q, k, v, *meta, **kw)
-    return lambda q, k, v, *meta: pk.paged_attention(q, k, v, *meta, **kw)
+        return lambda q, k, v, new, *meta: pk.paged_decode_attention(q, k, v, *meta, **kw)
+
+    def extend(q: jax.Array, k: jax.Array, v: jax.Array, new: Any, *meta: jax.Array) -> jax.Array:
+        return pk.paged_attention(q, k, v, *meta, new_kv=new if apart(case) else None, **kw)
+    return extend
+
+
+def apart(case: AttnCase) -> bool:
+    """Whether the model computes this case's new tokens' attention among themselves apart."""
+    return case.kind != "decode" and attend_fresh_apart(case.batch * case.query_len, DT)
 
 
 def resolve(case: AttnCase, cfg: KernelConfig) -> KernelConfig:

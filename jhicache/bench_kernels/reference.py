@@ -69,7 +69,7 @@ def _decode_errors(case: AttnCase, got: jax.Array, data: CaseInputs, n: int) -> 
 def reference_check(case: AttnCase, data: CaseInputs, cfg: KernelConfig) -> dict:
     """Layer 0's output under cfg against the pure-jnp reference in float32, run in chunks of rows
     that keep its [rows, keys, heads, dim] float32 copies of K and V under REF_BYTES."""
-    got = jax.jit(kernel(case, cfg))(data.q, data.ks[0], data.vs[0], *data.meta)
+    got = jax.jit(kernel(case, cfg))(data.q, data.ks[0], data.vs[0], data.news[0], *data.meta)
     per_row = 3 * case.pages_per_request * PAGE * case.heads * case.dim * 4
     limit = REF_BYTES // per_row
     if case.kind == "decode":

@@ -32,7 +32,19 @@ def _close(got, want, dtype):
                                atol=TOL[np.dtype(dtype)], rtol=TOL[np.dtype(dtype)])
 
 
-def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pad_tokens=2, **kw):
+def new_kv_of(batch, k, v):
+    """The new tokens' K and V rows [T, KV, D], read out of the pages where they were written
+    (padding rows: the first slot's, never used)."""
+    req = np.maximum(batch.token_req, 0)
+    page_size = k.shape[1]
+    pages = batch.page_table[req, batch.positions // page_size]
+    return tuple(x[pages, batch.positions % page_size] for x in (k, v))
+
+
+def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pad_tokens=2,
+               apart=False, **kw):
+    """Extend attention on a random ragged batch against the reference; `apart`: the new tokens'
+    attention among themselves computed apart (`new_kv`), the kernel reading only the prefix."""
     rng = np.random.default_rng(seed)
     batch = make_batch(rng, [p for p, _ in pairs], [n for _, n in pairs], page_size,
                        pad_tokens=pad_tokens, pad_requests=1)
@@ -41,9 +53,14 @@ def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pa
          .astype(dtype))
     meta = [jnp.asarray(x)
             for x in (batch.page_table, batch.seq_lens, batch.query_start, batch.query_lens)]
+    if apart:
+        kw["new_kv"] = new_kv_of(batch, k, v)
     got = ea.paged_attention(q, k, v, *meta, sm_scale=dim**-0.5, **kw)
-    _close(got, ea.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5), dtype)
-    assert not np.asarray(got, np.float32)[batch.token_req < 0].any()  # zeros at padding rows
+    live = batch.token_req >= 0  # apart, padding rows may hold anything
+    want = ea.paged_attention_reference(q, k, v, *meta, sm_scale=dim**-0.5)
+    _close(got[live], want[live], dtype)
+    if not apart:
+        assert not np.asarray(got, np.float32)[~live].any()  # zeros at padding rows
 
 
 def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16, **kw):
@@ -70,6 +87,25 @@ lens = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=0, m
        seed=st.integers(0, 2**31 - 1))
 def test_extend_matches_reference(pairs, page_size, dtype, splits, seed):
     run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16, splits=splits)
+
+
+@settings(max_examples=8, deadline=None)
+@given(pairs=lens, page_size=st.sampled_from([1, 16, 64]),
+       dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([None, 1, 2, 5]),
+       seed=st.integers(0, 2**31 - 1))
+def test_extend_with_new_tokens_apart_matches_reference(pairs, page_size, dtype, splits, seed):
+    """The new tokens' causal part computed apart (the CPU's reference stands in for cuDNN), the
+    kernel continuing over the prefix: one split from that state, several merged with it; requests
+    without a prefix, with no new tokens (mid-batch), prefixes ending mid-block."""
+    run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16, splits=splits, apart=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_extend_apart_gqa_prefix_free_and_gated(splits):
+    """Apart, GQA group 7 with tiles ending mid-group, a prefix-free request (its rows are the new
+    tokens' state alone), a one-token turn, a gate."""
+    run_extend(5, [(37, 20), (0, 9), (70, 1)], 16, np.float32, heads=14, kv_heads=2, pad_tokens=3,
+               block_q=16, block_k=8, splits=splits, apart=True, gate=_open_gate())
 
 
 def test_extend_mid_page_prefix_no_prefix_and_gqa():
@@ -146,14 +182,21 @@ def test_merge_zeroes_unwritten_padding_rows(junk):
     pad = np.array([False, False, True, False, True])
     for x in (out, lse):
         x[:, pad] = junk
-    got = ea._merge_call(jnp.asarray(out.reshape(-1, dim)), jnp.asarray(lse.reshape(-1)),
-                         jnp.asarray(start), jnp.asarray(lens), splits=splits, heads=heads,
-                         block_rows=4)  # 10 rows: 3 programs
-    w = np.exp2(lse - lse.max(axis=0))
-    want = (out * w[..., None]).sum(axis=0) / w.sum(axis=0)[..., None]
-    got = np.asarray(got).reshape(tokens, heads, dim)
-    np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-6)
-    assert not got[pad].any()
+    # the new tokens' own state, computed apart: the merge's last part where given
+    o0, lse0 = out[0] + 1.0, lse[0] - 0.5
+    for fresh in (None, (o0, lse0)):
+        parts = (out, lse) if fresh is None else (np.concatenate([out, o0[None]]),
+                                                  np.concatenate([lse, lse0[None]]))
+        got = ea._merge_call(jnp.asarray(out.reshape(-1, dim)), jnp.asarray(lse.reshape(-1)),
+                             jnp.asarray(start), jnp.asarray(lens),
+                             None if fresh is None else (jnp.asarray(o0.reshape(-1, dim)),
+                                                         jnp.asarray(lse0.reshape(-1))),
+                             splits=splits, heads=heads, block_rows=4)  # 10 rows: 3 programs
+        w = np.exp2(parts[1] - parts[1].max(axis=0))
+        want = (parts[0] * w[..., None]).sum(axis=0) / w.sum(axis=0)[..., None]
+        got = np.asarray(got).reshape(tokens, heads, dim)
+        np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-6)
+        assert not got[pad].any()
 
 
 def test_merge_rows_spread_the_partials_over_the_sms():
@@ -275,6 +318,17 @@ def test_gpu_extend_split_k(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_gpu_extend_with_new_tokens_apart(dtype):
+    """Apart on the GPU (cuDNN for bf16, the reference for float32), one split and several:
+    long fresh prompts, a long turn over a prefix, a short turn, both Qwen2 head shapes."""
+    run_extend(12, [(0, 700), (300, 500), (64, 1)], 64, dtype, heads=28, kv_heads=4, dim=128,
+               pad_tokens=5, apart=True)
+    run_extend(13, [(2000, 64), (0, 1000)], 16, dtype, heads=14, kv_heads=2, dim=64,
+               pad_tokens=0, apart=True, splits=4)
+
+
+@pytest.mark.gpu
 def test_gpu_rejects_head_dim_below_16() -> None:
     q = jnp.ones((4, 2, 8), jnp.bfloat16)
     pages = jnp.ones((3, 16, 1, 8), jnp.bfloat16)
@@ -296,10 +350,11 @@ def test_kernels_lower_to_triton(block_q, block_k, splits, monkeypatch):
     gate = LayerGate(spec(29), spec(1), spec(1))
     extend = functools.partial(ea._extend, sm_scale=0.1, block_q=block_q, block_k=block_k,
                                splits=splits, num_warps=8, num_stages=3)
-    text = (jax.jit(extend).trace(spec(64, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(1, 130),
-                                  spec(1), spec(1), spec(1), gate)
-            .lower(lowering_platforms=("cuda",)).as_text())
-    assert text.count("triton") >= (2 if splits > 1 else 1)
+    for new_kv in (None, (spec(64, 4, 128, dtype=jnp.bfloat16),) * 2):  # apart: the prefix mode
+        text = (jax.jit(extend).trace(spec(64, 28, 128, dtype=jnp.bfloat16), pages, pages,
+                                      spec(1, 130), spec(1), spec(1), spec(1), gate, new_kv)
+                .lower(lowering_platforms=("cuda",)).as_text())
+        assert text.count("triton") >= (2 if splits > 1 else 1)
     decode = functools.partial(da._decode, sm_scale=0.1, block_k=block_k, splits=4, num_warps=4,
                                num_stages=2)
     jax.jit(decode).trace(spec(8, 28, 128, dtype=jnp.bfloat16), pages, pages, spec(8, 16), spec(8),

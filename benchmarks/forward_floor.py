@@ -1,0 +1,138 @@
+"""The forward against its HBM floor: a device-hit forward's GPU time, per kernel, and a fresh
+prompt's TTFT.
+
+    PYTHONPATH=. python3 benchmarks/forward_floor.py --preset qwen2-7b [--fresh 8192] --out F.json
+
+- Device hit: a `--new`-token turn over a `--prefix`-token prefix cached on device. Its jitted
+  programs are dispatched 10 times back to back (the host hidden behind the GPU) and once at a
+  time (blocked on each); the floor is the bytes the forward must read (every weight it uses:
+  the layers and the head, not the embedding rows it looks up; plus the K/V of every cached and
+  new token) over the HBM read ceiling measured in the same run (`bench_kernels`' hbm_read).
+- Per kernel: one more forward traced by `jax.profiler` (CUPTI), its GPU events summed by
+  kernel name (the trace's own durations; the profiler adds a little to each).
+- `--fresh N`: the engine's TTFT for N-token prompts with nothing cached (chunked as the engine
+  chunks them), after one that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jhicache import Engine, EngineConfig, SamplingParams
+from jhicache.batch import model_inputs
+from jhicache.bench import save_json
+from jhicache.bench_kernels.timing import hbm_read
+
+
+def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Generator):
+    """Caches a prefix, then plans a turn on it; returns a function dispatching its forward."""
+    vocab = engine.model_config.vocab_size
+    tokens = rng.integers(0, vocab, prefix).tolist()
+    engine.generate([tokens + rng.integers(0, vocab, new).tolist()],
+                    SamplingParams(max_new_tokens=1))
+    engine.add_request(tokens + rng.integers(0, vocab, new).tolist(),
+                       SamplingParams(max_new_tokens=1))
+    batch = engine.scheduler.schedule()
+    assert batch is not None
+    inputs = model_inputs(batch, engine.config.page_size, engine._load_flags)
+    return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
+
+
+def forward_times_ms(run, n: int = 10) -> dict[str, float]:
+    for _ in range(3):  # compile and warm
+        jax.block_until_ready(run())
+    each = []
+    for _ in range(n):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        each.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    jax.block_until_ready([run() for _ in range(n)])
+    return {"back_to_back_ms": (time.perf_counter() - start) / n * 1e3,
+            "one_at_a_time_median_ms": statistics.median(each) * 1e3}
+
+
+def kernel_times(run) -> dict:
+    """GPU time per kernel name of one traced forward, from the profiler's perfetto trace."""
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        jax.block_until_ready(run())
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "GPU" in e["args"]["name"]}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus]
+    per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per[e["name"]][0] += 1
+        per[e["name"]][1] += e["dur"]
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": len(kernels), "sum_us": sum(t for _, t in per.values()),
+            "by_name": [{"name": k[:80], "calls": c, "us": t} for k, (c, t) in rows]}
+
+
+def forward_bytes(engine: Engine, prefix: int, new: int) -> dict[str, int]:
+    programs, cfg = engine.runner.programs, engine.model_config
+    weights = sum(x.nbytes for leaves in programs.layer_leaves for x in leaves)
+    weights += sum(x.nbytes for x in programs.head_leaves)  # a tied head holds the embedding
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    itemsize = engine.device_pool.k[0].dtype.itemsize
+    return {"weights": weights, "kv": (prefix + new) * kv_token * itemsize}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2-7b")
+    parser.add_argument("--prefix", type=int, default=8192)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--fresh", type=int, default=0, metavar="N")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    res: dict = {"preset": args.preset, "prefix": args.prefix, "new": args.new,
+                 "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    hbm_read(res)
+    hbm_read(res)  # a second pass keeps each variant's best
+    engine = Engine.from_preset(args.preset, EngineConfig(
+        cache_mode="device", device_kv_tokens=max(65536, 2 * (args.prefix + args.fresh)),
+        page_size=64, dtype="bfloat16"))
+    run = device_hit_forward(engine, args.prefix, args.new, rng)
+    res["forward"] = forward_times_ms(run)
+    res["bytes"] = forward_bytes(engine, args.prefix, args.new)
+    floor_ms = sum(res["bytes"].values()) / (res["hbm_read_gbps"] * 1e9) * 1e3
+    res["floor_ms"] = floor_ms
+    res["forward_over_floor"] = res["forward"]["back_to_back_ms"] / floor_ms
+    res["trace"] = kernel_times(run)
+    print(f"{args.preset} device hit {args.prefix}+{args.new}: forward "
+          f"{res['forward']['back_to_back_ms']:.2f} ms back to back "
+          f"({res['forward']['one_at_a_time_median_ms']:.2f} one at a time), floor "
+          f"{floor_ms:.2f} ms at {res['hbm_read_gbps']:.0f} GB/s: "
+          f"{res['forward_over_floor']:.2f}x", flush=True)
+    for row in res["trace"]["by_name"][:12]:
+        print(f"  {row['calls']:4d} x {row['name']}: {row['us']:.0f} us", flush=True)
+    if args.fresh:
+        vocab = engine.model_config.vocab_size
+        res["fresh_ttft_ms"] = [engine.generate(
+            [rng.integers(0, vocab, args.fresh).tolist()],
+            SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3 for _ in range(4)][1:]
+        print(f"fresh {args.fresh}-token prompt TTFT: {res['fresh_ttft_ms']} ms (after a first "
+              "that compiled)", flush=True)
+    save_json(res, args.out)
+
+
+if __name__ == "__main__":
+    main()
