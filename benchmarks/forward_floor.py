@@ -22,7 +22,6 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import tempfile
 import time
 
@@ -32,7 +31,7 @@ import numpy as np
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
 from jhicache.bench import save_json
-from jhicache.bench_kernels.timing import hbm_read
+from jhicache.bench_kernels.timing import hbm_read, timeit
 
 
 def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Generator):
@@ -50,17 +49,11 @@ def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Gen
 
 
 def forward_times_ms(run, n: int = 10) -> dict[str, float]:
-    for _ in range(3):  # compile and warm
-        jax.block_until_ready(run())
-    each = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        each.append(time.perf_counter() - start)
+    each = timeit(run, reps=n, warm=3)  # the first call compiles
     start = time.perf_counter()
     jax.block_until_ready([run() for _ in range(n)])
     return {"back_to_back_ms": (time.perf_counter() - start) / n * 1e3,
-            "one_at_a_time_median_ms": statistics.median(each) * 1e3}
+            "one_at_a_time_median_ms": each * 1e3}
 
 
 def kernel_times(run) -> dict:

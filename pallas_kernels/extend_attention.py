@@ -1,7 +1,8 @@
 """Paged extend attention over per-layer KV pages: ragged, causal, GQA, float32 accumulation,
 split-K when the grid would be small and the cached prefix long (a short turn over a long prefix):
 then each split writes a normalised partial output and its log-sum-exp, and one small kernel
-merges them."""
+merges them. Given the new tokens' K/V, the kernel reads only the cached prefix and continues
+from their attention among themselves, computed apart (`fresh_attention`, cuDNN on GPUs)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ def _tile(lens_ref, qstart_ref, qlen_ref, b, hk, tile, *, group: int, heads: int
     group + r % group). Returns (flat rows of q/o [T * H, D], each row's key position, the tile's
     first position, key bound)."""
     qlen, seq = qlen_ref[b], lens_ref[b]
-    packed = tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    # Rows past the request's last token redo that token's rows: their stores then write the same
-    # values to the same places, so no mask is needed (the interpreter's masked scatter would write
-    # stale bytes there).
-    first = jnp.minimum(packed // group, qlen - 1)  # index among b's new tokens
+    # Rows past the request's last packed row redo that row, this tile's own: their stores then
+    # write the same values to the same place, so no mask is needed (the interpreter's masked
+    # scatter would write stale bytes there). Not the last token's other heads: where that token
+    # straddles two tiles, those rows are the other tile's, which may read them (the output
+    # starts as the new tokens' state when they were attended apart).
+    packed = jnp.minimum(tile * block_q + jnp.arange(block_q, dtype=jnp.int32), qlen * group - 1)
+    first = packed // group  # index among b's new tokens
     rows = (qstart_ref[b] + first) * heads + hk * group + packed % group
     # the tile's earliest query: keys <= it are visible to all rows
     lo_pos = seq - qlen + tile * block_q // group
@@ -323,8 +326,9 @@ def paged_attention(
     check(splits is None or splits >= 1, f"splits must be >= 1, got {splits}")
     if new_kv is not None:
         shape = (q.shape[0], k_pages.shape[2], q.shape[2])
-        check(all(x.shape == shape for x in new_kv),
-              f"new_kv must be two {shape} arrays, got {[x.shape for x in new_kv]}")
+        check(len(new_kv) == 2 and all(x.shape == shape and x.dtype == q.dtype for x in new_kv),
+              f"new_kv must be two {shape} {q.dtype} arrays, got "
+              f"{[(x.shape, x.dtype) for x in new_kv]}")
     if all(is_concrete(x) for x in (page_table, seq_lens, query_start, query_lens)):
         _check_extend_values(q.shape[0], k_pages.shape[:2],
                              *map(np.asarray, (page_table, seq_lens, query_start, query_lens)))

@@ -22,12 +22,15 @@ __all__ = ["attend_fresh_apart", "cudnn_available", "fresh_attention",
 # Hopper GPU; the flash kernels need cuDNN 9.
 _MIN_COMPUTE = (9, 0)
 _MIN_CUDNN = 90000
+_MIN_JAX = (0, 11)
 
 
 @functools.cache
 def cudnn_available() -> bool:
-    """True on a CUDA GPU of compute capability 9.0 or newer with cuDNN 9 or newer."""
-    if use_interpreter():
+    """True on a CUDA GPU of compute capability 9.0 or newer with cuDNN 9 or newer, under jax
+    0.11 or newer: jax 0.10's packed layout placed each later request's K/V by the query's head
+    count, wrong under GQA (0.11.2's is right: benchmarks/cudnn_attention_probe.py)."""
+    if use_interpreter() or jax.__version_info__ < _MIN_JAX:
         return False
     device = jax.devices()[0]
     try:
@@ -64,7 +67,8 @@ def fresh_attention(q: jax.Array, k: jax.Array, v: jax.Array, query_start: jax.A
     return fresh_attention_reference(q, k, v, query_start, query_lens, sm_scale=sm_scale)
 
 
-def _cudnn(q, k, v, query_start, query_lens, *, sm_scale):
+def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, query_start: jax.Array,
+           query_lens: jax.Array, *, sm_scale: float) -> tuple[jax.Array, jax.Array]:
     """cuDNN, packed layout (one batch row, a segment per request; one request: padded layout).
     Its softmax statistics are natural-log sums per (segment, head, row within the segment)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -100,7 +104,9 @@ def _row_segments(query_start: jax.Array, query_lens: jax.Array,
     return seg, local
 
 
-def fresh_attention_reference(q, k, v, query_start, query_lens, *, sm_scale):
+def fresh_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, query_start: jax.Array,
+                              query_lens: jax.Array, *,
+                              sm_scale: float) -> tuple[jax.Array, jax.Array]:
     """Pure jnp, float32: a [H, T, T] masked softmax (for tests and the CPU)."""
     t, heads, _ = q.shape
     group = heads // k.shape[1]
@@ -109,7 +115,8 @@ def fresh_attention_reference(q, k, v, query_start, query_lens, *, sm_scale):
     req = jnp.argmax((rows[:, None] >= query_start[None, :]) & (rows[:, None] < ends[None, :]),
                      axis=1)
     live = (rows >= query_start[req]) & (rows < ends[req])
-    visible = (req[:, None] == req[None, :]) & (rows[None, :] <= rows[:, None]) & live[:, None]
+    visible = ((req[:, None] == req[None, :]) & (rows[None, :] <= rows[:, None])
+               & live[:, None] & live[None, :])
     kf, vf = (jnp.repeat(x.astype(jnp.float32), group, axis=1) for x in (k, v))
     exact = jax.lax.Precision.HIGHEST  # no TF32 on a GPU: this is the reference
     s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), kf, precision=exact) * (sm_scale * LOG2E)

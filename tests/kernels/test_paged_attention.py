@@ -167,6 +167,26 @@ def test_extend_short_turn_over_long_prefix_splits_itself(page_size, block_k):
                block_q=16, block_k=block_k, gate=_open_gate())
 
 
+@pytest.mark.parametrize("group,block_q", [(7, 128), (7, 16), (2, 16), (1, 16)])
+def test_extend_tiles_write_only_their_own_rows(group, block_q):
+    """Every row of a request (for one kv head) belongs to exactly one tile, and a tile's rows past
+    the request's end repeat its own last row: where a token straddles two tiles, the later tile
+    must not store into the earlier one's rows (apart, the output starts as the new tokens' state,
+    which the earlier tile reads; the interpreter, which copies aliased buffers, cannot show it)."""
+    kv_heads, hk, start = 3, 1, 5
+    heads = group * kv_heads
+    for qlen in range(1, 60):
+        arrays = [jnp.asarray([x], jnp.int32) for x in (qlen + 100, start, qlen)]
+        owned: list[set[int]] = []
+        for tile in range(-(-qlen * group // block_q)):
+            rows = np.asarray(ea._tile(*arrays, 0, hk, tile, group=group, heads=heads,
+                                       block_q=block_q)[0])
+            owned.append(set(rows.tolist()))
+        want = {(start + t) * heads + hk * group + r for t in range(qlen) for r in range(group)}
+        assert set().union(*owned) == want
+        assert sum(len(o) for o in owned) == len(want), f"tiles share rows at qlen {qlen}"
+
+
 @pytest.mark.parametrize("junk", [np.nan, 7.0])
 def test_merge_zeroes_unwritten_padding_rows(junk):
     """No program writes the partials of padding tokens (on the GPU they hold whatever was there;
@@ -326,6 +346,10 @@ def test_gpu_extend_with_new_tokens_apart(dtype):
                pad_tokens=5, apart=True)
     run_extend(13, [(2000, 64), (0, 1000)], 16, dtype, heads=14, kv_heads=2, dim=64,
                pad_tokens=0, apart=True, splits=4)
+    # last tokens straddling two 128-row tiles (55 x 7 = 385 rows), many programs: in place, no
+    # tile may store into another's rows
+    run_extend(14, [(300, 55)] * 40 + [(0, 55)], 64, dtype, heads=28, kv_heads=4, dim=128,
+               pad_tokens=3, apart=True, splits=1, block_q=128)
 
 
 @pytest.mark.gpu
