@@ -218,3 +218,43 @@ def test_gpu_each_program_gates_on_its_own_layers(monkeypatch, landed):
     programs.forward(tuple(k for k, _ in kv), tuple(v for _, v in kv), pack_tokens([[1] * 5]),
                      meta, jnp.array([4], jnp.int32))[0].block_until_ready()
     assert int(np.asarray(jnp.copy(flags))[-1]) == (0 if landed == (1, 1) else 1)
+
+
+@pytest.mark.gpu
+def test_gpu_long_batch_with_new_tokens_apart_matches_one_kernel(monkeypatch) -> None:
+    """A bf16 batch of 1100 new tokens over a 300-token cached prefix (and a fresh 200-token
+    request): the model's logits with the new tokens' attention on cuDNN (`attend_fresh_apart`)
+    match those with the one extend kernel, within bf16 tolerance. Eager layers, so each run
+    traces its own attention calls."""
+    import dataclasses
+
+    from jhicache.models import Qwen2ForCausalLM, init_random, preset_config
+    from jhicache.models import qwen2 as qwen2_module
+    from jhicache.pallas_kernels import fresh_attention
+
+    if not fresh_attention.cudnn_available():
+        pytest.skip("no cuDNN flash attention on this GPU")
+    config = dataclasses.replace(preset_config("tiny"), num_attention_heads=8,
+                                 num_key_value_heads=2, hidden_size=512, vocab_size=384)
+    model: Qwen2ForCausalLM = init_random(config, seed=6, dtype=jnp.bfloat16)
+    page, rng = 64, np.random.default_rng(6)
+    prefix, new, fresh = (rng.integers(0, 384, n).tolist() for n in (300, 1100, 200))
+    pages = [list(range(1, 23)), list(range(23, 27))]  # 1400 and 200 tokens' worth, distinct
+    kv = init_kv_pages(config, 32, page, jnp.bfloat16)
+    meta = build_metadata([0], [300], [pages[0][:5]], page_size=page)
+    hidden = model.embed(pack_tokens([prefix], meta.num_tokens))
+    cached = []
+    for i, (k, v) in enumerate(kv):  # the prefix's pages
+        hidden, k, v = model.layer(i, hidden, k, v, meta)
+        cached.append((k, v))
+    meta = build_metadata([300, 0], [1100, 200], pages, page_size=page, num_tokens=1408)
+
+    def logits(apart: bool) -> np.ndarray:
+        monkeypatch.setattr(qwen2_module, "attend_fresh_apart", lambda *_: apart)
+        h = model.embed(pack_tokens([new, fresh], meta.num_tokens))
+        for i, (k, v) in enumerate(cached):
+            h, _, _ = model.layer(i, h, jnp.copy(k), jnp.copy(v), meta)
+        return np.asarray(model.head(h[jnp.array([1099, 1299])]), np.float32)
+
+    together, apart = logits(False), logits(True)
+    np.testing.assert_allclose(apart, together, rtol=5e-2, atol=5e-2 * np.abs(together).max())
