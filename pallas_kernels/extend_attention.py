@@ -27,7 +27,7 @@ from jhicache.pallas_kernels._attention import (
 )
 from jhicache.pallas_kernels._common import check, is_concrete
 from jhicache.pallas_kernels.backend import use_interpreter
-from jhicache.pallas_kernels.fresh_attention import check_back_to_back, fresh_attention
+from jhicache.pallas_kernels.fresh_attention import check_request_order, fresh_attention
 from jhicache.pallas_kernels.tuning import KernelTuning, default_tuning
 
 __all__ = ["choose_extend_splits", "default_stages", "paged_attention",
@@ -333,7 +333,7 @@ def paged_attention(
         _check_extend_values(q.shape[0], k_pages.shape[:2],
                              *map(np.asarray, (page_table, seq_lens, query_start, query_lens)))
         if new_kv is not None:
-            check_back_to_back(np.asarray(query_start), np.asarray(query_lens))
+            check_request_order(np.asarray(query_start), np.asarray(query_lens))
     if q.shape[0] == 0 or page_table.shape[0] == 0:
         return jnp.zeros_like(q)
     block_q = block_q or (64 if q.dtype.itemsize > 2 else 128)

@@ -56,7 +56,7 @@ def attend_fresh_apart(num_tokens: int, dtype: jnp.dtype,
 def fresh_attention(q: jax.Array, k: jax.Array, v: jax.Array, query_start: jax.Array,
                     query_lens: jax.Array, *, sm_scale: float) -> tuple[jax.Array, jax.Array]:
     """q [T, H, D], k/v [T, KV, D]: request b's rows are [query_start[b], + query_lens[b]), in
-    request order (`check_back_to_back`), requests of length 0 skipped. Returns (out
+    request order (`check_request_order`), requests of length 0 skipped. Returns (out
     [T, H, D] in q's dtype, base-2 log-sum-exp [T, H] float32) of each row over its request's
     rows up to itself; padding rows hold anything. cuDNN where `cudnn_available()` (16-bit q)."""
     check(q.ndim == 3 and k.shape == v.shape and k.shape[0] == q.shape[0]
@@ -130,7 +130,7 @@ def fresh_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, query_st
     return out.astype(q.dtype), lse.T.astype(jnp.float32)
 
 
-def check_back_to_back(query_start: np.ndarray, query_lens: np.ndarray) -> None:
+def check_request_order(query_start: np.ndarray, query_lens: np.ndarray) -> None:
     """Concrete metadata as `fresh_attention` needs it: the live requests' rows in request order,
     none overlapping the next; a batch of one request starts at row 0."""
     live = query_lens > 0

@@ -66,13 +66,13 @@ def test_row_segments_skip_requests_without_rows():
 
 
 def test_request_order_is_checked():
-    fa.check_back_to_back(np.array([0, 4, 4, 9]), np.array([4, 0, 5, 0]))
+    fa.check_request_order(np.array([0, 4, 4, 9]), np.array([4, 0, 5, 0]))
     with pytest.raises(ValueError, match="request order"):
-        fa.check_back_to_back(np.array([4, 0]), np.array([3, 4]))
+        fa.check_request_order(np.array([4, 0]), np.array([3, 4]))
     with pytest.raises(ValueError, match="request order"):
-        fa.check_back_to_back(np.array([0, 2]), np.array([3, 4]))
+        fa.check_request_order(np.array([0, 2]), np.array([3, 4]))
     with pytest.raises(ValueError, match="row 0"):
-        fa.check_back_to_back(np.array([2]), np.array([3]))
+        fa.check_request_order(np.array([2]), np.array([3]))
 
 
 def test_policy_needs_cudnn_16_bit_and_a_long_batch(monkeypatch):
