@@ -31,7 +31,8 @@ class KernelTuning:
     # Extend batches of at least this many token rows compute their new tokens' attention among
     # themselves apart, on cuDNN where the GPU has it (`fresh_attention`): its kernel beat ours
     # on fresh prompts of 4 x 2048 and 1 x 8192 tokens (BENCHMARKS.md, the kernel targets),
-    # while a short turn would pay one more launch per layer for a few rows
+    # while a short turn would pay one more launch per layer for a few rows. The crossover
+    # itself is not measured: 1024 is a guess between the two
     fresh_apart_tokens: int = 1024
 
     def __post_init__(self) -> None:
