@@ -8,13 +8,21 @@ Page regions of the device tier (page 0 is the reserved padding sink and belongs
 | held       | running requests (engine)     | insert (tree takes it) / free_device          |
 | evictable  | unlocked tree nodes           | evict_device (write-back or drop)             |
 | protected  | locked tree nodes             | unlock                                        |
+| held       | write-backs in flight         | their copies landed (poll, or an allocation   |
+|            |                               | that waits for them)                          |
 Host tier: free, or host copy of a tree node (device+host or host-only); only host-only leaves
 are host-evicted, and only when a host allocation would otherwise fail.
 
-Rule that keeps copies correct: before any page leaves the tree, queued write-backs are launched
-(their gather is dispatched), so compute that reuses a page is ordered after the gather read it;
-loads are copies JAX does not see, so every device page freed while compute that may touch it is
-in flight is fenced until that compute is done (`TransferController.fence_device_pages`).
+Under the write-back policy a poll backs up the least recently used device leaves ahead of their
+eviction (they stay cached on device) so that free pages plus theirs cover `reserve_pages`: an
+allocation then evicts pages whose copies have landed, rather than waiting on the host for a
+write-back it started itself, which would stall the step loop that overlaps host and device.
+
+Rules that keep copies correct: a write-back copies straight from the pool's pages, so a page
+it reads is held, out of every allocation, until its copies landed (before any page leaves the
+tree, queued write-backs are launched, so the controller knows what they read); loads are copies
+JAX does not see, so every device page freed while compute that may touch it is in flight is
+fenced until that compute is done (`TransferController.fence_device_pages`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from jhicache.config import WritePolicy
 _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",
           "evicted_device_tokens", "evicted_host_tokens", "dropped_nodes", "dropped_tokens",
           "write_through_failures", "load_back_skipped", "load_back_over_quota",
-          "load_back_failures", "load_back_stale", "alloc_failures")
+          "load_back_failures", "load_back_stale", "alloc_failures", "written_ahead_tokens",
+          "write_back_waits")
 
 
 class TieredCache:
@@ -44,12 +53,14 @@ class TieredCache:
 
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
-                 write_through_threshold: int = 2, copier: Copier | None = None) -> None:
+                 write_through_threshold: int = 2, copier: Copier | None = None,
+                 reserve_pages: int = 0) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
-        if write_through_threshold < 1 or load_back_threshold < 0:
-            raise ValueError("write_through_threshold must be >= 1, load_back_threshold >= 0")
+        if write_through_threshold < 1 or load_back_threshold < 0 or reserve_pages < 0:
+            raise ValueError("write_through_threshold must be >= 1, load_back_threshold and "
+                             "reserve_pages >= 0")
         self.page_size, self.policy = page_size, WritePolicy(policy)
         self.load_back_threshold = load_back_threshold
         self.write_threshold = (1 if self.policy is WritePolicy.WRITE_THROUGH
@@ -67,6 +78,9 @@ class TieredCache:
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
         self._loading_pages: dict[int, LoadTicket] = {}
+        self._held: set[int] = set()  # device pages out of the tree, read by write-backs in flight
+        # write-back policy: device pages kept free or evictable without a copy (`_back_up_ahead`)
+        self.reserve_pages = reserve_pages
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -92,6 +106,9 @@ class TieredCache:
         and must never be freed by the caller.
         """
         result = self.tree.insert(tokens, device_pages)
+        if self.controller is not None and self.device_pool.last_compute is not None:
+            # steps still in flight may be computing these pages: no write-back copies them before
+            self.controller.fence_device_pages(device_pages, [self.device_pool.last_compute])
         if self.policy is not WritePolicy.WRITE_BACK and self.host is not None:
             for node in result.touched:
                 if node.host_pages is None and node.hit_count >= self.write_threshold:
@@ -116,25 +133,32 @@ class TieredCache:
         if n_pages < 0:
             raise ValueError(f"cannot allocate {n_pages} pages")
         short = n_pages - self.device_alloc.num_free
-        if short > self.tree.evictable_pages:
+        if short > self.tree.evictable_pages + len(self._held):
             self._stats["alloc_failures"] += 1
             return None
-        if short > 0:
-            self.evict_device(short)
+        if short > len(self._held):  # what write-backs in flight will free is already evicted
+            self.evict_device(short - len(self._held))
+        self._wait_for_held(n_pages)
         return self.device_alloc.alloc(n_pages)
+
+    def _wait_for_held(self, n_pages: int) -> None:
+        """Blocks, oldest write-back first, until `n_pages` are free or no page is held."""
+        while self.device_alloc.num_free < n_pages and self._held:
+            assert self.controller is not None
+            self.controller.wait_oldest_write()
+            self._stats["write_back_waits"] += 1
+            self._retire(self.controller.poll())
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Returns pages the caller holds (never pages the tree owns) to the free list. The newest
         dispatched step may still write them (a request's step beyond its end), so no load
         copies into them before that step is done."""
-        pages = list(pages)
-        self.device_alloc.free(pages)
-        if self.controller is not None and pages and self.device_pool.last_compute is not None:
-            self.controller.fence_device_pages(pages, [self.device_pool.last_compute])
+        self._release_device(list(pages))
 
     def evict_device(self, n_pages: int) -> int:
-        """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable;
-        returns the number of device pages freed (may overshoot: whole nodes)."""
+        """Evicts LRU unlocked device leaves until `n_pages` left the tree or nothing is
+        evictable; returns the number of device pages that left it (may overshoot: whole nodes).
+        Pages that a write-back reads are held until it lands, the rest freed now."""
         heap = [(n.last_access, n.node_id, n) for n in self.tree.device_eviction_candidates()]
         freed: list[int] = []
         while len(freed) < n_pages and heap:
@@ -173,15 +197,17 @@ class TieredCache:
         return device
 
     def _release_device(self, pages: list[int]) -> None:
-        if self.controller is not None:
-            self.controller.launch_writes()  # every gather reading these pages first ...
-            # ... and no load copies into them before the gathers ran (this one or an earlier
-            # one, still queued behind the step in flight), nor before the step in flight ends:
-            # an aborted prefill's pages enter the tree while that step still writes them.
-            computes = self.controller.pending_gathers()
+        """Frees `pages`, holding those a write-back still reads until it lands. No load copies
+        into them before the step in flight ends: it may still read or write them (an aborted
+        prefill's pages enter the tree while that step still writes them)."""
+        if self.controller is not None and pages:
+            self.controller.launch_writes()  # so that it knows every write reading these pages
             if self.device_pool.last_compute is not None:
-                computes.append(self.device_pool.last_compute)
-            self.controller.fence_device_pages(pages, computes)
+                self.controller.fence_device_pages(pages, [self.device_pool.last_compute])
+            held = self.controller.reading(pages)
+            if held:
+                self._held.update(held)
+                pages = [p for p in pages if p not in self._held]
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------
@@ -293,10 +319,37 @@ class TieredCache:
             self.controller.finish_loads()
 
     def poll(self) -> int:
-        """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
+        """Retires completed transfers (unlocks loaded nodes) and, under the write-back policy,
+        backs up ahead what the reserve needs (`_back_up_ahead`); returns the number retired."""
         if self.controller is None:
             return 0
-        return self._retire(self.controller.poll())
+        retired = self._retire(self.controller.poll())
+        self._back_up_ahead()
+        return retired
+
+    def _back_up_ahead(self) -> None:
+        """Write-back policy: queues write-backs of the least recently used device-only leaves
+        (which stay cached on device) until free pages plus those of LRU leaves already on host
+        reach `reserve_pages`. Evicting such a leaf copies nothing, so an allocation finds its
+        pages free, or held by a copy queued steps earlier, instead of waiting on the host for
+        a write-back it started itself (vLLM keeps free blocks ahead of need the same way)."""
+        if (self.policy is not WritePolicy.WRITE_BACK or self.host is None
+                or self.device_alloc.num_free >= self.reserve_pages):
+            return
+        assert self.controller is not None
+        ready = self.device_alloc.num_free + len(self._held)
+        for node in self.tree.device_eviction_candidates():
+            if ready >= self.reserve_pages:
+                return
+            assert node.device_pages is not None
+            if node.host_pages is None:
+                host = self.host.alloc_pages(len(node.device_pages))
+                if host is None:
+                    return
+                node.host_pages = host
+                self.controller.queue_write_back(node.device_pages, host)
+                self._stats["written_ahead_tokens"] += len(node.key)
+            ready += len(node.device_pages)
 
     def flush(self) -> int:
         """Launches and waits for every transfer, then retires them."""
@@ -305,12 +358,19 @@ class TieredCache:
         return self._retire(self.controller.flush())
 
     def _retire(self, ops: list[TransferOp]) -> int:
+        landed: list[int] = []
         for op in ops:
             if op.kind is TransferKind.LOAD_BACK:
                 self.tree.unlock(self._loading.pop(op.op_id))
                 for page in op.device_pages:
                     if self._loading_pages.get(page) is op.ticket:
                         del self._loading_pages[page]
+            elif self._held:
+                landed += [p for p in op.device_pages if p in self._held]
+        if landed:
+            assert self.controller is not None and not self.controller.reading(landed)
+            self._held.difference_update(landed)
+            self.device_alloc.free(landed)
         return len(ops)
 
     def clear(self) -> int:
@@ -335,14 +395,21 @@ class TieredCache:
         return self.device_alloc.num_free
 
     @property
+    def held_device_pages(self) -> int:
+        """Device pages out of the tree that write-backs in flight still read: free once they
+        land (`poll`), or when an allocation waits for them."""
+        return len(self._held)
+
+    @property
     def evictable_device_pages(self) -> int:
         """Device pages of unlocked tree nodes: `evict_device` (or an allocation) may free them."""
         return self.tree.evictable_pages
 
     def available_device_pages(self) -> int:
-        """Device pages an allocation can get now: free plus evictable. What `alloc_device`
-        checks before it evicts; pages of locked nodes and of requests do not count."""
-        return self.device_free_pages + self.evictable_device_pages
+        """Device pages an allocation can get now: free, evictable, and held by write-backs in
+        flight (it waits for those). What `alloc_device` checks before it evicts; pages of
+        locked nodes and of requests do not count."""
+        return self.device_free_pages + self.evictable_device_pages + len(self._held)
 
     @property
     def host_capacity(self) -> int:
@@ -378,7 +445,7 @@ class TieredCache:
         host tier's copies target, or when a kernel ever stopped waiting for loaded pages before
         they landed (this reads the device: it waits for the compute queued so far)."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
-                         extra_owned_device_pages, extra_owned_host_pages)
+                         extra_owned_device_pages, extra_owned_host_pages, self._held)
         misplaced = self.device_pool.misplaced_layers()
         if misplaced:
             raise InvariantError(f"device pages of layers {misplaced} are not laid out as "
