@@ -9,7 +9,7 @@ Page regions of the device tier (page 0 is the reserved padding sink and belongs
 | evictable  | unlocked tree nodes           | evict_device (write-back or drop)             |
 | protected  | locked tree nodes             | unlock                                        |
 | held       | write-backs in flight         | their copies landed (poll, or an allocation   |
-|            |                               | that waits for them)                          |
+|            |                               | that waits for them), or a load takes them    |
 Host tier: free, or host copy of a tree node (device+host or host-only); only host-only leaves
 are host-evicted, and only when a host allocation would otherwise fail.
 
@@ -127,17 +127,31 @@ class TieredCache:
         self.controller.queue_write_back(node.device_pages, host)
 
     # -- device pages --------------------------------------------------------------------
-    def alloc_device(self, n_pages: int) -> list[int] | None:
+    def alloc_device(self, n_pages: int, *, for_load: bool = False) -> list[int] | None:
         """`n_pages` device pages for the caller, evicting LRU unlocked leaves if needed; None
-        (nothing evicted) when free + evictable pages cannot cover the request."""
+        (nothing evicted) when free, held and evictable pages cannot cover the request.
+
+        Held pages (read by write-backs in flight) go to loads first (`for_load`): a load's
+        copies are ordered after those write-backs on the device, so it waits for nothing. Any
+        other caller writes its pages from compute, which cannot wait on the device for a copy:
+        it takes free pages, evicting for them, and waits on the host for held pages only when
+        eviction cannot cover it."""
         if n_pages < 0:
             raise ValueError(f"cannot allocate {n_pages} pages")
         short = n_pages - self.device_alloc.num_free
         if short > self.tree.evictable_pages + len(self._held):
             self._stats["alloc_failures"] += 1
             return None
-        if short > len(self._held):  # what write-backs in flight will free is already evicted
-            self.evict_device(short - len(self._held))
+        if for_load:
+            if short > len(self._held):
+                self.evict_device(short - len(self._held))
+            held = sorted(self._held)[:n_pages]  # in order: neighbours copy as one run
+            self._held.difference_update(held)
+            free = self.device_alloc.alloc(n_pages - len(held))
+            assert free is not None  # the eviction left free + held >= n_pages
+            return held + free
+        if short > 0:
+            self.evict_device(short)
         self._wait_for_held(n_pages)
         return self.device_alloc.alloc(n_pages)
 
@@ -265,7 +279,7 @@ class TieredCache:
         assert self.host is not None
         self.host.pinned.update(run)  # ... and the host pages we are about to read
         try:
-            return self.alloc_device(n_pages)
+            return self.alloc_device(n_pages, for_load=True)
         finally:
             self.host.pinned.difference_update(run)
             self.tree.unlock(anchor)

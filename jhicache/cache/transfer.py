@@ -24,12 +24,13 @@ see them, so this module orders them by hand:
   request that just finished) is *fenced* with an array of that compute
   (`fence_device_pages`): no load copies into it until the array is ready.
 - A write-back's copies start only once the computes fencing its pages are ready (the cache
-  fences the pages it takes into the tree on the compute that may still be writing them), and a
-  device page stays out of every allocation until the copies reading it landed (`reading`;
-  `TieredCache` holds it).
-- A load reading host pages whose write-back is still staged waits for that write to be
-  queued, then starts after it (`order_after`); a write-back into host pages starts after every
-  load already queued (a freed host page may still be read by one).
+  fences the pages it takes into the tree on the compute that may still be writing them), and
+  compute gets a device page only once the copies reading it landed (`reading`; `TieredCache`
+  holds it until then, or hands it to a load).
+- A load reading host pages whose write-back is still unqueued, or copying into device pages
+  that a write-back still reads, waits for that write to be queued, then starts after it on the
+  device (`order_after`); a write-back into host pages starts after every load already queued
+  (a freed host page may still be read by one).
 - The pool arrays keep their buffers (every program donates them, in place): loads copy into
   addresses read once, and `flush` checks that they are still the pool's.
 
@@ -229,8 +230,9 @@ class TransferController:
         return [f.compute for f in self._fences.values() if page in f.pages]
 
     def reading(self, pages: Sequence[int]) -> list[int]:
-        """Those of `pages` that a launched write-back still reads: no compute and no load may
-        write them before it lands (the cache holds them until `poll` reports its ops)."""
+        """Those of `pages` that a launched write-back still reads: no compute may write them
+        before it lands (the cache holds them until `poll` reports its ops), and a load into
+        them is ordered after it."""
         return [p for p in pages if p in self._reading]
 
     # -- launching -----------------------------------------------------------------------------
@@ -330,15 +332,22 @@ class TransferController:
         self._loads.append(load)
         self._try_issue(load, first_layers if self.copier.beside_compute else None)
 
+    def _writes_before(self, load: _Load) -> list[_Write]:
+        """The writes in flight that `load` must follow: into its host pages, or reading its
+        device pages (handed to it while held: the cache gives held pages to loads)."""
+        writes = {id(w): w for p in load.host_ids.tolist()
+                  if (w := self._writing.get(p)) is not None}
+        writes.update({id(w): w for p in load.device_ids.tolist()
+                       if (w := self._reading.get(p)) is not None})
+        return list(writes.values())
+
     def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
-        """What holds `load` back: unready fences on its device pages, unqueued writes of its host
-        pages."""
+        """What holds `load` back: unready fences on its device pages, unqueued writes it must
+        follow."""
         self._prune_fences()
         pages = set(load.device_ids.tolist())
         fences = [f.compute for f in self._fences.values() if not pages.isdisjoint(f.pages)]
-        writes = {id(w): w for p in load.host_ids.tolist()
-                  if (w := self._writing.get(p)) is not None}
-        return fences, [w for w in writes.values() if w.mark is None]
+        return fences, [w for w in self._writes_before(load) if w.mark is None]
 
     def _try_issue(self, load: _Load, first_layers: int | None = None) -> None:
         self._advance_writes()
@@ -365,8 +374,7 @@ class TransferController:
         """Queues the load's copies layer by layer, each layer's flag after it: all of them, or
         the first `first_layers` (the rest at `finish_loads`)."""
         self.finish_loads()  # flags only grow: the load before must be wholly queued first
-        for write in {id(w): w for p in load.host_ids.tolist()
-                      if (w := self._writing.get(p))}.values():
+        for write in self._writes_before(load):
             assert write.mark is not None
             self.copier.order_after(Direction.TO_DEVICE, write.mark)
         pool = self.device_pool

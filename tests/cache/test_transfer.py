@@ -675,3 +675,34 @@ def test_pages_cached_while_their_step_runs_are_written_back_after_it() -> None:
     node = cache.match(tokens).last_node
     k, _ = cache.host_pool.read_pages(0, node.host_pages)
     np.testing.assert_array_equal(k, expected_kv(tokens, 0, 4)[0])
+
+
+@pytest.mark.parametrize("copier", [DeferredCopier, "fake_cuda",
+                                    pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_load_takes_held_pages_and_copies_only_after_their_write_back(copier) -> None:
+    """A load-back gets the pages a write-back still reads, without waiting on the host: its
+    copies are ordered after that write-back's on the device, so the host copy of the evicted
+    node holds that node's KV and the device pages end up holding the loaded node's."""
+    cache = make_cache(4, device_pages=2, host_pages=4, copier=_copier(copier),
+                       load_back_threshold=1)
+    a, b = list(range(8)), list(range(100, 108))
+    prefill(cache, b)
+    cache.evict_device(2)
+    cache.flush()  # b lives on host only
+    prefill(cache, a)
+    assert cache.evict_device(2) == 2 and cache.held_device_pages == 2  # a's write-back
+    ticket = cache.load_back(cache.match(b))  # both pages
+    assert ticket is not None
+    assert cache.held_device_pages == 0 and cache.stats()["write_back_waits"] == 0
+    cache.check_invariants()
+    cache.launch()
+    ticket.wait_all()
+    cache.flush()
+    assert_device_kv(cache, b, cache.match(b).device_pages)
+    node = cache.match(a).last_node
+    assert node.device_pages is None
+    for layer in range(2):
+        k, v = cache.host_pool.read_pages(layer, node.host_pages)
+        np.testing.assert_array_equal(k, expected_kv(a, layer, 4)[0])
+        np.testing.assert_array_equal(v, expected_kv(a, layer, 4)[1])
+    cache.check_invariants()
