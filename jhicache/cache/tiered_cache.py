@@ -13,10 +13,11 @@ Page regions of the device tier (page 0 is the reserved padding sink and belongs
 Host tier: free, or host copy of a tree node (device+host or host-only); only host-only leaves
 are host-evicted, and only when a host allocation would otherwise fail.
 
-Under the write-back policy a poll backs up the least recently used device leaves ahead of their
-eviction (they stay cached on device) so that free pages plus theirs cover `reserve_pages`: an
-allocation then evicts pages whose copies have landed, rather than waiting on the host for a
-write-back it started itself, which would stall the step loop that overlaps host and device.
+Under the write-back policy `launch` backs up the least recently used device leaves ahead of
+their eviction (they stay cached on device) so that free pages plus theirs cover
+`reserve_pages`: an allocation for compute then evicts leaves whose copies have landed (it takes
+those first), rather than waiting on the host for a write-back it started itself, which would
+stall the step loop that overlaps host and device. Loads take the pages write-backs still read.
 
 Rules that keep copies correct: a write-back copies straight from the pool's pages, so a page
 it reads is held, out of every allocation, until its copies landed (before any page leaves the
@@ -143,15 +144,18 @@ class TieredCache:
             self._stats["alloc_failures"] += 1
             return None
         if for_load:
-            if short > len(self._held):
-                self.evict_device(short - len(self._held))
+            # held pages first, then evicted ones, and free pages last, beyond the reserve:
+            # compute cannot take held pages without waiting, so the free ones are kept for it
+            spare = len(self._held) + max(0, self.device_alloc.num_free - self.reserve_pages)
+            if n_pages > spare:
+                self.evict_device(n_pages - spare)
             held = sorted(self._held)[:n_pages]  # in order: neighbours copy as one run
             self._held.difference_update(held)
             free = self.device_alloc.alloc(n_pages - len(held))
             assert free is not None  # the eviction left free + held >= n_pages
             return held + free
         if short > 0:
-            self.evict_device(short)
+            self.evict_device(short, clean_first=True)
         self._wait_for_held(n_pages)
         return self.device_alloc.alloc(n_pages)
 
@@ -161,7 +165,7 @@ class TieredCache:
             assert self.controller is not None
             self.controller.wait_oldest_write()
             self._stats["write_back_waits"] += 1
-            self._retire(self.controller.poll())
+            self.poll()
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Returns pages the caller holds (never pages the tree owns) to the free list. The newest
@@ -169,22 +173,33 @@ class TieredCache:
         copies into them before that step is done."""
         self._release_device(list(pages))
 
-    def evict_device(self, n_pages: int) -> int:
+    def evict_device(self, n_pages: int, *, clean_first: bool = False) -> int:
         """Evicts LRU unlocked device leaves until `n_pages` left the tree or nothing is
         evictable; returns the number of device pages that left it (may overshoot: whole nodes).
-        Pages that a write-back reads are held until it lands, the rest freed now."""
-        heap = [(n.last_access, n.node_id, n) for n in self.tree.device_eviction_candidates()]
+        Pages that a write-back reads are held until it lands, the rest freed now. With
+        `clean_first`, leaves whose host copy has landed go first (LRU among them): their
+        pages are free at once, where the others' wait for a write-back."""
+        def key(n: Node) -> tuple[bool, int, int]:
+            return clean_first and not self._is_clean(n), n.last_access, n.node_id
+
+        heap = [(*key(n), n) for n in self.tree.device_eviction_candidates()]
+        heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < n_pages and heap:
-            node = heapq.heappop(heap)[2]
+            node = heapq.heappop(heap)[-1]
             if node.parent is None or node.lock_count or not self.tree.is_device_leaf(node):
                 continue  # stale heap entry
             parent = node.parent
             freed += self._evict_one(node)
             if parent.lock_count == 0 and self.tree.is_device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                heapq.heappush(heap, (*key(parent), parent))
         self._release_device(freed)
         return len(freed)
+
+    def _is_clean(self, node: Node) -> bool:
+        """On host, and no write-back still reads its device pages: evicting it frees them."""
+        return (node.host_pages is not None and self.controller is not None
+                and not self.controller.reading(node.device_pages or ()))
 
     def _evict_one(self, node: Node) -> list[int]:
         """Device copy out: drop it if on host, else write back (write_back policy) or drop."""
@@ -315,9 +330,11 @@ class TieredCache:
 
     # -- stepping ------------------------------------------------------------------------
     def launch(self) -> None:
-        """Dispatches all queued transfers (write-backs, then load-backs); call before the
-        forward."""
+        """Backs up ahead what the reserve needs (`_back_up_ahead`), then dispatches all queued
+        transfers (write-backs, then load-backs). The engine calls it once a step has
+        allocated its pages, so that those write-backs have the next step to land in."""
         if self.controller is not None:
+            self._back_up_ahead()
             self.controller.launch()
 
     def launch_loads(self, first_layers: int | None = None) -> None:
@@ -333,26 +350,25 @@ class TieredCache:
             self.controller.finish_loads()
 
     def poll(self) -> int:
-        """Retires completed transfers (unlocks loaded nodes) and, under the write-back policy,
-        backs up ahead what the reserve needs (`_back_up_ahead`); returns the number retired."""
+        """Retires completed transfers (unlocks loaded nodes); returns the number retired."""
         if self.controller is None:
             return 0
-        retired = self._retire(self.controller.poll())
-        self._back_up_ahead()
-        return retired
+        return self._retire(self.controller.poll())
 
     def _back_up_ahead(self) -> None:
-        """Write-back policy: queues write-backs of the least recently used device-only leaves
-        (which stay cached on device) until free pages plus those of LRU leaves already on host
-        reach `reserve_pages`. Evicting such a leaf copies nothing, so an allocation finds its
-        pages free, or held by a copy queued steps earlier, instead of waiting on the host for
-        a write-back it started itself (vLLM keeps free blocks ahead of need the same way)."""
+        """Write-back policy: queues write-backs of the device nodes that eviction would take
+        first and that lack a host copy (they stay cached on device), until free pages plus
+        the pages of the nodes walked reach `reserve_pages`. Locked nodes count: a running
+        request's cached prefix is final, and it becomes evictable the moment the request ends,
+        when the next admissions need pages. Evicting a node backed up this way copies nothing,
+        so an allocation finds its pages free instead of waiting on the host for a write-back
+        it started itself (vLLM keeps free blocks ahead of need the same way)."""
         if (self.policy is not WritePolicy.WRITE_BACK or self.host is None
                 or self.device_alloc.num_free >= self.reserve_pages):
             return
         assert self.controller is not None
-        ready = self.device_alloc.num_free + len(self._held)
-        for node in self.tree.device_eviction_candidates():
+        ready = self.device_alloc.num_free  # held pages do not count: compute waits for them
+        for node in self.tree.device_eviction_order():
             if ready >= self.reserve_pages:
                 return
             assert node.device_pages is not None

@@ -274,14 +274,14 @@ def test_write_back_keeps_a_reserve_backed_up_ahead(page: int) -> None:
     for tokens in (a, b, c):
         prefill(cache, tokens)
     assert cache.device_free_pages == 0
-    cache.poll()  # queues a's and b's write-backs (LRU first): 4 pages >= 3
+    cache.launch()  # queues and starts a's and b's write-backs (LRU first): 4 pages >= 3
     stats = cache.stats()
     assert stats["written_ahead_tokens"] == len(a) + len(b)
     assert cache.match(a).device_len == len(a) and cache.match(b).device_len == len(b)
     assert cache.match(c).last_node.host_pages is None
     cache.flush()
     check(cache)
-    cache.poll()  # the reserve holds: nothing more is backed up
+    cache.launch()  # the reserve holds: nothing more is backed up
     assert cache.stats()["written_ahead_tokens"] == len(a) + len(b)
     pages = cache.alloc_device(4)  # evicts a and b: copies nothing more, waits for nothing
     assert pages is not None
@@ -304,7 +304,7 @@ def test_only_the_write_back_policy_backs_up_ahead(policy: WritePolicy) -> None:
     cache = make_cache(16, device_pages=4, host_pages=8, policy=policy, reserve_pages=4)
     for t in (1, 2):
         prefill(cache, seq(t, 2, 16))
-    cache.poll()
+    cache.launch()
     assert cache.stats()["written_ahead_tokens"] == 0
 
 
@@ -314,7 +314,7 @@ def test_an_allocation_that_needs_pages_still_being_written_back_waits_and_count
     cache = make_cache(16, device_pages=2, host_pages=4, copier=DeferredCopier())
     tokens = seq(1, 2, 16)
     prefill(cache, tokens)
-    cache.poll()
+    cache.launch()
     assert cache.stats()["written_ahead_tokens"] == 0
     pages = cache.alloc_device(2)
     assert pages is not None and cache.stats()["write_back_waits"] == 1
