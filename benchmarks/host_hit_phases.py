@@ -9,7 +9,7 @@ ready on the device; the same for a device hit of the same shape. Polling adds n
 device; it delays the host's next step, so the step() after it is not timed.
 
 `--write-back`: also the phases of pushing the prefix to host (`bench.push_to_host`: the
-eviction, the host copies, the wait), on the host clock from its start, with the
+eviction, the gathers, their host copies, the wait), on the host clock from its start, with the
 copies' own span by their device-side marks; `--profile` then profiles that push instead.
 """
 
@@ -40,7 +40,7 @@ PHASES = (("cache", "poll"), ("scheduler", "schedule"), ("cache", "launch_loads"
           ("cache.controller", "_blockers"), ("cache.controller", "_advance_writes"),
           ("cache.controller", "_queue_layers"), ("cache.controller.copier", "mark"))
 WRITE_PHASES = (("cache", "evict_device"), ("cache", "_release_device"),
-                ("cache.controller", "launch_writes"), ("cache.controller", "_pair_rows"),
+                ("cache.controller", "launch_writes"), ("cache.controller", "_gather"),
                 ("cache.controller", "fence_device_pages"), ("cache.controller", "_issue_write"),
                 ("cache.controller", "check_buffers"), ("cache.controller", "poll"),
                 ("cache.controller", "flush"))

@@ -67,8 +67,7 @@ class Engine:
             copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
         self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
-                                 config.load_back_threshold, config.write_through_threshold, copier,
-                                 self._reserve_pages(layout, config))
+                                 config.load_back_threshold, config.write_through_threshold, copier)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         # With a host tier every forward takes the load flags (one compiled variant per shape,
@@ -110,14 +109,6 @@ class Engine:
         return PoolLayout(num_layers=model.num_hidden_layers,
                           num_pages=tokens // config.page_size + 1, page_size=config.page_size,
                           num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
-
-    @staticmethod
-    def _reserve_pages(layout: PoolLayout, config: EngineConfig) -> int:
-        """Device pages the write-back policy keeps free or backed up ahead of need: what one step
-        may allocate for new tokens (a prefill chunk and a page per decoding request), at most a
-        quarter of the pool, so most evictions copy nothing while a step waits."""
-        step = -(-config.chunked_prefill_tokens // config.page_size) + config.max_running_requests
-        return min(step, (layout.num_pages - RESERVED_PAGES) // 4)
 
     @staticmethod
     def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:

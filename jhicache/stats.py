@@ -79,10 +79,6 @@ class EngineStats:
     evicted_host_tokens: int = 0
     dropped_nodes: int = 0
     dropped_tokens: int = 0
-    # write-back policy: tokens backed up before their eviction (to keep the reserve), and
-    # allocations that waited on the host for a write-back still reading the pages they needed
-    written_ahead_tokens: int = 0
-    write_back_waits: int = 0
     # refusals
     write_through_failures: int = 0
     load_back_skipped: int = 0

@@ -1,5 +1,5 @@
-"""`python -m jhicache.bench_kernels` (and `python -m jhicache.bench kernels`): its parts, the
-HBM read ceiling and the attention-target parts' code paths, at tiny CPU sizes
+"""`python -m jhicache.bench_kernels` (and `python -m jhicache.bench kernels`): the write-back
+gather part, the HBM read ceiling and the attention-target parts' code paths, at tiny CPU sizes
 (the kernels in interpret mode)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jhicache.bench_kernels import attention, cli, reference, timing
+from jhicache.bench_kernels import attention, cli, memory_ops, reference, timing
 from jhicache.bench_kernels.cases import (
     JAX_PAGED,
     TARGET_PARTS,
@@ -34,7 +34,17 @@ def test_python_dash_m_runs_the_package_and_lists_its_parts() -> None:
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert set(cli.PARTS) <= listed
-    assert cli.PARTS == ("ceilings", "hbm_read", "transfers", "kv_write", *TARGET_PARTS)
+    assert cli.PARTS == ("ceilings", "hbm_read", "transfers", "kv_write", "gathers",
+                         *TARGET_PARTS)
+
+
+def test_gathers_time_the_engines_staging_of_the_pages() -> None:
+    res: dict = {}
+    memory_ops.gathers(res, "tiny", layers=2, kv_heads=2, dim=8, pages=6, pool_pages=32)
+    row = res["write_back_gather"]["tiny"]
+    assert row["staging_is_the_pages"] is True
+    assert row["bytes_read_and_written"] == 2 * 2 * 2 * 6 * PAGE * 2 * 8 * 2
+    assert row["xla_gather_ms"] > 0 and row["xla_gather_gbps"] > 0
 
 
 # ---------------------------------------------------------------- attention targets

@@ -10,7 +10,7 @@ import jax
 
 from jhicache.bench_kernels.attention import run_targets
 from jhicache.bench_kernels.cases import TARGET_PARTS
-from jhicache.bench_kernels.memory_ops import kv_write, transfers
+from jhicache.bench_kernels.memory_ops import gathers, kv_write, transfers
 from jhicache.bench_kernels.shapes import PAGE, SHAPES
 from jhicache.bench_kernels.timing import ceilings, safe
 
@@ -22,6 +22,7 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   hbm_read     HBM read ceiling: read-only reductions over 4 distinct 1 GiB arrays, one program
   transfers    the host tier's write-back and load-back of scattered pages
   kv_write     write_kv vs XLA's scatter
+  gathers      the write-back's staging gather
   extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
   decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read (and the time of
                JAX's Pallas paged decode kernel beside it, for comparison)
@@ -32,7 +33,7 @@ run hbm_read before and after them (its best counts). Results: attention_targets
 and attention_summary (per case: per_layer_ms, bytes, fraction_of_hbm_read, target, met).
 """
 
-PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", *TARGET_PARTS)
+PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PARTS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
     for name, shape in SHAPES.items():
-        for key, part in (("kv_write", kv_write),):
+        for key, part in (("kv_write", kv_write), ("gathers", gathers)):
             if key in only:
                 err = safe(lambda part=part: part(res, name, **shape))
                 if isinstance(err, str):

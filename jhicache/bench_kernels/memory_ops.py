@@ -1,4 +1,4 @@
-"""The memory parts: the host tier's transfers, write_kv against XLA's scatter."""
+"""The memory parts: the host tier's transfers, write_kv against XLA's scatter, the gather."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from jhicache.pallas_kernels.kv_write import write_kv_reference
 def transfers(res: dict, layers: int = 24, kv_heads: int = 2, dim: int = 64, n: int = 512,
               host_pages: int = 2048, dev_pages: int = 1024) -> None:
     """The host tier's own copies (TransferController over the platform's copier): write-back
-    (device->host, straight from the pages) and load-back (host->device, layer by layer) of `n`
-    scattered pages."""
+    (gather + device->host) and load-back (host->device, layer by layer) of `n` scattered pages."""
     layout = PoolLayout(layers, dev_pages + 1, PAGE, kv_heads, dim, DT)
     device = DevicePool(layout)
     for l in range(layers):
@@ -110,3 +109,27 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
         out[f"jit_{layers}_layers_{label}"] = safe(
             lambda step=step: layers * nbytes / timeit(step) / GB)
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
+
+
+def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: int = 128,
+            pool_pages: int = 4096, **_: int) -> None:
+    """A write-back's staging gather as the engine runs it (XLA gathers into one
+    [layers, 2, n, S, H, D] array) of `pages` scattered pages of every layer (8192 tokens at
+    page 64). Bytes moved count a read and a write of each page; compare hbm_copy_gbps."""
+    from jhicache.cache import transfer  # the engine's gather, a private program of its controller
+
+    shape = (pool_pages, PAGE, kv_heads, dim)
+    ks = tuple(random_array(200 + i, shape) for i in range(layers))
+    vs = tuple(random_array(300 + i, shape) for i in range(layers))
+    ids = jnp.asarray(np.random.default_rng(2).permutation(pool_pages)[:pages].astype(np.int32))
+    staging = transfer._gather_kv(ks, vs, ids)
+    same = all(bool((s[0] == k[ids]).all() and (s[1] == v[ids]).all())
+               for s, k, v in zip(staging, ks, vs))
+    moved = 2 * 2 * layers * pages * PAGE * kv_heads * dim * 2  # K and V, read + write, bf16
+    r = {"pages": pages, "layers": layers, "bytes_read_and_written": moved,
+         "staging_is_the_pages": same}
+    seconds = safe(lambda: timeit(lambda: transfer._gather_kv(ks, vs, ids)))
+    r["xla_gather_ms"] = seconds * 1e3 if isinstance(seconds, float) else seconds
+    if isinstance(seconds, float):
+        r["xla_gather_gbps"] = moved / seconds / GB
+    res.setdefault("write_back_gather", {})[name] = r

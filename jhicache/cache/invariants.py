@@ -1,9 +1,10 @@
 """check_invariants: page ownership and accounting of both tiers, plus the tree's structural rules.
 
 Every usable page id of a tier must be owned exactly once: by the free list, by one tree node,
-by a caller-declared holder (pages of running requests), or, on the device, by the write-backs in
-flight that still read pages which left the tree. Device accounting must satisfy
-`free + evictable + protected + held by requests + held by write-backs == capacity`.
+or by a caller-declared holder (pages of running requests). In-flight transfers own no page of
+their own: a copy's pages stay owned by the node they belong to (see transfer.py for why freeing
+them after dispatch is safe). Device accounting must satisfy
+`free + evictable + protected + held by requests == capacity`.
 """
 
 from __future__ import annotations
@@ -58,12 +59,9 @@ def _check_node(tree: RadixTree, node: Node) -> None:
 
 def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: PageAllocator | None,
                      extra_device_pages: Iterable[int] = (),
-                     extra_host_pages: Iterable[int] = (),
-                     writing_device_pages: Iterable[int] = ()) -> None:
+                     extra_host_pages: Iterable[int] = ()) -> None:
     """Raises InvariantError on the first violated invariant."""
-    writing = list(writing_device_pages)
-    device: dict[str, list[int]] = {"requests": list(extra_device_pages),
-                                    "write-backs in flight": writing}
+    device: dict[str, list[int]] = {"requests": list(extra_device_pages)}
     host: dict[str, list[int]] = {"requests": list(extra_host_pages)}
     evictable = protected = 0
     for node in tree.nodes():
@@ -81,10 +79,9 @@ def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: P
            f"!= recomputed {evictable}/{protected}")
     _check_tier("device", device_alloc, device)
     held = len(device["requests"])
-    _check(device_alloc.num_free + evictable + protected + held + len(writing)
-           == device_alloc.capacity,
+    _check(device_alloc.num_free + evictable + protected + held == device_alloc.capacity,
            f"device: free {device_alloc.num_free} + evictable {evictable} + protected {protected} "
-           f"+ requests {held} + write-backs {len(writing)} != capacity {device_alloc.capacity}")
+           f"+ requests {held} != capacity {device_alloc.capacity}")
     if host_alloc is not None:
         _check_tier("host", host_alloc, host)
     else:

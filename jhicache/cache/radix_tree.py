@@ -11,7 +11,6 @@ locked non-root nodes, so `free + evictable + protected (+ pages held by request
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -306,31 +305,6 @@ class RadixTree:
             elif node.lock_count == 0 and node is not self.root:
                 leaves.append(node)
         return sorted(leaves, key=lambda n: (n.last_access, n.node_id))
-
-    def device_eviction_order(self) -> Iterator[Node]:
-        """Every node on device, locked or not, in the order repeated eviction of the least
-        recently used device leaf would take them (locks ignored: a locked node may be
-        unlocked by then)."""
-        left: dict[int, int] = {}  # node id -> its device children not yet taken
-        heap: list[tuple[int, int, Node]] = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            on_device = [c for c in node.children.values() if c.device_pages is not None]
-            stack.extend(on_device)
-            if on_device:
-                left[node.node_id] = len(on_device)
-            elif node is not self.root:
-                heap.append((node.last_access, node.node_id, node))
-        heapq.heapify(heap)
-        while heap:
-            node = heapq.heappop(heap)[2]
-            yield node
-            parent = node.parent
-            if parent is not None and parent is not self.root:
-                left[parent.node_id] -= 1
-                if left[parent.node_id] == 0:
-                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
 
     def is_host_leaf(self, node: Node) -> bool:
         """Host-only and no children at all (so removing it orphans nothing)."""

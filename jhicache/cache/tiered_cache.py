@@ -8,22 +8,13 @@ Page regions of the device tier (page 0 is the reserved padding sink and belongs
 | held       | running requests (engine)     | insert (tree takes it) / free_device          |
 | evictable  | unlocked tree nodes           | evict_device (write-back or drop)             |
 | protected  | locked tree nodes             | unlock                                        |
-| held       | write-backs in flight         | their copies landed (poll, or an allocation   |
-|            |                               | that waits for them), or a load takes them    |
 Host tier: free, or host copy of a tree node (device+host or host-only); only host-only leaves
 are host-evicted, and only when a host allocation would otherwise fail.
 
-Under the write-back policy `launch` backs up the least recently used device leaves ahead of
-their eviction (they stay cached on device) so that free pages plus theirs cover
-`reserve_pages`: an allocation for compute then evicts leaves whose copies have landed (it takes
-those first), rather than waiting on the host for a write-back it started itself, which would
-stall the step loop that overlaps host and device. Loads take the pages write-backs still read.
-
-Rules that keep copies correct: a write-back copies straight from the pool's pages, so a page
-it reads is held, out of every allocation, until its copies landed (before any page leaves the
-tree, queued write-backs are launched, so the controller knows what they read); loads are copies
-JAX does not see, so every device page freed while compute that may touch it is in flight is
-fenced until that compute is done (`TransferController.fence_device_pages`).
+Rule that keeps copies correct: before any page leaves the tree, queued write-backs are launched
+(their gather is dispatched), so compute that reuses a page is ordered after the gather read it;
+loads are copies JAX does not see, so every device page freed while compute that may touch it is
+in flight is fenced until that compute is done (`TransferController.fence_device_pages`).
 """
 
 from __future__ import annotations
@@ -45,8 +36,7 @@ from jhicache.config import WritePolicy
 _STATS = ("write_back_ops", "write_back_bytes", "load_back_ops", "load_back_bytes",
           "evicted_device_tokens", "evicted_host_tokens", "dropped_nodes", "dropped_tokens",
           "write_through_failures", "load_back_skipped", "load_back_over_quota",
-          "load_back_failures", "load_back_stale", "alloc_failures", "written_ahead_tokens",
-          "write_back_waits")
+          "load_back_failures", "load_back_stale", "alloc_failures")
 
 
 class TieredCache:
@@ -54,14 +44,12 @@ class TieredCache:
 
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
-                 write_through_threshold: int = 2, copier: Copier | None = None,
-                 reserve_pages: int = 0) -> None:
+                 write_through_threshold: int = 2, copier: Copier | None = None) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
-        if write_through_threshold < 1 or load_back_threshold < 0 or reserve_pages < 0:
-            raise ValueError("write_through_threshold must be >= 1, load_back_threshold and "
-                             "reserve_pages >= 0")
+        if write_through_threshold < 1 or load_back_threshold < 0:
+            raise ValueError("write_through_threshold must be >= 1, load_back_threshold >= 0")
         self.page_size, self.policy = page_size, WritePolicy(policy)
         self.load_back_threshold = load_back_threshold
         self.write_threshold = (1 if self.policy is WritePolicy.WRITE_THROUGH
@@ -79,9 +67,6 @@ class TieredCache:
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
         self._loading_pages: dict[int, LoadTicket] = {}
-        self._held: set[int] = set()  # device pages out of the tree, read by write-backs in flight
-        # write-back policy: device pages kept free or evictable without a copy (`_back_up_ahead`)
-        self.reserve_pages = reserve_pages
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -107,9 +92,6 @@ class TieredCache:
         and must never be freed by the caller.
         """
         result = self.tree.insert(tokens, device_pages)
-        if self.controller is not None and self.device_pool.last_compute is not None:
-            # steps still in flight may be computing these pages: no write-back copies them before
-            self.controller.fence_device_pages(device_pages, [self.device_pool.last_compute])
         if self.policy is not WritePolicy.WRITE_BACK and self.host is not None:
             for node in result.touched:
                 if node.host_pages is None and node.hit_count >= self.write_threshold:
@@ -128,78 +110,43 @@ class TieredCache:
         self.controller.queue_write_back(node.device_pages, host)
 
     # -- device pages --------------------------------------------------------------------
-    def alloc_device(self, n_pages: int, *, for_load: bool = False) -> list[int] | None:
+    def alloc_device(self, n_pages: int) -> list[int] | None:
         """`n_pages` device pages for the caller, evicting LRU unlocked leaves if needed; None
-        (nothing evicted) when free, held and evictable pages cannot cover the request.
-
-        Held pages (read by write-backs in flight) go to loads first (`for_load`): a load's
-        copies are ordered after those write-backs on the device, so it waits for nothing. Any
-        other caller writes its pages from compute, which cannot wait on the device for a copy:
-        it takes free pages, evicting for them, and waits on the host for held pages only when
-        eviction cannot cover it."""
+        (nothing evicted) when free + evictable pages cannot cover the request."""
         if n_pages < 0:
             raise ValueError(f"cannot allocate {n_pages} pages")
         short = n_pages - self.device_alloc.num_free
-        if short > self.tree.evictable_pages + len(self._held):
+        if short > self.tree.evictable_pages:
             self._stats["alloc_failures"] += 1
             return None
-        if for_load:
-            # held pages first, then evicted ones, and free pages last, beyond the reserve:
-            # compute cannot take held pages without waiting, so the free ones are kept for it
-            spare = len(self._held) + max(0, self.device_alloc.num_free - self.reserve_pages)
-            if n_pages > spare:
-                self.evict_device(n_pages - spare)
-            held = sorted(self._held)[:n_pages]  # in order: neighbours copy as one run
-            self._held.difference_update(held)
-            free = self.device_alloc.alloc(n_pages - len(held))
-            assert free is not None  # the eviction left free + held >= n_pages
-            return held + free
         if short > 0:
-            self.evict_device(short, clean_first=True)
-        self._wait_for_held(n_pages)
+            self.evict_device(short)
         return self.device_alloc.alloc(n_pages)
-
-    def _wait_for_held(self, n_pages: int) -> None:
-        """Blocks, oldest write-back first, until `n_pages` are free or no page is held."""
-        while self.device_alloc.num_free < n_pages and self._held:
-            assert self.controller is not None
-            self.controller.wait_oldest_write()
-            self._stats["write_back_waits"] += 1
-            self.poll()
 
     def free_device(self, pages: Iterable[int]) -> None:
         """Returns pages the caller holds (never pages the tree owns) to the free list. The newest
         dispatched step may still write them (a request's step beyond its end), so no load
         copies into them before that step is done."""
-        self._release_device(list(pages))
+        pages = list(pages)
+        self.device_alloc.free(pages)
+        if self.controller is not None and pages and self.device_pool.last_compute is not None:
+            self.controller.fence_device_pages(pages, [self.device_pool.last_compute])
 
-    def evict_device(self, n_pages: int, *, clean_first: bool = False) -> int:
-        """Evicts LRU unlocked device leaves until `n_pages` left the tree or nothing is
-        evictable; returns the number of device pages that left it (may overshoot: whole nodes).
-        Pages that a write-back reads are held until it lands, the rest freed now. With
-        `clean_first`, leaves whose host copy has landed go first (LRU among them): their
-        pages are free at once, where the others' wait for a write-back."""
-        def key(n: Node) -> tuple[bool, int, int]:
-            return clean_first and not self._is_clean(n), n.last_access, n.node_id
-
-        heap = [(*key(n), n) for n in self.tree.device_eviction_candidates()]
-        heapq.heapify(heap)
+    def evict_device(self, n_pages: int) -> int:
+        """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable;
+        returns the number of device pages freed (may overshoot: whole nodes)."""
+        heap = [(n.last_access, n.node_id, n) for n in self.tree.device_eviction_candidates()]
         freed: list[int] = []
         while len(freed) < n_pages and heap:
-            node = heapq.heappop(heap)[-1]
+            node = heapq.heappop(heap)[2]
             if node.parent is None or node.lock_count or not self.tree.is_device_leaf(node):
                 continue  # stale heap entry
             parent = node.parent
             freed += self._evict_one(node)
             if parent.lock_count == 0 and self.tree.is_device_leaf(parent):
-                heapq.heappush(heap, (*key(parent), parent))
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         self._release_device(freed)
         return len(freed)
-
-    def _is_clean(self, node: Node) -> bool:
-        """On host, and no write-back still reads its device pages: evicting it frees them."""
-        return (node.host_pages is not None and self.controller is not None
-                and not self.controller.reading(node.device_pages or ()))
 
     def _evict_one(self, node: Node) -> list[int]:
         """Device copy out: drop it if on host, else write back (write_back policy) or drop."""
@@ -226,17 +173,15 @@ class TieredCache:
         return device
 
     def _release_device(self, pages: list[int]) -> None:
-        """Frees `pages`, holding those a write-back still reads until it lands. No load copies
-        into them before the step in flight ends: it may still read or write them (an aborted
-        prefill's pages enter the tree while that step still writes them)."""
-        if self.controller is not None and pages:
-            self.controller.launch_writes()  # so that it knows every write reading these pages
+        if self.controller is not None:
+            self.controller.launch_writes()  # every gather reading these pages first ...
+            # ... and no load copies into them before the gathers ran (this one or an earlier
+            # one, still queued behind the step in flight), nor before the step in flight ends:
+            # an aborted prefill's pages enter the tree while that step still writes them.
+            computes = self.controller.pending_gathers()
             if self.device_pool.last_compute is not None:
-                self.controller.fence_device_pages(pages, [self.device_pool.last_compute])
-            held = self.controller.reading(pages)
-            if held:
-                self._held.update(held)
-                pages = [p for p in pages if p not in self._held]
+                computes.append(self.device_pool.last_compute)
+            self.controller.fence_device_pages(pages, computes)
         self.device_alloc.free(pages)
 
     # -- host pages ----------------------------------------------------------------------
@@ -294,7 +239,7 @@ class TieredCache:
         assert self.host is not None
         self.host.pinned.update(run)  # ... and the host pages we are about to read
         try:
-            return self.alloc_device(n_pages, for_load=True)
+            return self.alloc_device(n_pages)
         finally:
             self.host.pinned.difference_update(run)
             self.tree.unlock(anchor)
@@ -330,11 +275,9 @@ class TieredCache:
 
     # -- stepping ------------------------------------------------------------------------
     def launch(self) -> None:
-        """Backs up ahead what the reserve needs (`_back_up_ahead`), then dispatches all queued
-        transfers (write-backs, then load-backs). The engine calls it once a step has
-        allocated its pages, so that those write-backs have the next step to land in."""
+        """Dispatches all queued transfers (write-backs, then load-backs); call before the
+        forward."""
         if self.controller is not None:
-            self._back_up_ahead()
             self.controller.launch()
 
     def launch_loads(self, first_layers: int | None = None) -> None:
@@ -355,32 +298,6 @@ class TieredCache:
             return 0
         return self._retire(self.controller.poll())
 
-    def _back_up_ahead(self) -> None:
-        """Write-back policy: queues write-backs of the device nodes that eviction would take
-        first and that lack a host copy (they stay cached on device), until free pages plus
-        the pages of the nodes walked reach `reserve_pages`. Locked nodes count: a running
-        request's cached prefix is final, and it becomes evictable the moment the request ends,
-        when the next admissions need pages. Evicting a node backed up this way copies nothing,
-        so an allocation finds its pages free instead of waiting on the host for a write-back
-        it started itself (vLLM keeps free blocks ahead of need the same way)."""
-        if (self.policy is not WritePolicy.WRITE_BACK or self.host is None
-                or self.device_alloc.num_free >= self.reserve_pages):
-            return
-        assert self.controller is not None
-        ready = self.device_alloc.num_free  # held pages do not count: compute waits for them
-        for node in self.tree.device_eviction_order():
-            if ready >= self.reserve_pages:
-                return
-            assert node.device_pages is not None
-            if node.host_pages is None:
-                host = self.host.alloc_pages(len(node.device_pages))
-                if host is None:
-                    return
-                node.host_pages = host
-                self.controller.queue_write_back(node.device_pages, host)
-                self._stats["written_ahead_tokens"] += len(node.key)
-            ready += len(node.device_pages)
-
     def flush(self) -> int:
         """Launches and waits for every transfer, then retires them."""
         if self.controller is None:
@@ -388,19 +305,12 @@ class TieredCache:
         return self._retire(self.controller.flush())
 
     def _retire(self, ops: list[TransferOp]) -> int:
-        landed: list[int] = []
         for op in ops:
             if op.kind is TransferKind.LOAD_BACK:
                 self.tree.unlock(self._loading.pop(op.op_id))
                 for page in op.device_pages:
                     if self._loading_pages.get(page) is op.ticket:
                         del self._loading_pages[page]
-            elif self._held:
-                landed += [p for p in op.device_pages if p in self._held]
-        if landed:
-            assert self.controller is not None and not self.controller.reading(landed)
-            self._held.difference_update(landed)
-            self.device_alloc.free(landed)
         return len(ops)
 
     def clear(self) -> int:
@@ -425,21 +335,14 @@ class TieredCache:
         return self.device_alloc.num_free
 
     @property
-    def held_device_pages(self) -> int:
-        """Device pages out of the tree that write-backs in flight still read: free once they
-        land (`poll`), or when an allocation waits for them."""
-        return len(self._held)
-
-    @property
     def evictable_device_pages(self) -> int:
         """Device pages of unlocked tree nodes: `evict_device` (or an allocation) may free them."""
         return self.tree.evictable_pages
 
     def available_device_pages(self) -> int:
-        """Device pages an allocation can get now: free, evictable, and held by write-backs in
-        flight (it waits for those). What `alloc_device` checks before it evicts; pages of
-        locked nodes and of requests do not count."""
-        return self.device_free_pages + self.evictable_device_pages + len(self._held)
+        """Device pages an allocation can get now: free plus evictable. What `alloc_device`
+        checks before it evicts; pages of locked nodes and of requests do not count."""
+        return self.device_free_pages + self.evictable_device_pages
 
     @property
     def host_capacity(self) -> int:
@@ -475,7 +378,7 @@ class TieredCache:
         host tier's copies target, or when a kernel ever stopped waiting for loaded pages before
         they landed (this reads the device: it waits for the compute queued so far)."""
         check_invariants(self.tree, self.device_alloc, self.host_alloc,
-                         extra_owned_device_pages, extra_owned_host_pages, self._held)
+                         extra_owned_device_pages, extra_owned_host_pages)
         misplaced = self.device_pool.misplaced_layers()
         if misplaced:
             raise InvariantError(f"device pages of layers {misplaced} are not laid out as "

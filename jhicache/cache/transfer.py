@@ -7,11 +7,11 @@ How pages move
 | phase          | what runs where                                                          |
 |----------------|--------------------------------------------------------------------------|
 | queue_*        | nothing (page id lists)                                                  |
-| launch_writes  | nothing on the device: each write waits (on the host, `poll`) for the    |
-|                | computes fencing its pages, then its device->host copies go              |
-|                | straight from the pool's pages, in pieces of whole layers, on the        |
-|                | copier's low-priority stream. Its device pages are `reading` until then: |
-|                | the cache holds any it frees and hands them out only once they landed    |
+| launch_writes  | jitted gathers of the pages into one staging array, one per power-of-two |
+|                | piece (`gather_pieces`; compute stream, so ordered after                 |
+|                | the compute that wrote them and before any compute that reuses them);    |
+|                | the device->host copies are queued once a piece's staging is ready       |
+|                | (`poll`), on the copier's low-priority stream                            |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
 |                | donated pool buffers, then the load's sequence number stored in that     |
 |                | layer's device flag; a mark after the last (high-priority stream). May   |
@@ -20,25 +20,21 @@ How pages move
 |                | reaches the newest load the step reads (`LoadTicket.gate_seq`)           |
 Copies run on streams of their own (`jhicache.cache.copier`), beside the forward; JAX does not
 see them, so this module orders them by hand:
-- A device page freed while dispatched compute may still touch it (the in-flight step of a
-  request that just finished) is *fenced* with an array of that compute
-  (`fence_device_pages`): no load copies into it until the array is ready.
-- A write-back's copies start only once the computes fencing its pages are ready (the cache
-  fences the pages it takes into the tree on the compute that may still be writing them), and
-  compute gets a device page only once the copies reading it landed (`reading`; `TieredCache`
-  holds it until then, or hands it to a load).
-- A load reading host pages whose write-back is still unqueued, or copying into device pages
-  that a write-back still reads, waits for that write to be queued, then starts after it on the
-  device (`order_after`); a write-back into host pages starts after every load already queued
-  (a freed host page may still be read by one).
+- A device page freed while dispatched compute may still write it (the in-flight step of a
+  request that just finished, or a write-back's gather not yet run) is *fenced* with an array
+  of that compute (`fence_device_pages`): no load copies into it until the array is ready.
+- A load reading host pages whose write-back is still staged waits for that write to be
+  queued, then starts after it (`order_after`); a write-back into host pages starts after every
+  load already queued (a freed host page may still be read by one).
 - The pool arrays keep their buffers (every program donates them, in place): loads copy into
   addresses read once, and `flush` checks that they are still the pool's.
 
 Tensor parallelism: the pool arrays are split over devices on the KV heads, so a page's layer is
 one block per device shard. Every copy moves all shards of its pages (shard i between device i's
-buffer and the host pool's block i, on copier i of a `ShardedCopier`), and a mark is done only
-once every device's part is: a layer has landed when all its shards have. One device is the same
-code with one shard, on a plain copier.
+buffer and the host pool's block i, on copier i of a `ShardedCopier`), the write-back's gather
+keeps the pool's head split (its staging is per device too), and a mark is done only once every
+device's part is: a layer has landed when all its shards have. One device is the same code with
+one shard, on a plain copier.
 """
 
 from __future__ import annotations
@@ -49,10 +45,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache.copier import Copier, CopyRows, Direction, Mark, ShardedCopier
-from jhicache.cache.device_pool import DevicePool
+from jhicache.cache.device_pool import DevicePool, PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
 
@@ -80,6 +78,30 @@ class TransferOp(NamedTuple):
     ticket: LoadTicket | None
 
 
+def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],
+                 ids: jax.Array) -> jax.Array:
+    """Pages `ids` of every layer's K then V -> one contiguous [layers, 2, n, S, H, D] staging
+    array (an XLA gather: whole pages, every element independent). One array, not one per
+    layer: the host reads one address per piece, and the dispatch has one output to set up."""
+    return jnp.stack([jnp.stack([k[ids], v[ids]]) for k, v in zip(ks, vs)])
+
+
+_gather_kv = jax.jit(_stack_pages)
+
+
+def _sharded_gather(pool: PagePool):
+    """`_gather_kv` whose staging stays split as the pool's pages are (on the head axis, one
+    contiguous [layers, 2, n, S, H / shards, D] buffer per device), so each device's shard of a
+    page is copied to its own host block. Stated, not left to propagation: the copies rely on
+    it."""
+    sharding = pool.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise ValueError(f"a page pool over several devices needs a NamedSharding, got {sharding}")
+    staging = jax.sharding.NamedSharding(sharding.mesh,
+                                         jax.sharding.PartitionSpec(None, None, *sharding.spec))
+    return jax.jit(_stack_pages, out_shardings=staging)
+
+
 def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Page pairs coalesced where both ids step by one: (src starts, dst starts, lengths)."""
     if len(src) == 0:
@@ -91,6 +113,22 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return src[starts], dst[starts], lengths
 
 
+def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
+    """(start, size) pieces of a write-back of `pages` pages, each gathered padded to its
+    power-of-two bucket (`pow2_bucket`, so no new shape compiles). Where padding the whole would
+    waste more than an eighth of it, its largest power of two is split off and the rest pieced
+    the same way, if that gathers fewer pages in all: 129 pages gather 128 + 16, not 256."""
+    def plan(start: int, left: int) -> tuple[int, list[tuple[int, int]]]:
+        whole = (pow2_bucket(left, smallest), [(start, left)])
+        if left <= smallest or whole[0] - left <= left // 8:
+            return whole
+        size = 1 << (left.bit_length() - 1)  # the largest power of two in what is left
+        gathered, pieces = plan(start + size, left - size)
+        return (size + gathered, [(start, size)] + pieces) if size + gathered < whole[0] else whole
+
+    return plan(0, pages)[1]
+
+
 class _Fence(NamedTuple):
     """A dispatched compute that may still touch some device pages: no load copies into them
     before it is ready. Kept per compute, not per page: a step frees many pages and the fences
@@ -100,14 +138,21 @@ class _Fence(NamedTuple):
     pages: set[int]
 
 
-class _Write:
-    """One merged write-back launch: copied to host straight from the pool's pages once
-    `after` (the computes that fenced them at its launch) are ready."""
+class _WriteRows(NamedTuple):
+    """A staged write's copies: [shards, layers, K runs then V runs] addresses, one size per
+    run of a layer."""
 
-    def __init__(self, ops: list[TransferOp], device_ids: np.ndarray, host_ids: np.ndarray,
-                 after: list[jax.Array]) -> None:
-        self.ops, self.device_ids, self.host_ids, self.after = ops, device_ids, host_ids, after
-        self.rows: CopyRows | None = None  # its copies [shards, layers, n], built when issued
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+
+
+class _Write:
+    """One merged write-back launch: staged on device, then copied to host."""
+
+    def __init__(self, ops: list[TransferOp], staging: jax.Array, host_ids: np.ndarray) -> None:
+        self.ops, self.staging, self.host_ids = ops, staging, host_ids
+        self.rows: _WriteRows | None = None  # its copies, built once its staging is ready
         self.next_layer = 0  # the next layer whose host copies to queue
         self.start: Mark | None = None  # timed, before its first host copy
         self.mark: Mark | None = None  # timed, set once all its host copies are queued
@@ -171,11 +216,11 @@ class TransferController:
         self.device_pool, self.host_pool, self.copier = device_pool, host_pool, copier
         self.shards = shards
         self.layer_bytes = host_pool.layer_page_bytes  # of one shard
+        self._gather = _gather_kv if shards == 1 else _sharded_gather(device_pool)
         self._queued: dict[TransferKind, list[TransferOp]] = {k: [] for k in TransferKind}
         self._writes: list[_Write] = []  # launched, not retired
         self._loads: list[_Load] = []  # launched, not retired
         self._writing: dict[int, _Write] = {}  # host page -> the newest write into it, until done
-        self._reading: dict[int, _Write] = {}  # device page -> the write reading it, until done
         self._fences: dict[int, _Fence] = {}  # id of a compute (held by its fence) -> its fence
         self._last_load: Mark | None = None  # after the newest load's last copy
         self._queuing: _Load | None = None  # a load whose later layers are still to be queued
@@ -229,11 +274,10 @@ class TransferController:
         """The computes still fencing a device page (as last asked)."""
         return [f.compute for f in self._fences.values() if page in f.pages]
 
-    def reading(self, pages: Sequence[int]) -> list[int]:
-        """Those of `pages` that a launched write-back still reads: no compute may write them
-        before it lands (the cache holds them until `poll` reports its ops), and a load into
-        them is ordered after it."""
-        return [p for p in pages if p in self._reading]
+    def pending_gathers(self) -> list[jax.Array]:
+        """The write-back gathers dispatched and not known to have run: they may still read
+        any page the cache frees now."""
+        return [w.staging for w in self._writes if w.mark is None]
 
     # -- launching -----------------------------------------------------------------------------
 
@@ -253,22 +297,30 @@ class TransferController:
         return ops, device, host
 
     def launch_writes(self) -> None:
-        """Launches every queued write-back as one: its host copies are queued by `poll` (in
-        pieces) once the computes that may still write its pages are ready."""
+        """Dispatches the gathers of every queued write-back (its host copies follow in `poll`):
+        one per piece of `gather_pieces`, whose ops are reported once the last piece landed."""
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
             return
-        self._prune_fences()
-        pages = set(device.tolist())
-        write = _Write(ops, device, host, [f.compute for f in self._fences.values()
-                                           if not pages.isdisjoint(f.pages)])
-        self._writes.append(write)
-        self._writing.update(dict.fromkeys(host.tolist(), write))
-        self._reading.update(dict.fromkeys(device.tolist(), write))
+        pool = self.device_pool
+        pieces = gather_pieces(len(device))
+        for i, (start, size) in enumerate(pieces):
+            ids = device[start:start + size]
+            # padded with the last page, read again: one gather program per bucket of id lists
+            ids = np.concatenate([ids, np.repeat(ids[-1:], pow2_bucket(size) - size)])
+            staging = self._gather(tuple(pool.k), tuple(pool.v), ids.astype(np.int32))
+            # One queue, copied in order: the last piece lands last, and carries the ops.
+            write = _Write(ops if i == len(pieces) - 1 else [], staging, host[start:start + size])
+            self._writes.append(write)
+            for page in write.host_ids.tolist():
+                self._writing[page] = write
+        # The gather reads the pages before any later compute can overwrite them, but a load's
+        # copy is not compute: it must wait for the gather (the cache fences freed pages on
+        # every pending gather).
         self._advance_writes()
 
     def _issue_write(self, write: _Write, budget: float) -> float:
-        """Queues a write's host copies (its computes are done), whole layers while
+        """Queues a staged write's host copies (its staging is ready), whole layers while
         `budget` bytes last, in one batch; returns what is left of it. Small pieces at a time,
         because the copy engine serves copies in the order queued: the forward's own small
         device->host copy (its sampled tokens) must not wait behind a whole write-back. One
@@ -278,9 +330,7 @@ class TransferController:
         if self._last_load is not None:
             self.copier.order_after(Direction.TO_HOST, self._last_load)  # host pages reused
         if write.rows is None:
-            if self.copier.synchronous:  # copies at once: the pool's bytes must be computed
-                jax.block_until_ready((self.device_pool.k, self.device_pool.v))
-            write.rows = self._pair_rows(write.device_ids, write.host_ids, to_host=True)
+            write.rows = self._write_rows(write)
             write.start = self.copier.mark(Direction.TO_HOST, timed=True)
         rows, layers = write.rows, self.device_pool.num_layers
         layer_bytes = float(rows.sizes.sum())  # of one device shard, on its own copy stream
@@ -294,20 +344,18 @@ class TransferController:
             write.mark = self.copier.mark(Direction.TO_HOST, timed=True)
         return budget - layer_bytes * (write.next_layer - first)
 
-    def _pair_rows(self, device_ids: np.ndarray, host_ids: np.ndarray,
-                   to_host: bool) -> CopyRows:
-        """Copies between device pages and host pages, pairwise, coalesced into runs: a row per
-        layer of every run's K then V, [shards, layers, 2 * runs] (to the host, or from it)."""
+    def _write_rows(self, write: _Write) -> _WriteRows:
+        """Every layer's copies of a staged write, from one address per device shard: row i of
+        the staging (a piece's i-th page) goes to host page host_ids[i], coalesced into runs."""
         size = np.uint64(self.layer_bytes)
-        device_pages, host_pages, lengths = runs(device_ids, host_ids)
-        sizes = np.tile(lengths.astype(np.uint64) * size, 2)  # the K runs, then the V runs
-        buffers = self._pool_buffers().transpose(2, 0, 1)[..., None]  # [shards, layers, K|V, 1]
-        on_device = (buffers + device_pages.astype(np.uint64) * size).reshape(
-            self.shards, self.device_pool.num_layers, -1)
-        on_host = self.host_pool.layer_addresses(host_pages)
-        if to_host:
-            return CopyRows(on_host, on_device, sizes)
-        return CopyRows(on_device, on_host, sizes)
+        src_rows, dst_pages, lengths = runs(np.arange(len(write.host_ids)), write.host_ids)
+        layers, _, padded = write.staging.shape[:3]
+        kv_rows = np.concatenate([src_rows, padded + src_rows]).astype(np.uint64)
+        rows = np.arange(layers, dtype=np.uint64)[:, None] * np.uint64(2 * padded) + kv_rows
+        base = np.asarray(self.device_pool.shard_pointers(write.staging), np.uint64)
+        return _WriteRows(self.host_pool.layer_addresses(dst_pages),
+                          base[:, None, None] + rows * size,
+                          np.tile(lengths.astype(np.uint64) * size, 2))
 
     def launch_loads(self, first_layers: int | None = None) -> None:
         """Starts every queued load-back whose pages are free of fences; the rest start once
@@ -332,22 +380,15 @@ class TransferController:
         self._loads.append(load)
         self._try_issue(load, first_layers if self.copier.beside_compute else None)
 
-    def _writes_before(self, load: _Load) -> list[_Write]:
-        """The writes in flight that `load` must follow: into its host pages, or reading its
-        device pages (handed to it while held: the cache gives held pages to loads)."""
-        writes = {id(w): w for p in load.host_ids.tolist()
-                  if (w := self._writing.get(p)) is not None}
-        writes.update({id(w): w for p in load.device_ids.tolist()
-                       if (w := self._reading.get(p)) is not None})
-        return list(writes.values())
-
     def _blockers(self, load: _Load) -> tuple[list[jax.Array], list[_Write]]:
-        """What holds `load` back: unready fences on its device pages, unqueued writes it must
-        follow."""
+        """What holds `load` back: unready fences on its device pages, unqueued writes of its host
+        pages."""
         self._prune_fences()
         pages = set(load.device_ids.tolist())
         fences = [f.compute for f in self._fences.values() if not pages.isdisjoint(f.pages)]
-        return fences, [w for w in self._writes_before(load) if w.mark is None]
+        writes = {id(w): w for p in load.host_ids.tolist()
+                  if (w := self._writing.get(p)) is not None}
+        return fences, [w for w in writes.values() if w.mark is None]
 
     def _try_issue(self, load: _Load, first_layers: int | None = None) -> None:
         self._advance_writes()
@@ -365,7 +406,7 @@ class TransferController:
         if staged:  # writes go out oldest first: every one before the newest it needs, too
             newest = max(self._writes.index(w) for w in staged)
             staged = [w for w in self._writes[:newest + 1] if w.mark is None]
-        for compute in fences + [c for w in staged for c in w.after]:
+        for compute in fences + [w.staging for w in staged]:
             compute.block_until_ready()
         self._advance_writes(budget=math.inf)
         self._issue_load(load)
@@ -374,7 +415,8 @@ class TransferController:
         """Queues the load's copies layer by layer, each layer's flag after it: all of them, or
         the first `first_layers` (the rest at `finish_loads`)."""
         self.finish_loads()  # flags only grow: the load before must be wholly queued first
-        for write in self._writes_before(load):
+        for write in {id(w): w for p in load.host_ids.tolist()
+                      if (w := self._writing.get(p))}.values():
             assert write.mark is not None
             self.copier.order_after(Direction.TO_DEVICE, write.mark)
         pool = self.device_pool
@@ -393,11 +435,17 @@ class TransferController:
         self._queue_layers(load, upto)
 
     def _plan(self, load: _Load) -> _LoadPlan:
+        size = np.uint64(self.layer_bytes)
+        src_pages, dst_pages, lengths = runs(load.host_ids, load.device_ids)
+        sizes = np.tile(lengths.astype(np.uint64) * size, 2)  # the K runs, then the V runs
+        buffers = self._pool_buffers().transpose(2, 0, 1)[..., None]  # [shards, layers, K|V, 1]
+        dsts = buffers + dst_pages.astype(np.uint64) * size
+        srcs = self.host_pool.layer_addresses(src_pages)
+        layers = self.device_pool.num_layers
         if self._flags is None:  # the flags array is never replaced: its addresses are read once
             self._flags = (self.device_pool.flag_addresses(0)[:, None]
-                           + np.arange(self.device_pool.num_layers, dtype=np.uint64)
-                           * np.uint64(4))  # int32 flags
-        return _LoadPlan(self._pair_rows(load.device_ids, load.host_ids, to_host=False),
+                           + np.arange(layers, dtype=np.uint64) * np.uint64(4))  # int32 flags
+        return _LoadPlan(CopyRows(dsts.reshape(self.shards, layers, -1), srcs, sizes),
                          self._flags)
 
     def _queue_layers(self, load: _Load, upto: int) -> None:
@@ -456,7 +504,7 @@ class TransferController:
             del self._fences[key]
 
     def _advance_writes(self, budget: float | None = None) -> None:
-        """Queues host copies of launched writes, strictly oldest first (two may write one host
+        """Queues host copies of staged writes, strictly oldest first (two may write one host
         page: the newer must land last), about `budget` bytes of them (None: one piece,
         WRITE_PIECE_BYTES)."""
         budget = WRITE_PIECE_BYTES if budget is None else budget
@@ -465,21 +513,9 @@ class TransferController:
                 return
             if write.mark is not None:
                 continue
-            if not all(c.is_ready() for c in write.after):
+            if not write.staging.is_ready():
                 return
             budget = self._issue_write(write, budget)
-
-    def wait_oldest_write(self) -> None:
-        """Blocks until the oldest launched write-back has landed (issuing it first, after the
-        compute it waits for): what an allocation that needs its pages does. `poll` retires it."""
-        if not self._writes:
-            return
-        write = self._writes[0]
-        for compute in write.after:
-            compute.block_until_ready()
-        self._advance_writes(budget=math.inf)  # the oldest is issued first, and whole
-        assert write.mark is not None
-        self.copier.wait(write.mark)
 
     def poll(self) -> list[TransferOp]:
         """Non-blocking: starts what is no longer held back; returns ops now complete."""
@@ -506,9 +542,6 @@ class TransferController:
         for page in write.host_ids.tolist():
             if self._writing.get(page) is write:
                 del self._writing[page]
-        for page in write.device_ids.tolist():
-            if self._reading.get(page) is write:
-                del self._reading[page]
 
     def _retire_load(self, load: _Load) -> None:
         self._loads.remove(load)
@@ -526,9 +559,8 @@ class TransferController:
         """Launches everything queued and blocks until every copy has finished."""
         self.launch()
         self.finish_loads()
-        for write in list(self._writes):  # each write's copies start once its compute ran
-            for compute in write.after:
-                compute.block_until_ready()
+        for write in list(self._writes):  # each piece's copies start once its gather has run
+            jax.block_until_ready(write.staging)
             self._advance_writes(budget=math.inf)
         for load in self._loads:
             load.wait()

@@ -6,16 +6,8 @@ import numpy as np
 import pytest
 
 from jhicache.cache import TieredCache
-from jhicache.cache.copier import Direction
 from jhicache.config import WritePolicy
-from tests.cache._helpers import (
-    DeferredCopier,
-    assert_device_kv,
-    expected_kv,
-    make_cache,
-    prefill,
-    write_kv,
-)
+from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
 POLICIES = list(WritePolicy)
 PAGE_SIZES = [1, 16, 64]
@@ -262,61 +254,3 @@ def test_running_request_pages_in_invariants() -> None:
     cache.check_invariants(extra_owned_device_pages=held)
     with pytest.raises(AssertionError, match="owned twice"):
         cache.check_invariants(extra_owned_device_pages=held + held[:1])
-
-
-@pytest.mark.parametrize("page", [1, 16])
-def test_write_back_keeps_a_reserve_backed_up_ahead(page: int) -> None:
-    """Under the write-back policy a poll backs up the least recently used device leaves, which
-    stay cached on device, until free pages plus theirs reach the reserve; evicting them later
-    copies nothing and waits for nothing, and their host copies hold their KV."""
-    cache = make_cache(page, device_pages=6, host_pages=12, reserve_pages=3)
-    a, b, c = (seq(t, 2, page) for t in (1, 2, 3))
-    for tokens in (a, b, c):
-        prefill(cache, tokens)
-    assert cache.device_free_pages == 0
-    cache.launch()  # queues and starts a's and b's write-backs (LRU first): 4 pages >= 3
-    stats = cache.stats()
-    assert stats["written_ahead_tokens"] == len(a) + len(b)
-    assert cache.match(a).device_len == len(a) and cache.match(b).device_len == len(b)
-    assert cache.match(c).last_node.host_pages is None
-    cache.flush()
-    check(cache)
-    cache.launch()  # the reserve holds: nothing more is backed up
-    assert cache.stats()["written_ahead_tokens"] == len(a) + len(b)
-    pages = cache.alloc_device(4)  # evicts a and b: copies nothing more, waits for nothing
-    assert pages is not None
-    stats = cache.stats()
-    assert stats["write_back_waits"] == 0 and stats["write_back_ops"] == 2
-    for tokens in (a, b):
-        m = cache.match(tokens)
-        assert m.device_len == 0 and m.host_len == len(tokens)
-        host = host_pages_of(cache, tokens)
-        for layer in range(2):
-            k, v = cache.host_pool.read_pages(layer, host)
-            np.testing.assert_array_equal(k, expected_kv(tokens, layer, page)[0])
-            np.testing.assert_array_equal(v, expected_kv(tokens, layer, page)[1])
-    cache.check_invariants(extra_owned_device_pages=pages)
-
-
-@pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE])
-def test_only_the_write_back_policy_backs_up_ahead(policy: WritePolicy) -> None:
-    """The write-through policies copy on insert; a reserve changes nothing for them."""
-    cache = make_cache(16, device_pages=4, host_pages=8, policy=policy, reserve_pages=4)
-    for t in (1, 2):
-        prefill(cache, seq(t, 2, 16))
-    cache.launch()
-    assert cache.stats()["written_ahead_tokens"] == 0
-
-
-def test_an_allocation_that_needs_pages_still_being_written_back_waits_and_counts() -> None:
-    """Without a reserve, eviction writes back on demand: the allocation waits for the copy,
-    and the wait is counted."""
-    cache = make_cache(16, device_pages=2, host_pages=4, copier=DeferredCopier())
-    tokens = seq(1, 2, 16)
-    prefill(cache, tokens)
-    cache.launch()
-    assert cache.stats()["written_ahead_tokens"] == 0
-    pages = cache.alloc_device(2)
-    assert pages is not None and cache.stats()["write_back_waits"] == 1
-    assert not cache.controller.copier.queues[Direction.TO_HOST]  # its copies ran
-    cache.check_invariants(extra_owned_device_pages=pages)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jhicache.buckets import pow2_bucket
 from jhicache.cache import TransferController, make_copier, transfer
 from jhicache.cache.copier import CudaCopier, Direction, Mark
 from jhicache.cache.cuda_driver import CudaDriver
@@ -216,7 +217,7 @@ def test_a_write_back_piece_is_one_batch_of_whole_layers(monkeypatch) -> None:
     monkeypatch.setattr(transfer, "WRITE_PIECE_BYTES", 1)  # a piece is then one layer
     queue = ctl.copier.queues[Direction.TO_HOST]
     copies = lambda: [item for item in queue if item[0] == "copy"]  # noqa: E731
-    ctl.launch()  # the first piece (nothing computes the pool here)
+    ctl.launch()  # the gather, then the first piece (the staging is ready on the CPU)
     assert [len(c[1]) for c in copies()] == [4]  # one layer: K and V of both runs
     ctl.poll()
     assert [len(c[1]) for c in copies()] == [4, 4]
@@ -405,19 +406,36 @@ def test_fences_do_not_pile_up_on_finished_computes() -> None:
     assert ctl.fences_on(1) == [running]
 
 
+def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
+    assert transfer.gather_pieces(129) == [(0, 128), (128, 1)]  # 144 pages gathered, not 256
+    assert transfer.gather_pieces(17) == [(0, 17)]  # 16 + 16 would gather no fewer than 32
+    for pages in range(1, 2100):
+        pieces = transfer.gather_pieces(pages)
+        starts = [start for start, _ in pieces]
+        assert starts == list(np.cumsum([0] + [size for _, size in pieces[:-1]]))
+        assert sum(size for _, size in pieces) == pages and all(size > 0 for _, size in pieces)
+        gathered = sum(pow2_bucket(size) for _, size in pieces)
+        assert gathered <= pow2_bucket(pages)
+        assert len(pieces) == 1 or gathered < pow2_bucket(pages)  # a split must pay for itself
+        assert gathered - pages <= max(15, pages // 8)
+
+
 @pytest.mark.parametrize("copier", COPIERS)
-def test_a_write_back_of_scattered_pages_lands_whole_and_reports_once(copier) -> None:
-    """33 pages copied straight from the pool to reversed host pages (no run to coalesce): the
-    op is reported once, and every page lands where it belongs."""
+def test_a_write_back_gathered_in_pieces_lands_whole_and_reports_once(copier) -> None:
+    """33 pages: gathered as 32 + 1 (two staging arrays, two pieces of copies); the op is
+    reported once, after both, and every page lands where it belongs."""
     cache = make_cache(1, device_pages=40, host_pages=40, copier=_copier(copier))
     ctl = cache.controller
     tokens = list(range(500, 533))
     pages = cache.alloc_device(33)
     assert pages is not None
     write_kv(cache, tokens, pages)
-    host = list(range(39, 6, -1))
+    host = list(range(39, 6, -1))  # reversed: no run to coalesce across the pieces' seam
     ctl.queue_write_back(pages, host)
+    gathered, real = [], ctl._gather
+    ctl._gather = lambda ks, vs, ids: gathered.append(len(ids)) or real(ks, vs, ids)
     ctl.launch()
+    assert gathered == [32, 16]  # the second piece, one page, padded to the smallest bucket
     done = ctl.flush()
     assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
     for layer in range(2):
@@ -425,66 +443,6 @@ def test_a_write_back_of_scattered_pages_lands_whole_and_reports_once(copier) ->
         want_k, want_v = expected_kv(tokens, layer, 1)
         np.testing.assert_array_equal(k, want_k)
         np.testing.assert_array_equal(v, want_v)
-
-
-def test_a_write_back_waits_for_the_compute_before_its_launch() -> None:
-    """A compute fencing a write's pages may still be writing them: no copy is queued before it
-    is ready, and a flush waits for it."""
-    cache = make_cache(4, device_pages=4, host_pages=4, copier=DeferredCopier())
-    ctl = cache.controller
-    tokens = list(range(8))
-    pages = cache.alloc_device(2)
-    assert pages is not None
-    write_kv(cache, tokens, pages)
-    compute = _Compute()
-    ctl.fence_device_pages(pages, [compute])
-    ctl.queue_write_back(pages, [2, 3])
-    ctl.launch()
-    ctl.poll()
-    assert not ctl.copier.queues[Direction.TO_HOST] and not compute.ready
-    assert ctl.reading(pages + [4]) == pages
-    ctl.flush()
-    assert compute.ready and ctl.reading(pages) == []
-    k, _ = cache.host_pool.read_pages(1, [2, 3])
-    np.testing.assert_array_equal(k, expected_kv(tokens, 1, 4)[0])
-
-
-@pytest.mark.parametrize("copier", [DeferredCopier, "fake_cuda",
-                                    pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_an_evicted_page_is_reused_only_after_its_write_back_landed(copier) -> None:
-    """Eviction writes a node back straight from its pages, which stay out of every allocation
-    until the copies landed: an allocation that needs them waits, and whatever the caller then
-    writes into them never reaches the host copy. Page accounting holds throughout."""
-    cache = make_cache(4, device_pages=2, host_pages=4, copier=_copier(copier))
-    tokens = list(range(8))
-    prefill(cache, tokens)  # both device pages, in the tree
-    assert cache.evict_device(2) == 2
-    assert cache.device_free_pages == 0 and cache.held_device_pages == 2
-    assert cache.available_device_pages() == 2
-    cache.check_invariants()
-    pages = cache.alloc_device(2)  # waits for the write-back
-    assert pages is not None and cache.held_device_pages == 0
-    cache.check_invariants(extra_owned_device_pages=pages)
-    write_kv(cache, list(range(100, 108)), pages)
-    cache.flush()
-    node = cache.match(tokens).last_node
-    assert node.device_pages is None and node.host_pages is not None
-    for layer in range(2):
-        k, v = cache.host_pool.read_pages(layer, node.host_pages)
-        np.testing.assert_array_equal(k, expected_kv(tokens, layer, 4)[0])
-        np.testing.assert_array_equal(v, expected_kv(tokens, layer, 4)[1])
-    cache.free_device(pages)
-    cache.check_invariants()
-
-
-def test_held_pages_are_freed_when_their_write_back_is_polled() -> None:
-    cache = make_cache(4, device_pages=4, host_pages=4, copier=DeferredCopier())
-    prefill(cache, list(range(8)))
-    cache.evict_device(2)
-    assert cache.held_device_pages == 2 and cache.poll() == 0  # copies not run yet
-    cache.controller.copier.wait(cache.controller._writes[0].mark)
-    assert cache.poll() == 1 and cache.held_device_pages == 0 and cache.device_free_pages == 4
-    cache.check_invariants()
 
 
 def test_coalesced_runs() -> None:
@@ -627,11 +585,9 @@ def test_gpu_kernels_wait_on_the_device_for_layers_still_landing() -> None:
     ids = list(range(1, pages + 1))
     ctl.queue_write_back(ids, list(range(pages)))
     ctl.flush()
-    # The device copy gone, only the load can bring it back: zeroed in place (donated), as the
-    # engine's programs update the pool, since the copies target the buffers they first read.
-    zero = jax.jit(lambda a: a * 0, donate_argnums=0)
-    for layer in range(layers):
-        device.set_layer(layer, zero(device.k[layer]), zero(device.v[layer]))
+    for layer in range(layers):  # the device copy gone: only the load can bring it back
+        device.set_layer(layer, jnp.zeros(layout.page_shape, layout.dtype),
+                         jnp.zeros(layout.page_shape, layout.dtype))
     jax.block_until_ready((device.k, device.v))
     q = jnp.asarray(rng.standard_normal((1, 28, 128)), jnp.bfloat16)
     table, lens = jnp.asarray([ids], jnp.int32), jnp.asarray([pages * 64], jnp.int32)
@@ -655,54 +611,3 @@ def test_gpu_kernels_wait_on_the_device_for_layers_still_landing() -> None:
     assert not all(early), f"the control saw every layer landed already: {early}"
     assert device.gate_timeouts() == 0
     ctl.flush()
-
-
-def test_pages_cached_while_their_step_runs_are_written_back_after_it() -> None:
-    """The cache takes a request's pages while the step computing them may still run: their
-    write-back waits for that step, and an allocation that needs them waits for both."""
-    cache = make_cache(4, device_pages=2, host_pages=4, copier=DeferredCopier())
-    step = _Compute()
-    cache.device_pool.last_compute = step
-    tokens = list(range(8))
-    prefill(cache, tokens)
-    cache.evict_device(2)
-    cache.poll()
-    assert cache.held_device_pages == 2 and not step.ready
-    assert not cache.controller.copier.queues[Direction.TO_HOST]  # nothing copied before it
-    pages = cache.alloc_device(2)
-    assert pages is not None and step.ready
-    cache.flush()
-    node = cache.match(tokens).last_node
-    k, _ = cache.host_pool.read_pages(0, node.host_pages)
-    np.testing.assert_array_equal(k, expected_kv(tokens, 0, 4)[0])
-
-
-@pytest.mark.parametrize("copier", [DeferredCopier, "fake_cuda",
-                                    pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_a_load_takes_held_pages_and_copies_only_after_their_write_back(copier) -> None:
-    """A load-back gets the pages a write-back still reads, without waiting on the host: its
-    copies are ordered after that write-back's on the device, so the host copy of the evicted
-    node holds that node's KV and the device pages end up holding the loaded node's."""
-    cache = make_cache(4, device_pages=2, host_pages=4, copier=_copier(copier),
-                       load_back_threshold=1)
-    a, b = list(range(8)), list(range(100, 108))
-    prefill(cache, b)
-    cache.evict_device(2)
-    cache.flush()  # b lives on host only
-    prefill(cache, a)
-    assert cache.evict_device(2) == 2 and cache.held_device_pages == 2  # a's write-back
-    ticket = cache.load_back(cache.match(b))  # both pages
-    assert ticket is not None
-    assert cache.held_device_pages == 0 and cache.stats()["write_back_waits"] == 0
-    cache.check_invariants()
-    cache.launch()
-    ticket.wait_all()
-    cache.flush()
-    assert_device_kv(cache, b, cache.match(b).device_pages)
-    node = cache.match(a).last_node
-    assert node.device_pages is None
-    for layer in range(2):
-        k, v = cache.host_pool.read_pages(layer, node.host_pages)
-        np.testing.assert_array_equal(k, expected_kv(a, layer, 4)[0])
-        np.testing.assert_array_equal(v, expected_kv(a, layer, 4)[1])
-    cache.check_invariants()
