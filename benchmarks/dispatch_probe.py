@@ -10,28 +10,27 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def dispatch_us(fn, args, reps: int) -> float:
-    """Median host time of `fn(*args)` returning (not its device work), after a warm-up call;
-    the device is idle at each call (every call's outputs are waited for outside the timing)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    if isinstance(out, list):  # donated: the next call takes the new arrays
-        args = (out,)
+def dispatch_us(fn: Callable[..., Any], args: tuple[Any, ...], reps: int) -> float:
+    """Median host time of `fn(*args)` returning (not its device work) over `reps` calls after
+    a warm-up one; the device is idle at each call (its outputs are waited for outside the
+    timing). A program that returns a list donated its inputs: the next call takes the list."""
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
         start = time.perf_counter()
         out = fn(*args)
         times.append(time.perf_counter() - start)
         jax.block_until_ready(out)
-        if isinstance(out, list):  # donated: the next call takes the new arrays
+        if isinstance(out, list):
             args = (out,)
-    return float(np.median(times) * 1e6)
+    return float(np.median(times[1:]) * 1e6)
 
 
 def main() -> None:
