@@ -9,28 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def dispatch_us(fn: Callable[..., Any], args: tuple[Any, ...], reps: int) -> float:
-    """Median host time of `fn(*args)` returning (not its device work) over `reps` calls after
-    a warm-up one; the device is idle at each call (its outputs are waited for outside the
-    timing). A program that returns a list donated its inputs: the next call takes the list."""
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        out = fn(*args)
-        times.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
-        if isinstance(out, list):
-            args = (out,)
-    return float(np.median(times[1:]) * 1e6)
+from jhicache.bench_kernels.timing import dispatch_us
 
 
 def main() -> None:
@@ -43,8 +26,14 @@ def main() -> None:
         xs = [jnp.ones((64, 64), jnp.bfloat16) for _ in range(n)]
         read = jax.jit(lambda xs: sum(x[0, 0] for x in xs))
         update = jax.jit(lambda xs: [x + 1 for x in xs], donate_argnums=0)
-        rows.append({"arrays": n, "in_one_out_us": dispatch_us(read, (xs,), args.reps),
-                     "donated_in_place_us": dispatch_us(update, (xs,), args.reps)})
+        donated = [xs]
+
+        def update_in_place() -> list[jax.Array]:  # each call takes the arrays the last returned
+            donated[0] = update(donated[0])
+            return donated[0]
+
+        rows.append({"arrays": n, "in_one_out_us": dispatch_us(lambda: read(xs), args.reps),
+                     "donated_in_place_us": dispatch_us(update_in_place, args.reps)})
         print(rows[-1], flush=True)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "reps": args.reps,
               "rows": rows}

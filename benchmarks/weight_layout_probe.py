@@ -30,11 +30,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jhicache.models.config import PRESETS
 
 from jhicache.bench import save_json
-from jhicache.bench_kernels.timing import timeit
+from jhicache.bench_kernels.timing import dispatch_us, timeit
 
 
 def shapes(config: Any) -> dict[str, tuple[int, int]]:
@@ -90,17 +89,6 @@ def make_weights(layout: str, config: Any, layers: int, key: jax.Array) -> Any:
     if layout == "stacked":
         return {n: jnp.stack([w[n] for w in per_layer]) for n in dims}
     return per_layer
-
-
-def dispatch_us(fn: Callable[[], jax.Array], reps: int = 50) -> float:
-    """Median host time of `fn()` returning, the device idle at each call."""
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
-    return float(np.median(times) * 1e6)
 
 
 def measure(layout: str, config: Any, layers: int, tokens: int) -> dict[str, Any]:

@@ -194,3 +194,16 @@ def test_the_target_parts_cases_derive_from_the_model_shapes() -> None:
         dataclasses.replace(PREFILL, peer=JAX_PAGED)
     with pytest.raises(ValueError):
         dataclasses.replace(EXTEND, peer="cudnn")
+
+
+def test_dispatch_us_makes_a_warm_up_call_and_then_reps_timed_ones() -> None:
+    import jax.numpy as jnp
+
+    calls: list[int] = []
+
+    def step():
+        calls.append(len(calls))
+        return jnp.ones(4) * len(calls)
+
+    us = timing.dispatch_us(step, reps=5)
+    assert len(calls) == 6 and 0 < us < 1e6

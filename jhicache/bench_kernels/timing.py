@@ -36,6 +36,19 @@ def timeit(step: Callable[[], object], reps: int = 7, warm: int = 2) -> float:
     return statistics.median(times)
 
 
+def dispatch_us(step: Callable[[], object], reps: int = 50) -> float:
+    """Median host microseconds of `step()` returning (not its device work) over `reps` calls
+    after a warm-up one; each call's outputs are waited for outside the timing, so the device
+    is idle at the next."""
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return statistics.median(times[1:]) * 1e6
+
+
 def safe(fn: Callable[[], T]) -> T | str:
     """fn's result, or "ERROR <type>: <message>" if it raised."""
     try:
