@@ -8,11 +8,11 @@ Usage: PYTHONPATH=. python3 benchmarks/dispatch_probe.py [--reps 200] --out FILE
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 
+from jhicache.bench import save_json
 from jhicache.bench_kernels.timing import dispatch_us
 
 
@@ -35,10 +35,8 @@ def main() -> None:
         rows.append({"arrays": n, "in_one_out_us": dispatch_us(lambda: read(xs), args.reps),
                      "donated_in_place_us": dispatch_us(update_in_place, args.reps)})
         print(rows[-1], flush=True)
-    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "reps": args.reps,
-              "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json({"device": str(jax.devices()[0]), "jax": jax.__version__, "reps": args.reps,
+               "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jhicache.models.config import PRESETS
 
 from jhicache.bench import save_json
-from jhicache.bench_kernels.timing import dispatch_us, timeit
+from jhicache.bench_kernels.timing import dispatch_us
 
 
 def shapes(config: Any) -> dict[str, tuple[int, int]]:
@@ -82,9 +82,8 @@ def make_weights(layout: str, config: Any, layers: int, key: jax.Array) -> Any:
         w = {n: (jax.random.normal(k, s, jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
              for k, (n, s) in zip(keys, dims.items())}
         if layout == "merged":
-            w = {"qkv": jnp.concatenate([w.pop("q"), w.pop("k"), w.pop("v")], axis=1),
-                 "o": w["o"], "gate_up": jnp.concatenate([w.pop("gate"), w.pop("up")], axis=1),
-                 "down": w["down"]}
+            w = {"qkv": jnp.concatenate([w["q"], w["k"], w["v"]], axis=1), "o": w["o"],
+                 "gate_up": jnp.concatenate([w["gate"], w["up"]], axis=1), "down": w["down"]}
         per_layer.append(w)
     if layout == "stacked":
         return {n: jnp.stack([w[n] for w in per_layer]) for n in dims}
@@ -96,7 +95,7 @@ def measure(layout: str, config: Any, layers: int, tokens: int) -> dict[str, Any
     fn = program(layout, layers)
     x = jnp.ones((tokens, config.hidden_size), jnp.bfloat16) * 0.01
     call = lambda: fn(x, weights)  # noqa: E731
-    timeit(call, reps=3, warm=2)  # compiles
+    jax.block_until_ready(call())  # compiles
     start = time.perf_counter()
     jax.block_until_ready([call() for _ in range(10)])
     gpu_ms = (time.perf_counter() - start) / 10 * 1e3

@@ -201,7 +201,7 @@ def test_dispatch_us_makes_a_warm_up_call_and_then_reps_timed_ones() -> None:
 
     calls: list[int] = []
 
-    def step():
+    def step() -> object:
         calls.append(len(calls))
         return jnp.ones(4) * len(calls)
 
