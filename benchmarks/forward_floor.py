@@ -10,6 +10,8 @@ prompt's TTFT.
   new token) over the HBM read ceiling measured in the same run (`bench_kernels`' hbm_read).
 - Per kernel: one more forward traced by `jax.profiler` (CUPTI), its GPU events summed by
   kernel name (the trace's own durations; the profiler adds a little to each).
+- Host time of one forward's dispatch (`dispatch_us`: both programs, the device idle at each
+  call), and the `XLA_FLAGS` it ran under, for comparing XLA settings.
 - `--fresh N`: the engine's TTFT for N-token prompts with nothing cached (chunked as the engine
   chunks them), after one that compiles.
 """
@@ -31,7 +33,7 @@ import numpy as np
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
 from jhicache.bench import save_json
-from jhicache.bench_kernels.timing import hbm_read, timeit
+from jhicache.bench_kernels.timing import dispatch_us, hbm_read, timeit
 
 
 def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Generator):
@@ -53,7 +55,7 @@ def forward_times_ms(run, n: int = 10) -> dict[str, float]:
     start = time.perf_counter()
     jax.block_until_ready([run() for _ in range(n)])
     return {"back_to_back_ms": (time.perf_counter() - start) / n * 1e3,
-            "one_at_a_time_median_ms": each * 1e3}
+            "one_at_a_time_median_ms": each * 1e3, "dispatch_us": dispatch_us(run, reps=n)}
 
 
 def kernel_times(run) -> dict:
@@ -97,7 +99,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     res: dict = {"preset": args.preset, "prefix": args.prefix, "new": args.new,
-                 "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+                 "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     hbm_read(res)
     hbm_read(res)  # a second pass keeps each variant's best
     engine = Engine.from_preset(args.preset, EngineConfig(
@@ -112,7 +115,8 @@ def main() -> None:
     res["trace"] = kernel_times(run)
     print(f"{args.preset} device hit {args.prefix}+{args.new}: forward "
           f"{res['forward']['back_to_back_ms']:.2f} ms back to back "
-          f"({res['forward']['one_at_a_time_median_ms']:.2f} one at a time), floor "
+          f"({res['forward']['one_at_a_time_median_ms']:.2f} one at a time, dispatch "
+          f"{res['forward']['dispatch_us']:.0f} us), floor "
           f"{floor_ms:.2f} ms at {res['hbm_read_gbps']:.0f} GB/s: "
           f"{res['forward_over_floor']:.2f}x", flush=True)
     for row in res["trace"]["by_name"][:12]:
