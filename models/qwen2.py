@@ -86,32 +86,35 @@ def attend(q: jax.Array, new_kv: tuple[jax.Array, jax.Array], k_pages: jax.Array
 
 
 class Attention(nnx.Module):
-    """GQA self-attention: q/k/v with bias, o_proj without; K/V go through the paged cache.
+    """GQA self-attention: q, k and v as one projection with bias (`qkv_proj`, columns
+    [q | k | v]), o_proj without; K/V go through the paged cache.
 
-    Head counts are read off the projections' outputs, not the config: inside `shard_map` a
-    device holds only its heads (and its shard of the pages), and `comm` sums o_proj's
-    partial outputs over the devices.
+    One merged projection rather than three: the forward reads its weights in one matmul and
+    passes one array instead of three (vLLM's QKVParallelLinear does the same). Head counts are
+    read off the weights, not the config: inside `shard_map` a device holds only its heads (its
+    [q | k | v] columns, `TensorParallel.to_storage`) and its shard of the pages, and `comm`
+    sums o_proj's partial outputs over the devices.
     """
 
     def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_proj = _linear(config.hidden_size, h * d, True, dtype, rngs)
-        self.k_proj = _linear(config.hidden_size, kv * d, True, dtype, rngs)
-        self.v_proj = _linear(config.hidden_size, kv * d, True, dtype, rngs)
+        self.qkv_proj = _linear(config.hidden_size, (h + 2 * kv) * d, True, dtype, rngs)
         self.o_proj = _linear(h * d, config.hidden_size, False, dtype, rngs)
-        self.shape = (h, kv, d)
+        self.head_dim = d
         self.rope_theta = config.rope_theta
 
     def __call__(
         self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
         comm: Collectives = LOCAL, layer: int = 0,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # x [T, hidden] -> ([T, hidden], pages, pages)
-        d = self.shape[2]
-        t = x.shape[0]
+        d, t = self.head_dim, x.shape[0]
+        q_cols = self.o_proj.kernel.shape[0]  # this device's query heads x head_dim
+        qkv = self.qkv_proj(x)
+        kv_cols = (qkv.shape[1] - q_cols) // 2
         cos, sin = rope_cos_sin(meta.positions, d, self.rope_theta)
-        q = apply_rope(self.q_proj(x).reshape(t, -1, d), cos, sin)  # [T, H, D]
-        k = apply_rope(self.k_proj(x).reshape(t, -1, d), cos, sin)  # [T, KV, D]
-        v = self.v_proj(x).reshape(t, -1, d)  # [T, KV, D]
+        q = apply_rope(qkv[:, :q_cols].reshape(t, -1, d), cos, sin)  # [T, H, D]
+        k = apply_rope(qkv[:, q_cols:q_cols + kv_cols].reshape(t, -1, d), cos, sin)  # [T, KV, D]
+        v = qkv[:, q_cols + kv_cols:].reshape(t, -1, d)  # [T, KV, D]
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req,
                                     meta.positions)
         out = attend(q, (k, v), k_pages, v_pages, meta, d**-0.5, layer)  # [T, H, D]
@@ -119,16 +122,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no biases; `comm` sums down's partial outputs."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases, gate and up as one projection
+    (`gate_up_proj`, columns [gate | up], as vLLM's MergedColumnParallelLinear); `comm` sums
+    down's partial outputs."""
 
     def __init__(self, config: Qwen2Config, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, False, dtype, rngs)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, rngs)
+        inter = config.intermediate_size
+        self.gate_up_proj = _linear(config.hidden_size, 2 * inter, False, dtype, rngs)
+        self.down_proj = _linear(inter, config.hidden_size, False, dtype, rngs)
 
     # [T, hidden] -> [T, hidden]
     def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:
-        return comm.sum(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return comm.sum(self.down_proj(jax.nn.silu(gate) * up))
 
 
 class DecoderLayer(nnx.Module):

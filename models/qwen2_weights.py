@@ -4,6 +4,7 @@ presets."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jhicache.models.config import Qwen2Config
 from jhicache.models.qwen2 import Qwen2ForCausalLM
-from jhicache.models.sharding import TensorParallel, param_names
+from jhicache.models.sharding import TensorParallel, column_parts, param_names
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -30,33 +31,46 @@ _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 class CheckpointError(ValueError):
     """A checkpoint file that exists but cannot be read as the weights it should hold."""
 
-# HF tensor name -> (attribute path in our model, transpose). HF Linear weights are [out, in].
-_TOP_TABLE: tuple[tuple[str, tuple[str, ...], bool], ...] = (
-    ("model.embed_tokens.weight", ("embed_tokens", "embedding"), False),
-    ("model.norm.weight", ("head_module", "norm", "weight"), False),
+# An entry of the weight table: the HF tensors one parameter is made of (side by side along its
+# output axis: the parts of a merged projection, `column_parts`), the parameter's attribute path
+# in our model, and whether HF stores it transposed (HF Linear weights are [out, in]).
+Entry = tuple[tuple[str, ...], tuple[Any, ...], bool]
+
+_TOP_TABLE: tuple[Entry, ...] = (
+    (("model.embed_tokens.weight",), ("embed_tokens", "embedding"), False),
+    (("model.norm.weight",), ("head_module", "norm", "weight"), False),
 )
-_LM_HEAD = ("lm_head.weight", ("head_module", "kernel"), True)
-_LAYER_TABLE: tuple[tuple[str, tuple[str, ...], bool], ...] = tuple(
-    [(f"self_attn.{p}.weight", ("self_attn", p, "kernel"), True)
-     for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    + [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), False)
-       for p in ("q_proj", "k_proj", "v_proj")]
-    + [(f"mlp.{p}.weight", ("mlp", p, "kernel"), True)
-       for p in ("gate_proj", "up_proj", "down_proj")]
-    + [(f"{n}.weight", (n, "weight"), False)
-       for n in ("input_layernorm", "post_attention_layernorm")]
+_LM_HEAD: Entry = (("lm_head.weight",), ("head_module", "kernel"), True)
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LAYER_TABLE: tuple[Entry, ...] = (
+    (tuple(f"{p}.weight" for p in _QKV), ("self_attn", "qkv_proj", "kernel"), True),
+    (tuple(f"{p}.bias" for p in _QKV), ("self_attn", "qkv_proj", "bias"), False),
+    (("self_attn.o_proj.weight",), ("self_attn", "o_proj", "kernel"), True),
+    (("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp", "gate_up_proj", "kernel"), True),
+    (("mlp.down_proj.weight",), ("mlp", "down_proj", "kernel"), True),
+    (("input_layernorm.weight",), ("input_layernorm", "weight"), False),
+    (("post_attention_layernorm.weight",), ("post_attention_layernorm", "weight"), False),
 )
 
 
-def weight_table(config: Qwen2Config) -> list[tuple[str, tuple[Any, ...], bool]]:
-    """Every HF tensor of a checkpoint of this config with its model path and transpose flag."""
+def weight_table(config: Qwen2Config) -> list[Entry]:
+    """Every parameter of a model of this config with the checkpoint tensors it is made of."""
     table = list(_TOP_TABLE)
     for i in range(config.num_hidden_layers):
-        table += [(f"model.layers.{i}.{name}", ("layers", i, *path), t)
-                  for name, path, t in _LAYER_TABLE]
+        table += [(tuple(f"model.layers.{i}.{n}" for n in names), ("layers", i, *path), t)
+                  for names, path, t in _LAYER_TABLE]
     if not config.tie_word_embeddings:
         table.append(_LM_HEAD)
     return table
+
+
+def _part_shapes(config: Qwen2Config, var_path: tuple[Any, ...],
+                 shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The model-layout shape of each tensor a parameter of model shape `shape` is made of."""
+    parts = column_parts(config, param_names(var_path))
+    if parts[0].width is None:
+        return [tuple(shape)]
+    return [(*shape[:-1], part.width) for part in parts]
 
 
 def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
@@ -66,9 +80,8 @@ def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
     return node
 
 
-def _hf_shape(var: nnx.Variable, transpose: bool) -> tuple[int, ...]:
-    shape = tuple(var.get_value().shape) if hasattr(var, "get_value") else tuple(var.value.shape)
-    return shape[::-1] if transpose else shape
+def _shape(var: nnx.Variable) -> tuple[int, ...]:
+    return tuple(var.get_value().shape) if hasattr(var, "get_value") else tuple(var.value.shape)
 
 
 def _set(var: nnx.Variable, value: jax.Array) -> None:
@@ -146,44 +159,57 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32,
     """Loads a HF Qwen2 checkpoint directory into a model whose parameters are `dtype`.
 
     The model is built abstractly (no random init) and each parameter is set straight from its
-    tensor, so peak memory is one copy of the weights plus one tensor. `model.config` holds the
-    config. With `tp` (built for this checkpoint's config), each device's shard is read from the
-    file's slice and put on that device alone: no tensor is ever whole on one device.
+    tensors (a merged projection's side by side), so peak memory is one copy of the weights plus
+    one parameter's tensors. `model.config` holds the config. With `tp` (built for this
+    checkpoint's config), each device's shard is read from the files' slices and put on that
+    device alone: no tensor is ever whole on one device.
     A damaged safetensors file raises CheckpointError (a ValueError) naming the file and tensor.
     """
     config = read_config(ckpt_dir)
     files = tensor_files(ckpt_dir)
     table = weight_table(config)
-    missing = [name for name, _, _ in table if name not in files]
+    missing = [name for names, _, _ in table for name in names if name not in files]
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {Path(ckpt_dir)} lacks tensor(s) {missing[:5]}{more}")
     model = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    by_file: dict[Path, list[tuple[str, tuple[Any, ...], bool]]] = {}
-    for entry in table:
-        by_file.setdefault(files[entry[0]], []).append(entry)
-    for path, entries in by_file.items():
-        with _open_shard(path) as f:
-            _load_file(model, f, path, entries, dtype, tp)
+    with contextlib.ExitStack() as stack:
+        source = _opened(stack, files)
+        for names, var_path, transpose in table:
+            var = _variable(model, var_path)
+            sources = [source(name) for name in names]
+            shapes = _part_shapes(config, var_path, _shape(var))
+            _set(var, _read_whole(sources, shapes, transpose, dtype) if tp is None else
+                 _read_sharded(sources, shapes, var_path, _shape(var), transpose, dtype, tp))
     return model
 
 
-def _load_file(
-    model: Qwen2ForCausalLM, f: Any, path: Path, entries: list[tuple[str, tuple[Any, ...], bool]],
-    dtype: jnp.dtype, tp: TensorParallel | None,
-) -> None:
-    names = set(f.keys())
-    for name, var_path, transpose in entries:
-        if name not in names:  # the index listed it in this file, which lacks it
+Source = tuple[str, Any, Path]  # a tensor's name, its open file, the file's path
+
+
+def _opened(stack: contextlib.ExitStack, files: dict[str, Path]) -> Callable[[str], Source]:
+    """Opens every file of the checkpoint in `stack`; returns where a tensor is found."""
+    opened = {path: stack.enter_context(_open_shard(path)) for path in sorted(set(files.values()))}
+    keys = {path: set(f.keys()) for path, f in opened.items()}
+
+    def source(name: str) -> Source:
+        path = files[name]
+        if name not in keys[path]:  # the index listed it in this file, which lacks it
             raise CheckpointError(f"tensor {name} is not in {path}")
-        var = _variable(model, var_path)
-        if tp is not None:
-            _set(var, _read_sharded(f, name, path, var_path, _hf_shape(var, False), transpose,
-                                    dtype, tp))
-            continue
-        array = _read_tensor(f, name, path, _hf_shape(var, transpose))
-        array = np.ascontiguousarray(array.T) if transpose else array
-        _set(var, jnp.asarray(array.astype(jnp.dtype(dtype))))
+        return name, opened[path], path
+
+    return source
+
+
+def _read_whole(sources: list[Source], shapes: list[tuple[int, ...]], transpose: bool,
+                dtype: jnp.dtype) -> jax.Array:
+    """A parameter made of `sources` (model-layout `shapes`, side by side), on one device."""
+    parts = []
+    for (name, f, path), shape in zip(sources, shapes):
+        array = _read_tensor(f, name, path, shape[::-1] if transpose else shape)
+        parts.append(np.ascontiguousarray(array.T) if transpose else array)
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    return jnp.asarray(whole.astype(jnp.dtype(dtype)))
 
 
 def _read_tensor(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> np.ndarray:
@@ -216,33 +242,47 @@ def _checked_slice(f: Any, name: str, path: Path, expected: tuple[int, ...]) -> 
     return header
 
 
-def _read_sharded(f: Any, name: str, path: Path, var_path: tuple[Any, ...], shape: tuple[int, ...],
-                  transpose: bool, dtype: jnp.dtype, tp: TensorParallel) -> jax.Array:
-    """Tensor `name` as a sharded array in the model's layout (`shape`, KV heads stored as `tp`
-    repeats them), each device's block read from the file's slice of it."""
+def _read_sharded(sources: list[Source], shapes: list[tuple[int, ...]],
+                  var_path: tuple[Any, ...], shape: tuple[int, ...], transpose: bool,
+                  dtype: jnp.dtype, tp: TensorParallel) -> jax.Array:
+    """A parameter made of `sources` (model-layout `shapes`) as a sharded array in the stored
+    layout (`tp.to_storage`), each device's block read from the files' slices of its parts."""
     names = param_names(var_path)
-    header = _reading(name, path,
-                      lambda: _checked_slice(f, name, path, shape[::-1] if transpose else shape))
+    headers = []
+    for (name, f, path), part_shape in zip(sources, shapes):
+        expected = part_shape[::-1] if transpose else part_shape
+        headers.append(_reading(name, path,
+                                functools.partial(_checked_slice, f, name, path, expected)))
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
-        index = (*index[:-1], tp.source_columns(names, index[-1]))  # stored columns -> file columns
-        part = _reading(name, path, lambda: header[index[::-1] if transpose else index])
-        return np.ascontiguousarray(part.T if transpose else part).astype(jnp.dtype(dtype))
+        pieces = []
+        for part, cols in tp.source_columns(names, index[-1]):  # stored -> model-layout columns
+            name, _, path = sources[part]
+            at = (*index[:-1], cols)
+            piece = _reading(name, path, lambda: headers[part][at[::-1] if transpose else at])
+            pieces.append(np.ascontiguousarray(piece.T if transpose else piece))
+        whole = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+        return whole.astype(jnp.dtype(dtype))
 
     sharding = tp.sharding(tp.spec(names))
     return jax.make_array_from_callback(tp.storage_shape(names, shape), sharding, block)
 
 
 def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
-    for name, var_path, transpose in weight_table(model.config):
+    """The checkpoint's tensors of a model in the model's layout (not `TensorParallel`'s)."""
+    for names, var_path, transpose in weight_table(model.config):
         value = np.asarray(_variable(model, var_path)[...])
-        yield name, np.ascontiguousarray(value.T) if transpose else value
+        shapes = _part_shapes(model.config, var_path, value.shape)
+        bounds = np.cumsum([s[-1] for s in shapes])[:-1].tolist()
+        for name, part in zip(names, np.split(value, bounds, axis=-1), strict=True):
+            yield name, np.ascontiguousarray(part.T) if transpose else part
 
 
 def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str | Path, *,
                     shards: int = 1) -> Path:
     """Writes `model` as a HF checkpoint (config.json + safetensors; sharded with an index when
-    shards > 1)."""
+    shards > 1). The model must hold its weights in the model's layout: one not placed by
+    `TensorParallel`, whose merged projections are stored per device."""
     if config != model.config:
         raise ValueError("config does not match model.config")
     ckpt_dir = Path(ckpt_dir)

@@ -19,10 +19,11 @@ AXIS = "tp"
 
 # Megatron: column-parallel layers split their outputs (heads, MLP columns), row-parallel ones
 # their inputs, so each device runs attention on its own heads and one all-reduce per block
-# (after o_proj, after down_proj) sums the partial outputs.
-_COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+# (after o_proj, after down_proj) sums the partial outputs. Both column-parallel layers are
+# merged projections: their columns are parts side by side ([q | k | v], [gate | up]), and
+# each part is split over the devices on its own (see `TensorParallel.to_storage`).
+_COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
-_KV = frozenset({"k_proj", "v_proj"})
 _HEAD = "head_module"
 KV_PAGES_SPEC = P(None, None, AXIS, None)  # [pages, page_size, kv_heads, head_dim] on its heads
 
@@ -87,14 +88,36 @@ def param_names(path: Sequence[Any]) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """One projection inside a merged column-parallel parameter: its width in the model's
+    layout (None: the parameter is not merged) and whether it holds KV heads (stored repeated
+    when there are more devices than KV heads)."""
+
+    width: int | None
+    kv: bool = False
+
+
+def column_parts(config: Qwen2Config, names: tuple[str, ...]) -> tuple[Part, ...]:
+    """The parts of a merged projection's parameter at attribute path `names`, in the model's
+    layout ([q | k | v], [gate | up]); one part of width None for any other parameter."""
+    module = names[-2] if len(names) > 1 else None
+    if module == "qkv_proj":
+        kv = config.num_key_value_heads * config.head_dim
+        return (Part(config.num_attention_heads * config.head_dim), Part(kv, True), Part(kv, True))
+    if module == "gate_up_proj":
+        return (Part(config.intermediate_size), Part(config.intermediate_size))
+    return (Part(None),)
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """One model's tensor-parallel layout over `mesh` (one axis, AXIS).
 
     KV heads: with tp <= num_key_value_heads each device holds kv_heads / tp of them; with more
     devices than KV heads each holds one, replicated (vLLM's rule: tp must then be a multiple
-    of the KV heads). The k/v projections and the KV pages are stored with `storage_kv_heads`
-    heads, KV head h repeated `kv_replicas` times, so one column split gives every device its
-    own head.
+    of the KV heads). qkv_proj's k and v columns and the KV pages are stored with
+    `storage_kv_heads` heads, KV head h repeated `kv_replicas` times, so one column split gives
+    every device its own head.
     """
 
     mesh: Mesh
@@ -121,7 +144,8 @@ class TensorParallel:
 
     @property
     def storage_kv_heads(self) -> int:
-        """KV heads of the k/v projections and the KV pages as stored: max(kv_heads, tp)."""
+        """KV heads of qkv_proj's k and v columns and of the KV pages as stored:
+        max(kv_heads, tp)."""
         return self.config.num_key_value_heads * self.kv_replicas
 
     @property
@@ -158,36 +182,54 @@ class TensorParallel:
             return P(None, AXIS)  # untied lm_head [hidden, vocab]
         raise ValueError(f"no tensor-parallel rule for parameter {'.'.join(names)}")
 
-    def is_replicated_kv(self, names: tuple[str, ...]) -> bool:
-        """True for the k/v projection parameters whose heads are stored repeated."""
-        return self.kv_replicas > 1 and len(names) > 1 and names[-2] in _KV
+    def parts(self, names: tuple[str, ...]) -> tuple[Part, ...]:
+        return column_parts(self.config, names)
+
+    def _stored_width(self, part: Part) -> int:
+        assert part.width is not None
+        return part.width * (self.kv_replicas if part.kv else 1)
 
     def storage_shape(self, names: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """The stored shape of a parameter whose model shape (config heads) is `shape`."""
-        if not self.is_replicated_kv(names):
+        parts = self.parts(names)
+        if parts[0].width is None:
             return tuple(shape)
-        return (*shape[:-1], shape[-1] * self.kv_replicas)
+        return (*shape[:-1], sum(self._stored_width(p) for p in parts))
 
-    def source_columns(self, names: tuple[str, ...], cols: slice) -> slice:
-        """The model-shape columns (last axis) a device's stored columns `cols` come from."""
-        if not self.is_replicated_kv(names):
-            return cols
-        d = self.config.head_dim  # each device stores one whole head here: tp > kv_heads
-        head = cols.start // d // self.kv_replicas
-        return slice(head * d, (head + 1) * d)
-
-    def needs_repeat(self, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
-        """True for a k/v parameter still in the model's shape (config heads, not stored ones)."""
-        kv, d = self.config.num_key_value_heads, self.config.head_dim
-        return self.is_replicated_kv(names) and shape[-1] == kv * d
+    def source_columns(self, names: tuple[str, ...], cols: slice) -> list[tuple[int, slice]]:
+        """Where one device's block `cols` of a parameter's stored columns comes from: a
+        (part, columns of that part in the model's layout) per part, in stored order."""
+        parts = self.parts(names)
+        if parts[0].width is None:
+            return [(0, cols)]
+        device = cols.start // (sum(self._stored_width(p) for p in parts) // self.size)
+        sources = []
+        for index, part in enumerate(parts):
+            shard = self._stored_width(part) // self.size
+            if part.kv and self.kv_replicas > 1:  # one stored head a device, `kv_replicas` alike
+                head = device // self.kv_replicas
+                sources.append((index, slice(head * shard, (head + 1) * shard)))
+            else:
+                sources.append((index, slice(device * shard, (device + 1) * shard)))
+        return sources
 
     def to_storage(self, names: tuple[str, ...], value: jax.Array) -> jax.Array:
-        """A parameter in the model's shape -> the stored one (KV heads repeated); traceable."""
-        if not self.needs_repeat(names, value.shape):
+        """A parameter in the model's layout -> the stored one; traceable. A merged parameter's
+        parts are each split over the devices and device i's shards put side by side
+        ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...]), k and v with each KV head repeated
+        `kv_replicas` times, so that one column split gives every device its own heads."""
+        parts = self.parts(names)
+        if parts[0].width is None:
             return value
-        lead = value.shape[:-1]
-        heads = value.reshape(*lead, self.config.num_key_value_heads, self.config.head_dim)
-        return jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, -1)
+        lead, d = value.shape[:-1], self.config.head_dim
+        bounds = np.cumsum([p.width for p in parts])[:-1].tolist()
+        blocks = []
+        for part, x in zip(parts, jnp.split(value, bounds, axis=-1)):
+            if part.kv and self.kv_replicas > 1:
+                heads = x.reshape(*lead, -1, d)
+                x = jnp.repeat(heads, self.kv_replicas, axis=-2).reshape(*lead, -1)
+            blocks.append(x.reshape(*lead, self.size, -1))
+        return jnp.concatenate(blocks, axis=-1).reshape(*lead, -1)
 
     def state_shardings(self, state: Any) -> Any:
         """A pytree like `state` (an nnx.State) with each leaf's NamedSharding."""
@@ -207,13 +249,15 @@ class TensorParallel:
         return leaves, tuple(specs)
 
     def _placed(self, names: tuple[str, ...], leaf: Any, target: NamedSharding) -> Any:
-        repeat = self.needs_repeat(names, leaf.shape)
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            shape = self.storage_shape(names, leaf.shape) if repeat else leaf.shape
-            return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=target)
-        if (not repeat and isinstance(leaf, jax.Array)
-                and leaf.sharding.is_equivalent_to(target, leaf.ndim)):
-            return leaf  # loaded or drawn in this layout already
+        """A leaf sharded as `target` is taken to be stored already (as the sharded loader and
+        init leave it); any other is in the model's layout and is converted."""
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract leaves are in the model's layout
+            return jax.ShapeDtypeStruct(self.storage_shape(names, leaf.shape), leaf.dtype,
+                                        sharding=target)
+        if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            if leaf.shape[-1:] != self.storage_shape(names, leaf.shape)[-1:]:
+                raise ValueError(f"{'.'.join(names)} is sharded but not in the stored layout")
+            return leaf
         return jax.jit(lambda x: self.to_storage(names, x), out_shardings=target)(leaf)
 
 

@@ -29,7 +29,7 @@ from jhicache.models import (
     preset_config,
     save_checkpoint,
 )
-from jhicache.models.sharding import TensorParallel
+from jhicache.models.sharding import TensorParallel, param_names
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.workload import MultiTurnChats, MultiTurnSpec
@@ -261,21 +261,35 @@ def check_checkpoint_loads_sharded() -> None:
 
 def _assert_weights_sharded(loaded: Qwen2ForCausalLM, model: Qwen2ForCausalLM,
                             tp: TensorParallel) -> None:
-    """Each loaded weight is split as its spec says, and equals the model's (KV heads repeated)."""
-    q = loaded.layers[0].self_attn.q_proj.kernel[...]
-    assert all(s.data.shape == (q.shape[0], q.shape[1] // tp.size) for s in q.addressable_shards)
-    embed = loaded.embed_tokens.embedding[...]
-    assert all(s.data.shape == (embed.shape[0] // tp.size, embed.shape[1])
-               for s in embed.addressable_shards)
-    down = loaded.layers[0].mlp.down_proj.kernel[...]
-    assert all(s.data.shape == (down.shape[0] // tp.size, down.shape[1])
-               for s in down.addressable_shards)
-    k = loaded.layers[1].self_attn.k_proj.kernel[...]
-    assert k.shape[1] == tp.storage_kv_heads * model.config.head_dim
-    expected = tp.to_storage(("k_proj", "kernel"), model.layers[1].self_attn.k_proj.kernel[...])
-    np.testing.assert_array_equal(np.asarray(k), np.asarray(expected))
-    np.testing.assert_array_equal(np.asarray(loaded.head_module.kernel[...]),
-                                  np.asarray(model.head_module.kernel[...]))
+    """Every loaded weight is the model's in the stored layout (`to_storage`), split as its spec
+    says, and each device's block of a merged q/k/v projection holds exactly its own heads."""
+    stored = jax.tree_util.tree_flatten_with_path(nnx.state(loaded))[0]
+    for (path, got), want in zip(stored, jax.tree.leaves(nnx.state(model)), strict=True):
+        names = param_names(path)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(tp.to_storage(names, want)))
+        split = [i for i, axis in enumerate(tp.spec(names)) if axis is not None]
+        for shard in got.addressable_shards:
+            assert all(shard.data.shape[i] == got.shape[i] // tp.size for i in split), names
+    for layer in range(model.config.num_hidden_layers):
+        _assert_own_heads(loaded.layers[layer].self_attn.qkv_proj.kernel[...],
+                          np.asarray(model.layers[layer].self_attn.qkv_proj.kernel[...]), tp)
+
+
+def _assert_own_heads(stored: jax.Array, whole: np.ndarray, tp: TensorParallel) -> None:
+    """Device i's shard of a stored qkv kernel is [its q heads | its k head(s) | its v head(s)]
+    cut from the unsharded kernel `whole` ([q | k | v] over the config's heads)."""
+    cfg, n = tp.config, tp.size
+    d, kv = cfg.head_dim, cfg.num_key_value_heads
+    q, k, v = np.split(whole, [cfg.num_attention_heads * d, (cfg.num_attention_heads + kv) * d],
+                       axis=-1)
+    devices = list(tp.mesh.devices.flat)
+    for shard in stored.addressable_shards:
+        i = devices.index(shard.device)
+        kv_heads = [i // tp.kv_replicas] if n > kv else range(i * kv // n, (i + 1) * kv // n)
+        mine = [np.split(q, n, axis=-1)[i]]
+        mine += [np.concatenate([x[:, h * d:(h + 1) * d] for h in kv_heads], axis=-1)
+                 for x in (k, v)]
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(mine, axis=-1))
 
 
 def check_sharded_random_init() -> None:
@@ -283,10 +297,13 @@ def check_sharded_random_init() -> None:
     config = preset_config("tiny-tp")
     tp = TensorParallel.create(4, config)
     sharded, whole = init_random(config, seed=3, tp=tp), init_random(config, seed=3)
-    pairs = zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(whole)))
-    for a, b in pairs:
+    pairs = zip(jax.tree_util.tree_flatten_with_path(nnx.state(sharded))[0],
+                jax.tree.leaves(nnx.state(whole)), strict=True)
+    for (path, a), b in pairs:
         assert len(a.addressable_shards) == 4
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a),
+                                   np.asarray(tp.to_storage(param_names(path), b)),
+                                   rtol=0, atol=1e-7)
 
 
 def check_gated_forward_matches_ungated() -> None:

@@ -181,8 +181,7 @@ def test_explicit_head_dim_matches_numpy_reference(tmp_path: Path, overrides: di
     weights = random_hf_weights(cfg, seed=11)
     model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
     attn = model.layers[0].self_attn
-    chex.assert_shape([attn.q_proj.kernel[...], attn.k_proj.kernel[...]],
-                      [(hid, 4 * d), (hid, 2 * d)])
+    chex.assert_shape(attn.qkv_proj.kernel[...], (hid, (4 + 2 * 2) * d))  # q, k, v heads
     chex.assert_shape(attn.o_proj.kernel[...], (4 * d, hid))
     toks = tokens_of(7, seed=12)
     ref = reference_logits(weights, cfg, toks)

@@ -50,10 +50,13 @@ def test_hf_linear_weights_are_transposed(tmp_path: Path):
     cfg = small_hf_config()
     weights = random_hf_weights(cfg)
     model = load_pretrained(write_hf_checkpoint(tmp_path, cfg, weights))
-    kernel = model.layers[0].self_attn.q_proj.kernel[...]
-    chex.assert_shape(kernel, (64, 64))
-    np.testing.assert_array_equal(np.asarray(kernel),
-                                  weights["model.layers.0.self_attn.q_proj.weight"].T)
+    kernel = model.layers[0].self_attn.qkv_proj.kernel[...]  # q, k and v side by side
+    hf = [weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    chex.assert_shape(kernel, (64, sum(w.shape[0] for w in hf)))
+    np.testing.assert_array_equal(np.asarray(kernel), np.concatenate(hf).T)
+    gate_up = model.layers[1].mlp.gate_up_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(gate_up), np.concatenate(
+        [weights[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]).T)
     np.testing.assert_array_equal(
         np.asarray(model.layers[1].mlp.down_proj.kernel[...]),
         weights["model.layers.1.mlp.down_proj.weight"].T
