@@ -13,6 +13,7 @@ from jhicache.pallas_kernels.decode_attention import paged_decode_attention
 from jhicache.pallas_kernels.extend_attention import paged_attention
 from jhicache.pallas_kernels.fresh_attention import attend_fresh_apart
 from jhicache.pallas_kernels.kv_write import write_kv
+from jhicache.pallas_kernels.skinny_matmul import skinny_applies, skinny_matmul
 
 _INIT_STD = 0.02  # HF's initializer_range; keeps random-weight activations O(1)
 
@@ -118,7 +119,14 @@ class Attention(nnx.Module):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.page_table, meta.token_req,
                                     meta.positions)
         out = attend(q, (k, v), k_pages, v_pages, meta, d**-0.5, layer)  # [T, H, D]
-        return comm.sum(self.o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
+        return comm.sum(self._o_proj(out.reshape(t, -1).astype(x.dtype))), k_pages, v_pages
+
+    def _o_proj(self, x: jax.Array) -> jax.Array:
+        """o_proj, by the skinny-matmul kernel for a few 16-bit rows: XLA's own kernel reads
+        this weight far below HBM speed inside the forward (`skinny_matmul`'s docstring); the
+        other projections' weights are read near it by XLA's."""
+        weight = self.o_proj.kernel[...]
+        return skinny_matmul(x, weight) if skinny_applies(x, weight) else self.o_proj(x)
 
 
 class MLP(nnx.Module):

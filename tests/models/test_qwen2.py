@@ -141,6 +141,35 @@ def test_bfloat16_model_tracks_float32(checkpoint):
     np.testing.assert_allclose(np.asarray(logits), ref, atol=0.05 * np.abs(ref).max())
 
 
+def test_bfloat16_few_rows_take_o_proj_through_the_skinny_kernel(checkpoint, monkeypatch):
+    """A 16-bit batch of a few rows projects o_proj by `skinny_matmul` (once a layer), and the
+    layers' output matches the one through XLA's matmul within bf16 tolerance. Eager layers,
+    so each run traces its own calls."""
+    from jhicache.models import qwen2 as qwen2_module
+
+    model = load_pretrained(checkpoint[0], dtype=jnp.bfloat16)
+    meta = build_metadata([0], [6], [[0, 1]], page_size=PAGE_SIZE, num_tokens=8, num_reqs=1,
+                          max_pages=4)
+    embedded = model.embed(pack_tokens([tokens_of(6, seed=4)], meta.num_tokens))
+
+    def layers() -> np.ndarray:
+        hidden = embedded
+        for i, (k, v) in enumerate(init_kv_pages(model.config, NUM_PAGES, PAGE_SIZE,
+                                                 jnp.bfloat16)):
+            hidden, _, _ = model.layer(i, hidden, k, v, meta)
+        return np.asarray(hidden[:6], np.float32)
+
+    calls, real = [], qwen2_module.skinny_matmul
+    monkeypatch.setattr(qwen2_module, "skinny_matmul",
+                        lambda x, w: calls.append(x.shape) or real(x, w))
+    skinny = layers()
+    assert calls == [(8, 64)] * model.config.num_hidden_layers
+    monkeypatch.setattr(qwen2_module, "skinny_applies", lambda x, w: False)
+    xla = layers()
+    assert len(calls) == model.config.num_hidden_layers
+    np.testing.assert_allclose(skinny, xla, atol=0.02 * np.abs(xla).max())
+
+
 def test_metadata_layout_and_padding():
     meta = build_metadata([2, 0], [3, 1], [[4, 5], [7]], page_size=4, num_tokens=6, num_reqs=3,
                           max_pages=3)
