@@ -15,7 +15,8 @@ FALLBACK_SMS = 132
 
 @dataclasses.dataclass(frozen=True)
 class KernelTuning:
-    """SM count of the GPU and how extend attention's split-K policy sizes its grid by it."""
+    """SM count of the GPU and how the split-K policies (extend attention's, and the skinny
+    matmul's, which aims for `target_programs` too) size their grids by it."""
 
     num_sms: int
     # Split programs the grid aims for per SM: two resident programs let one's loads and softmax
