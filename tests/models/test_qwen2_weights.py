@@ -63,6 +63,24 @@ def test_hf_linear_weights_are_transposed(tmp_path: Path):
     )
 
 
+def test_merged_parts_load_from_different_files(tmp_path: Path):
+    """A sharded checkpoint that puts q, k and v (and gate and up) of a layer in three different
+    files loads them side by side, as from a single file."""
+    cfg = small_hf_config()
+    weights = random_hf_weights(cfg, seed=3)
+    names = sorted(weights)
+    part = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+    index = {name: next((i for p, i in part.items() if p in name), 2) for name in names}
+    files = {name: f"model-{index[name] + 1:05d}-of-00003.safetensors" for name in names}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for fname in sorted(set(files.values())):
+        save_file({n: weights[n] for n in names if files[n] == fname}, str(tmp_path / fname))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+    whole = load_pretrained(write_hf_checkpoint(tmp_path / "one", cfg, weights))
+    for a, b in zip(leaves(load_pretrained(tmp_path)), leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_load_bfloat16_from_float32_and_back(tmp_path: Path):
     cfg = small_hf_config(tied=False)
     model = load_pretrained(write_hf_checkpoint(tmp_path / "f32", cfg, random_hf_weights(cfg)),
