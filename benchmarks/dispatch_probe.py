@@ -1,19 +1,69 @@
-"""Host time of dispatching one jitted program against how many arrays it takes and returns:
-the probe behind the question whether per-array dispatch costs set a step's host time (the
-forward's programs take every layer's weights and K/V pages as separate arrays).
+"""Host time of dispatching one jitted program against how many arrays it takes and returns,
+and against how many kernels it launches and of which kind: the probe behind the question what
+sets a step's host time (the forward's programs take every layer's weights and K/V pages as
+separate arrays, and launch XLA's kernels with Pallas calls between them).
 
 Usage: PYTHONPATH=. python3 benchmarks/dispatch_probe.py [--reps 200] --out FILE.json
+Run it again under `XLA_FLAGS=--xla_gpu_enable_command_buffer=` to see what XLA's command
+buffers (CUDA graphs) save; the result records the flags.
+
+- `rows`: n small arrays in, one scalar out (`in_one_out_us`), or n donated arrays updated in
+  place (`donated_in_place_us`).
+- `kernel_rows`: one array in and out through a chain of `layers` dependent small matmuls
+  (each with a tanh, so each is a kernel of its own), alone (`xla_only`) or each followed by a
+  trivial Pallas call (`with_pallas`): host dispatch time and GPU time back to back.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jhicache.pallas_kernels.backend import use_interpreter
 
 from jhicache.bench import save_json
 from jhicache.bench_kernels.timing import dispatch_us
+
+
+def _doubled(x: jax.Array) -> jax.Array:
+    """A trivial Pallas call: 2x."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=use_interpreter())(x)
+
+
+def _chain(layers: int, pallas: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    def run(x: jax.Array, w: jax.Array) -> jax.Array:
+        for _ in range(layers):
+            x = jnp.tanh(x @ w)
+            if pallas:
+                x = _doubled(x)
+        return x
+    return jax.jit(run)
+
+
+def kernel_rows(reps: int) -> list[dict]:
+    """Dispatch and GPU time of chains of small kernels, with and without Pallas calls."""
+    x, w = jnp.ones((16, 64), jnp.bfloat16), jnp.full((64, 64), 0.01, jnp.bfloat16)
+    rows = []
+    for layers in (28, 112):
+        for pallas in (False, True):
+            fn = _chain(layers, pallas)
+            jax.block_until_ready(fn(x, w))  # compiles
+            start = time.perf_counter()
+            jax.block_until_ready([fn(x, w) for _ in range(20)])
+            rows.append({"layers": layers, "program": "with_pallas" if pallas else "xla_only",
+                         "dispatch_us": dispatch_us(lambda: fn(x, w), reps),
+                         "back_to_back_us": (time.perf_counter() - start) / 20 * 1e6})
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
@@ -36,7 +86,8 @@ def main() -> None:
                      "donated_in_place_us": dispatch_us(update_in_place, args.reps)})
         print(rows[-1], flush=True)
     save_json({"device": str(jax.devices()[0]), "jax": jax.__version__, "reps": args.reps,
-               "rows": rows}, args.out)
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
+               "kernel_rows": kernel_rows(args.reps)}, args.out)
 
 
 if __name__ == "__main__":
