@@ -3,11 +3,11 @@ over the contracting axis so that every SM streams its share of the weight.
 
 Why a kernel of ours for this one shape: XLA autotunes each matmul on its own, with the weight
 likely resident in the 50 MB L2 of an H200, so for a weight that fits there (Qwen2-7B's o_proj,
-25.7 MB) it picks a grid that reads HBM at about 1.3 TB/s inside the forward, where the weight
-comes from HBM (BENCHMARKS.md, the forward against its floor). This kernel sizes its grid for
-HBM: `tiles x splits` programs of `block_n` columns and `chunk` rows of the weight each, every
-program summing its chunk in float32; XLA then adds the splits' partial sums (fused with
-whatever follows), in a fixed order, so results do not depend on timing.
+25.7 MB) it picks a grid that reads HBM far below its speed inside the forward, where the
+weight comes from HBM (the figures: BENCHMARKS.md, the forward against its floor). This kernel
+sizes its grid for HBM: `tiles x splits` programs of `block_n` columns and `chunk` rows of the
+weight each, every program summing its chunk in float32; XLA then adds the splits' partial sums
+(fused with whatever follows), in a fixed order, so results do not depend on timing.
 """
 
 from __future__ import annotations
