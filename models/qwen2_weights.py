@@ -68,7 +68,7 @@ def _part_shapes(config: Qwen2Config, var_path: tuple[Any, ...],
                  shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The model-layout shape of each tensor a parameter of model shape `shape` is made of."""
     parts = column_parts(config, param_names(var_path))
-    if parts[0].width is None:
+    if not parts:
         return [tuple(shape)]
     return [(*shape[:-1], part.width) for part in parts]
 

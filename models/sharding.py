@@ -90,23 +90,23 @@ def param_names(path: Sequence[Any]) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One projection inside a merged column-parallel parameter: its width in the model's
-    layout (None: the parameter is not merged) and whether it holds KV heads (stored repeated
-    when there are more devices than KV heads)."""
+    layout and whether it holds KV heads (stored repeated when there are more devices than KV
+    heads)."""
 
-    width: int | None
+    width: int
     kv: bool = False
 
 
 def column_parts(config: Qwen2Config, names: tuple[str, ...]) -> tuple[Part, ...]:
     """The parts of a merged projection's parameter at attribute path `names`, in the model's
-    layout ([q | k | v], [gate | up]); one part of width None for any other parameter."""
+    layout ([q | k | v], [gate | up]); none for any other parameter."""
     module = names[-2] if len(names) > 1 else None
     if module == "qkv_proj":
         kv = config.num_key_value_heads * config.head_dim
         return (Part(config.num_attention_heads * config.head_dim), Part(kv, True), Part(kv, True))
     if module == "gate_up_proj":
         return (Part(config.intermediate_size), Part(config.intermediate_size))
-    return (Part(None),)
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,27 +182,23 @@ class TensorParallel:
             return P(None, AXIS)  # untied lm_head [hidden, vocab]
         raise ValueError(f"no tensor-parallel rule for parameter {'.'.join(names)}")
 
-    def parts(self, names: tuple[str, ...]) -> tuple[Part, ...]:
-        return column_parts(self.config, names)
-
     def _stored_width(self, part: Part) -> int:
-        assert part.width is not None
         return part.width * (self.kv_replicas if part.kv else 1)
 
     def storage_shape(self, names: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """The stored shape of a parameter whose model shape (config heads) is `shape`."""
-        parts = self.parts(names)
-        if parts[0].width is None:
+        parts = column_parts(self.config, names)
+        if not parts:
             return tuple(shape)
         return (*shape[:-1], sum(self._stored_width(p) for p in parts))
 
     def source_columns(self, names: tuple[str, ...], cols: slice) -> list[tuple[int, slice]]:
         """Where one device's block `cols` of a parameter's stored columns comes from: a
         (part, columns of that part in the model's layout) per part, in stored order."""
-        parts = self.parts(names)
-        if parts[0].width is None:
+        parts = column_parts(self.config, names)
+        if not parts:
             return [(0, cols)]
-        device = cols.start // (sum(self._stored_width(p) for p in parts) // self.size)
+        device = cols.start // (self.storage_shape(names, (0,))[-1] // self.size)
         sources = []
         for index, part in enumerate(parts):
             shard = self._stored_width(part) // self.size
@@ -218,8 +214,8 @@ class TensorParallel:
         parts are each split over the devices and device i's shards put side by side
         ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...]), k and v with each KV head repeated
         `kv_replicas` times, so that one column split gives every device its own heads."""
-        parts = self.parts(names)
-        if parts[0].width is None:
+        parts = column_parts(self.config, names)
+        if not parts:
             return value
         lead, d = value.shape[:-1], self.config.head_dim
         bounds = np.cumsum([p.width for p in parts])[:-1].tolist()
