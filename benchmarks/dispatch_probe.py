@@ -53,7 +53,7 @@ def kernel_rows(reps: int) -> list[dict]:
     """Dispatch and GPU time of chains of small kernels, with and without Pallas calls."""
     x, w = jnp.ones((16, 64), jnp.bfloat16), jnp.full((64, 64), 0.01, jnp.bfloat16)
     rows = []
-    for layers in (28, 112):
+    for layers in (28, 112, 448):
         for pallas in (False, True):
             fn = _chain(layers, pallas)
             jax.block_until_ready(fn(x, w))  # compiles
