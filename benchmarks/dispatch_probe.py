@@ -56,7 +56,8 @@ def kernel_rows(reps: int) -> list[dict]:
     for layers in (28, 112, 448):
         for pallas in (False, True):
             fn = _chain(layers, pallas)
-            jax.block_until_ready(fn(x, w))  # compiles
+            # the first calls compile, load the kernels and record XLA's command buffers
+            jax.block_until_ready([fn(x, w) for _ in range(3)])
             start = time.perf_counter()
             jax.block_until_ready([fn(x, w) for _ in range(20)])
             rows.append({"layers": layers, "program": "with_pallas" if pallas else "xla_only",
