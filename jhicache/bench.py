@@ -645,7 +645,10 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
     # `other` cached on device, written back by the eviction below
     ttft_of(engine, other + turns[0])
     ttft_of(engine, prefix + turns[1])  # `prefix` used last: the eviction takes `other`
-    engine.cache.evict_device(engine.cache.match(other).device_len // engine.config.page_size)
+    # Sized without `match(other)`: a match is an access, and would make `other` the newest.
+    engine.cache.evict_device(len(other) // engine.config.page_size)
+    if engine.cache.match(other).device_len or engine.cache.match(prefix).host_len:
+        raise RuntimeError("the eviction did not take exactly `other`: no device hit to time")
     ttft_s, _ = ttft_of(engine, prefix + turns[2])
     engine.cache.flush()
     return ttft_s

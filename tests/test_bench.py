@@ -68,6 +68,24 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
 
 
+def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:
+    args = bench.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
+    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
+                               load_back_threshold=1)
+    rng = np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+    prefix, other = bench.random_prompts(rng, vocab, 2, 64)
+    turns = bench.random_prompts(rng, vocab, 3, 8)
+    before = engine.stats()
+    assert bench.device_hit_beside_write_back(engine, prefix, other, turns) > 0
+    after = engine.stats()
+    assert after.load_back_bytes == before.load_back_bytes  # `prefix` never left the device
+    page_bytes = engine.device_pool.layout.page_bytes
+    assert after.write_back_bytes - before.write_back_bytes >= 64 // 8 * page_bytes  # `other`
+    assert engine.cache.match(other).device_len == 0 and engine.cache.match(prefix).host_len == 0
+    engine.check_invariants()
+
+
 def test_unknown_mode_is_a_clear_error(capsys) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["multiturn", "--modes", "off,warp"])
