@@ -1,0 +1,73 @@
+"""How much a write-back slows a device hit that runs beside it, against an XLA copy of the
+same bytes to pinned host.
+
+    PYTHONPATH=. python3 benchmarks/write_back_beside.py [--preset qwen2-7b]
+        [--prefix 32768] [--trials 3] [--out result.json]
+
+Per trial, after the `host-hit` bench's setup: a device hit on a cached prefix alone; then the
+same prefix's device hit right after another prefix of the same length was evicted (its
+write-back queued: gather, then copies on the host tier's low-priority stream); then a device
+hit right after a `jax.device_put` of as many bytes to `pinned_host` was dispatched (XLA's own
+device->host stream, where the forward's sampled token is copied too). Each TTFT is the
+engine's, end to end; the copy's span is host clock from its dispatch to its readiness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhicache import bench
+from jhicache.bench import save_json
+
+
+def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
+          big: jax.Array) -> dict:
+    vocab = engine.model_config.vocab_size
+    prefix, other = bench.random_prompts(rng, vocab, 2, prefix_len)
+    turns = bench.random_prompts(rng, vocab, 6, turn_len)
+    bench.ttft_of(engine, prefix + turns[0])
+    alone_s, _ = bench.ttft_of(engine, prefix + turns[1])
+    beside_s = bench.device_hit_beside_write_back(engine, prefix, other, turns[2:5])
+    host = jax.sharding.SingleDeviceSharding(big.sharding.device_set.pop(),
+                                             memory_kind="pinned_host")
+    start = time.perf_counter()
+    copied = jax.device_put(big, host)
+    xla_s, _ = bench.ttft_of(engine, prefix + turns[5])
+    copied.block_until_ready()
+    copy_s = time.perf_counter() - start
+    bench.push_to_host(engine)
+    return {"device_hit_alone_ttft_s": alone_s, "beside_write_back_ttft_s": beside_s,
+            "beside_xla_copy_ttft_s": xla_s, "xla_copy_s": copy_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen2-7b")
+    parser.add_argument("--prefix", type=int, default=32768)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--out")
+    cli = parser.parse_args()
+    args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
+                             str(cli.prefix)])
+    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
+    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
+                               load_back_threshold=1)
+    nbytes = cli.prefix // args.page_size * engine.device_pool.layout.page_bytes
+    big = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), jax.devices()[0])
+    rng = np.random.default_rng(args.seed + 2)
+    trial(engine, rng, cli.prefix, args.host_hit_turn, big)  # compiles every shape
+    trials = []
+    for _ in range(cli.trials):
+        trials.append(trial(engine, rng, cli.prefix, args.host_hit_turn, big))
+        print({k: f"{v * 1e3:.1f} ms" for k, v in trials[-1].items()}, flush=True)
+    save_json({"preset": cli.preset, "prefix_tokens": cli.prefix, "bytes": nbytes,
+               "trials": trials}, cli.out)
+
+
+if __name__ == "__main__":
+    main()
