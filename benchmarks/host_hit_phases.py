@@ -1,6 +1,7 @@
 """Where an isolated host hit's time goes, on one host clock from its `add_request` call.
 
     PYTHONPATH=. python3 benchmarks/host_hit_phases.py [--preset qwen2-7b] [--trials 3]
+        [--prefix N]
 
 Per trial (the `host-hit` bench's setup: the prefix computed, pushed to host, then a new turn on
 it): the engine phases of the first `step()` (timed by wrapping the engine's methods), then,
@@ -198,6 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen2-7b")
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--prefix", type=int, help="cached tokens (default: the bench's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--beside-copies", type=int, default=0, metavar="MB")
     parser.add_argument("--after-wait", action="store_true")
@@ -205,7 +207,8 @@ def main() -> None:
     parser.add_argument("--out")
     cli = parser.parse_args()
     profile = cProfile.Profile() if cli.profile else None
-    args = bench.parse_args(["host-hit", "--preset", cli.preset])
+    args = bench.parse_args(["host-hit", "--preset", cli.preset,
+                             *(["--host-hit-prefix", str(cli.prefix)] if cli.prefix else [])])
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
                                load_back_threshold=1)
