@@ -2,7 +2,7 @@
 same bytes to pinned host.
 
     PYTHONPATH=. python3 benchmarks/write_back_beside.py [--preset qwen2-7b]
-        [--prefix 32768] [--trials 3] [--out result.json]
+        [--prefix 32768] [--trials 3] [--piece-mb 64] [--out result.json]
 
 Per trial, after the `host-hit` bench's setup: a device hit on a cached prefix alone; then the
 same prefix's device hit right after another prefix of the same length was evicted (its
@@ -10,6 +10,11 @@ write-back queued: gather, then copies on the host tier's low-priority stream); 
 hit right after a `jax.device_put` of as many bytes to `pinned_host` was dispatched (XLA's own
 device->host stream, where the forward's sampled token is copied too). Each TTFT is the
 engine's, end to end; the copy's span is host clock from its dispatch to its readiness.
+
+`--piece-mb` sets how many bytes of a write-back's copies each poll of the transfer controller
+queues (`transfer.WRITE_PIECE_BYTES`; the engine's value by default): with a piece as large as
+the write-back, all its copies are queued while the forward runs, and the case shows whether
+the forward's own device->host copy of its token waits behind them on the copy engine.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from jhicache import bench
 from jhicache.bench import save_json
+from jhicache.cache import transfer
 
 
 def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
@@ -50,8 +56,10 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-7b")
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--piece-mb", type=int, default=transfer.WRITE_PIECE_BYTES >> 20)
     parser.add_argument("--out")
     cli = parser.parse_args()
+    transfer.WRITE_PIECE_BYTES = cli.piece_mb << 20
     args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
                              str(cli.prefix)])
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
@@ -66,7 +74,7 @@ def main() -> None:
         trials.append(trial(engine, rng, cli.prefix, args.host_hit_turn, big))
         print({k: f"{v * 1e3:.1f} ms" for k, v in trials[-1].items()}, flush=True)
     save_json({"preset": cli.preset, "prefix_tokens": cli.prefix, "bytes": nbytes,
-               "trials": trials}, cli.out)
+               "piece_mb": cli.piece_mb, "trials": trials}, cli.out)
 
 
 if __name__ == "__main__":
