@@ -322,8 +322,9 @@ class TransferController:
     def _issue_write(self, write: _Write, budget: float) -> float:
         """Queues a staged write's host copies (its staging is ready), whole layers while
         `budget` bytes last, in one batch; returns what is left of it. Small pieces at a time,
-        because the copy engine serves copies in the order queued: the forward's own small
-        device->host copy (its sampled tokens) must not wait behind a whole write-back. One
+        because the copy engine serves copies in the order queued, across streams too: the
+        forward's own small device->host copy (its sampled tokens) must not wait behind a whole
+        write-back (BENCHMARKS.md, "Write-backs do not stall a forward beside them"). One
         batch per piece, not per layer: no kernel waits for a written layer, so nothing needs
         the layers apart, and every driver call is host time that the steps around it pay."""
         self.finish_loads()  # every load issued so far is then behind `_last_load`
