@@ -7,11 +7,12 @@ How pages move
 | phase          | what runs where                                                          |
 |----------------|--------------------------------------------------------------------------|
 | queue_*        | nothing (page id lists)                                                  |
-| launch_writes  | jitted gathers of the pages into one staging array, one per power-of-two |
-|                | piece (`gather_pieces`; compute stream, so ordered after                 |
-|                | the compute that wrote them and before any compute that reuses them);    |
-|                | the device->host copies are queued once a piece's staging is ready       |
-|                | (`poll`), on the copier's low-priority stream                            |
+| launch_writes  | jitted gathers of the pages into staging arrays, one per power-of-two    |
+|                | piece, GATHER_HEAD_BYTES first (`gather_pieces`; compute stream, so      |
+|                | ordered after the compute that wrote them and before any compute that    |
+|                | reuses them); a piece's device->host copies are queued once its staging  |
+|                | is ready (at a later piece's dispatch or `poll`), on the copier's        |
+|                | low-priority stream                                                      |
 | launch_loads   | per layer in order, K and V copies straight from host pages into the     |
 |                | donated pool buffers, then the load's sequence number stored in that     |
 |                | layer's device flag; a mark after the last (high-priority stream). May   |
@@ -56,6 +57,12 @@ from jhicache.cache.ticket import LoadTicket
 
 # Host copies of write-backs queued per poll: small against a whole write-back (_issue_write).
 WRITE_PIECE_BYTES = 64 << 20
+# A write-back larger than this gathers this many bytes first (whole pages, a power of two of
+# them), then pieces that double (`gather_pieces`): the first piece's copies start once it has
+# gathered, while the rest gathers, instead of after the whole write-back's staging. Small
+# enough to gather in a fraction of a millisecond, large enough that its per-layer copies run
+# at the PCIe rate (BENCHMARKS.md, the write-back table).
+GATHER_HEAD_BYTES = 128 << 20
 # A load launched by its first layers queues at least this many bytes (whole layers) before the
 # rest: enough copying to keep the copy engine busy while the host builds the step's inputs and
 # dispatches the forward's first program, after which it queues the rest (the host-hit phases in
@@ -113,11 +120,19 @@ def runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return src[starts], dst[starts], lengths
 
 
-def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
+def gather_pieces(pages: int, smallest: int = 16,
+                  head: int | None = None) -> list[tuple[int, int]]:
     """(start, size) pieces of a write-back of `pages` pages, each gathered padded to its
     power-of-two bucket (`pow2_bucket`, so no new shape compiles). Where padding the whole would
     waste more than an eighth of it, its largest power of two is split off and the rest pieced
-    the same way, if that gathers fewer pages in all: 129 pages gather 128 + 16, not 256."""
+    the same way, if that gathers fewer pages in all: 129 pages gather 128 + 16, not 256.
+    `head` (a power of two, at least `smallest`): a write-back of more pages gathers `head`
+    pages first, then pieces twice as large as the one before while more than that is left,
+    then the rest pieced as above: no piece gathers more than twice the pages before it, so at
+    any size each piece's gather (HBM speed) runs while the piece before is copied (PCIe)."""
+    if head is not None and (head < smallest or head & (head - 1)):
+        raise ValueError(f"head must be a power of two >= {smallest}, got {head}")
+
     def plan(start: int, left: int) -> tuple[int, list[tuple[int, int]]]:
         whole = (pow2_bucket(left, smallest), [(start, left)])
         if left <= smallest or whole[0] - left <= left // 8:
@@ -126,7 +141,12 @@ def gather_pieces(pages: int, smallest: int = 16) -> list[tuple[int, int]]:
         gathered, pieces = plan(start + size, left - size)
         return (size + gathered, [(start, size)] + pieces) if size + gathered < whole[0] else whole
 
-    return plan(0, pages)[1]
+    doubling: list[tuple[int, int]] = []
+    start, size = 0, head or pages
+    while pages - start > size:
+        doubling.append((start, size))
+        start, size = start + size, 2 * size
+    return doubling + plan(start, pages - start)[1]
 
 
 class _Fence(NamedTuple):
@@ -303,7 +323,10 @@ class TransferController:
         if not ops:
             return
         pool = self.device_pool
-        pieces = gather_pieces(len(device))
+        page_bytes = 2 * pool.num_layers * self.layer_bytes  # staged per device shard
+        head = 1 << max(4, (GATHER_HEAD_BYTES // page_bytes).bit_length() - 1)
+        pieces = gather_pieces(len(device), head=head)
+        budget: float = WRITE_PIECE_BYTES  # this call's host copies, over all its pieces
         for i, (start, size) in enumerate(pieces):
             ids = device[start:start + size]
             # padded with the last page, read again: one gather program per bucket of id lists
@@ -314,10 +337,11 @@ class TransferController:
             self._writes.append(write)
             for page in write.host_ids.tolist():
                 self._writing[page] = write
+            # An earlier piece gathered while this one was dispatched: its copies start now.
+            budget = self._advance_writes(budget)
         # The gather reads the pages before any later compute can overwrite them, but a load's
         # copy is not compute: it must wait for the gather (the cache fences freed pages on
         # every pending gather).
-        self._advance_writes()
 
     def _issue_write(self, write: _Write, budget: float) -> float:
         """Queues a staged write's host copies (its staging is ready), whole layers while
@@ -504,19 +528,20 @@ class TransferController:
         for key in [key for key, fence in self._fences.items() if fence.compute.is_ready()]:
             del self._fences[key]
 
-    def _advance_writes(self, budget: float | None = None) -> None:
+    def _advance_writes(self, budget: float | None = None) -> float:
         """Queues host copies of staged writes, strictly oldest first (two may write one host
         page: the newer must land last), about `budget` bytes of them (None: one piece,
-        WRITE_PIECE_BYTES)."""
+        WRITE_PIECE_BYTES); returns what is left of the budget."""
         budget = WRITE_PIECE_BYTES if budget is None else budget
         for write in self._writes:
             if budget <= 0:
-                return
+                break
             if write.mark is not None:
                 continue
             if not write.staging.is_ready():
-                return
+                break
             budget = self._issue_write(write, budget)
+        return budget
 
     def poll(self) -> list[TransferOp]:
         """Non-blocking: starts what is no longer held back; returns ops now complete."""

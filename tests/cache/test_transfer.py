@@ -420,6 +420,57 @@ def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
         assert gathered - pages <= max(15, pages // 8)
 
 
+def test_gather_pieces_start_with_the_head_then_double() -> None:
+    assert transfer.gather_pieces(513, head=64) == [(0, 64), (64, 128), (192, 256), (448, 64),
+                                                    (512, 1)]
+    assert transfer.gather_pieces(64, head=64) == [(0, 64)]
+    for head in (16, 32, 64):
+        for pages in range(1, 1200):
+            pieces = transfer.gather_pieces(pages, head=head)
+            starts = [start for start, _ in pieces]
+            assert starts == list(np.cumsum([0] + [size for _, size in pieces[:-1]]))
+            assert sum(size for _, size in pieces) == pages
+            if pages <= head:
+                assert pieces == transfer.gather_pieces(pages)
+                continue
+            assert pieces[0] == (0, head)
+            for (_, before), (_, size) in zip(pieces, pieces[1:]):
+                assert pow2_bucket(size) <= 2 * before  # its gather hides under those copies
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="power of two"):
+            transfer.gather_pieces(100, head=bad)
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_write_back_piece_is_copied_while_the_next_gathers(copier, monkeypatch) -> None:
+    """A write-back larger than GATHER_PIECE_BYTES gathers in pieces; the copies of a piece
+    already gathered are queued when the next piece is dispatched, not after the last. Every
+    page lands and the op is reported once."""
+    cache = make_cache(1, device_pages=50, host_pages=50, copier=_copier(copier))
+    ctl = cache.controller
+    page_bytes = 2 * cache.device_pool.num_layers * ctl.layer_bytes
+    monkeypatch.setattr(transfer, "GATHER_HEAD_BYTES", 16 * page_bytes)  # 16, then 16 + 8
+    tokens = list(range(700, 740))
+    pages = cache.alloc_device(40)
+    assert pages is not None
+    write_kv(cache, tokens, pages)
+    host = list(range(49, 9, -1))
+    ctl.queue_write_back(pages, host)
+    started, real = [], ctl._gather  # per gather: its size, and the pieces with copies queued
+    ctl._gather = lambda ks, vs, ids: started.append(
+        (len(ids), sum(w.rows is not None for w in ctl._writes))) or real(ks, vs, ids)
+    ctl.launch()
+    # the head's copies queued before the next gather (24 pages: padded to 32 gathers fewer)
+    assert started == [(16, 0), (32, 1)]
+    done = ctl.flush()
+    assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
+    for layer in range(2):
+        k, v = cache.host_pool.read_pages(layer, host)
+        want_k, want_v = expected_kv(tokens, layer, 1)
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
+
+
 @pytest.mark.parametrize("copier", COPIERS)
 def test_a_write_back_gathered_in_pieces_lands_whole_and_reports_once(copier) -> None:
     """33 pages: gathered as 32 + 1 (two staging arrays, two pieces of copies); the op is

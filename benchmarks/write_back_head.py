@@ -1,0 +1,101 @@
+"""A write-back's end to end against the same run's PCIe copy to host, by how many bytes its
+gather stages first (`transfer.GATHER_HEAD_BYTES`).
+
+    PYTHONPATH=. python3 benchmarks/write_back_head.py [--preset qwen2-7b] [--prefix 32768]
+        [--head-mb 100000,256,128] [--trials 2] [--out result.json]
+
+One engine; the head sizes in turn, twice round (order effects show), each after a warm-up
+trial that compiles its gathers. Per trial: a prefix computed, then pushed to host
+(`bench.push_to_host`: eviction, gathers, copies, the wait), timed end to end on the host
+clock, its copies' span by their device-side marks, the first host copy's queuing on the host
+clock from the push's start, and the PCIe ceiling (one contiguous XLA copy of as many bytes to
+pinned host, `bench.pcie_copy_seconds`); then a device hit on the prefix beside a write-back of
+another prefix as long (`bench.device_hit_beside_write_back`) and alone. A head above the
+write-back's size gathers it whole, as before pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from jhicache import bench
+from jhicache.bench import save_json
+from jhicache.cache import transfer
+
+
+def first_copy_clock(engine) -> list[float]:
+    """Wraps the controller's `_issue_write` to note the host clock of each call (a probe)."""
+    controller = engine.cache.controller
+    calls: list[float] = []
+    issue = controller._issue_write
+
+    def noted(write, budget):
+        calls.append(time.perf_counter())
+        return issue(write, budget)
+
+    controller._issue_write = noted
+    return calls
+
+
+def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
+          issued: list[float]) -> dict:
+    vocab = engine.model_config.vocab_size
+    prefix, other = bench.random_prompts(rng, vocab, 2, prefix_len)
+    turns = bench.random_prompts(rng, vocab, 5, turn_len)
+    bench.ttft_of(engine, prefix + turns[0])
+    before = engine.stats()
+    issued.clear()
+    start = time.perf_counter()
+    seconds = bench.push_to_host(engine)
+    after = engine.stats()
+    nbytes = after.write_back_bytes - before.write_back_bytes
+    beside_s = bench.device_hit_beside_write_back(engine, prefix, other, turns[1:4])
+    alone_s, _ = bench.ttft_of(engine, prefix + turns[4])
+    bench.push_to_host(engine)
+    pcie_s = bench.pcie_copy_seconds(nbytes, to_host=True)
+    return {"write_back_s": seconds, "copies_s": after.write_back_s - before.write_back_s,
+            "first_copy_queued_s": issued[0] - start, "bytes": nbytes, "pcie_to_host_s": pcie_s,
+            "end_to_end_over_pcie": pcie_s / seconds, "device_hit_beside_ttft_s": beside_s,
+            "device_hit_alone_ttft_s": alone_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen2-7b")
+    parser.add_argument("--prefix", type=int, default=32768)
+    parser.add_argument("--head-mb", default=f"100000,{transfer.GATHER_HEAD_BYTES >> 20}")
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--out")
+    cli = parser.parse_args()
+    args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
+                             str(cli.prefix)])
+    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
+    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
+                               load_back_threshold=1)
+    issued = first_copy_clock(engine)
+    rng = np.random.default_rng(args.seed + 3)
+    heads = [int(mb) for mb in cli.head_mb.split(",")]
+    out: dict[str, list[dict]] = {str(mb): [] for mb in heads}
+    for mb in heads * 2:
+        transfer.GATHER_HEAD_BYTES = mb << 20
+        trial(engine, rng, cli.prefix, args.host_hit_turn, issued)  # compiles its gathers
+        rows = [trial(engine, rng, cli.prefix, args.host_hit_turn, issued)
+                for _ in range(cli.trials)]
+        out[str(mb)] += rows
+        print(f"head {mb} MB: end to end / PCIe "
+              + " ".join(f"{r['end_to_end_over_pcie']:.2f}" for r in rows)
+              + " | ms: end to end " + " ".join(f"{r['write_back_s'] * 1e3:.2f}" for r in rows)
+              + ", copies " + " ".join(f"{r['copies_s'] * 1e3:.2f}" for r in rows)
+              + ", first copy " + " ".join(f"{r['first_copy_queued_s'] * 1e3:.2f}" for r in rows)
+              + ", device hit beside "
+              + " ".join(f"{r['device_hit_beside_ttft_s'] * 1e3:.2f}" for r in rows)
+              + " alone " + " ".join(f"{r['device_hit_alone_ttft_s'] * 1e3:.2f}" for r in rows),
+              flush=True)
+    save_json({"preset": cli.preset, "prefix": cli.prefix, "trials": out}, cli.out)
+
+
+if __name__ == "__main__":
+    main()
