@@ -62,7 +62,7 @@ WRITE_PIECE_BYTES = 64 << 20
 # gathered, while the rest gathers, instead of after the whole write-back's staging. Small
 # enough to gather in a fraction of a millisecond, large enough that its per-layer copies run
 # at the PCIe rate (BENCHMARKS.md, the write-back table).
-GATHER_HEAD_BYTES = 128 << 20
+GATHER_HEAD_BYTES = 256 << 20
 # A load launched by its first layers queues at least this many bytes (whole layers) before the
 # rest: enough copying to keep the copy engine busy while the host builds the step's inputs and
 # dispatches the forward's first program, after which it queues the rest (the host-hit phases in
