@@ -13,14 +13,15 @@ device; it delays the host's next step, so the step() after it is not timed.
 eviction, the gathers, their host copies, the wait), on the host clock from its start, with the
 copies' own span by their device-side marks; `--profile` then profiles that push instead.
 `--gather-mb` sets how many bytes a write-back gathers first, before the rest
-(`transfer.GATHER_HEAD_BYTES`; the engine's value by default; one above the write-back's size
-gathers it whole).
+(`TransferTuning.gather_head_bytes`; the engine's value by default; one above the write-back's
+size gathers it whole).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -33,7 +34,7 @@ from jhicache import batch as batch_module
 from jhicache import bench
 from jhicache import engine as engine_module
 from jhicache.bench import save_json
-from jhicache.cache import transfer
+from jhicache.cache import TransferTuning
 from jhicache.sampling import SamplingParams
 
 PHASES = (("cache", "poll"), ("scheduler", "schedule"), ("cache", "launch_loads"),
@@ -208,16 +209,19 @@ def main() -> None:
     parser.add_argument("--beside-copies", type=int, default=0, metavar="MB")
     parser.add_argument("--after-wait", action="store_true")
     parser.add_argument("--write-back", action="store_true")
-    parser.add_argument("--gather-mb", type=int, default=transfer.GATHER_HEAD_BYTES >> 20)
+    parser.add_argument("--gather-mb", type=int,
+                        default=TransferTuning().gather_head_bytes >> 20)
     parser.add_argument("--out")
     cli = parser.parse_args()
-    transfer.GATHER_HEAD_BYTES = cli.gather_mb << 20
     profile = cProfile.Profile() if cli.profile else None
     args = bench.parse_args(["host-hit", "--preset", cli.preset,
                              *(["--host-hit-prefix", str(cli.prefix)] if cli.prefix else [])])
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
                                load_back_threshold=1)
+    controller = engine.cache.controller
+    controller.tuning = dataclasses.replace(controller.tuning,
+                                            gather_head_bytes=cli.gather_mb << 20)
     rng = np.random.default_rng(args.seed + 1)
     bench.host_hit_trial(engine, rng, args)  # compiles every shape
     log: list = []

@@ -12,14 +12,15 @@ device->host stream, where the forward's sampled token is copied too). Each TTFT
 engine's, end to end; the copy's span is host clock from its dispatch to its readiness.
 
 `--piece-mb` sets how many bytes of a write-back's copies each poll of the transfer controller
-queues (`transfer.WRITE_PIECE_BYTES`; the engine's value by default): with a piece as large as
-the write-back, all its copies are queued while the forward runs, and the case shows whether
-the forward's own device->host copy of its token waits behind them on the copy engine.
+queues (`TransferTuning.write_piece_bytes`; the engine's value by default): with a piece as
+large as the write-back, all its copies are queued while the forward runs, and the case shows
+whether the forward's own device->host copy of its token waits behind them on the copy engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -28,7 +29,7 @@ import numpy as np
 
 from jhicache import bench
 from jhicache.bench import save_json
-from jhicache.cache import transfer
+from jhicache.cache import TransferTuning
 
 
 def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
@@ -54,15 +55,18 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-7b")
     parser.add_argument("--prefix", type=int, default=32768)
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--piece-mb", type=int, default=transfer.WRITE_PIECE_BYTES >> 20)
+    parser.add_argument("--piece-mb", type=int,
+                        default=TransferTuning().write_piece_bytes >> 20)
     parser.add_argument("--out")
     cli = parser.parse_args()
-    transfer.WRITE_PIECE_BYTES = cli.piece_mb << 20
     args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
                              str(cli.prefix)])
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
                                load_back_threshold=1)
+    controller = engine.cache.controller
+    controller.tuning = dataclasses.replace(controller.tuning,
+                                            write_piece_bytes=cli.piece_mb << 20)
     nbytes = cli.prefix // args.page_size * engine.device_pool.layout.page_bytes
     device = jax.devices()[0]
     big = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)

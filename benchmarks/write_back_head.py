@@ -1,5 +1,5 @@
 """A write-back's end to end against the same run's PCIe copy to host, by how many bytes its
-gather stages first (`transfer.GATHER_HEAD_BYTES`).
+gather stages first (`TransferTuning.gather_head_bytes`).
 
     PYTHONPATH=. python3 benchmarks/write_back_head.py [--preset qwen2-7b] [--prefix 32768]
         [--head-mb 100000,256,128] [--trials 2] [--out result.json]
@@ -17,13 +17,14 @@ write-back's size gathers it whole, as before pieces.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
 
 from jhicache import bench
 from jhicache.bench import save_json
-from jhicache.cache import transfer
+from jhicache.cache import TransferTuning
 
 
 def first_copy_clock(engine) -> list[float]:
@@ -66,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen2-7b")
     parser.add_argument("--prefix", type=int, default=32768)
-    parser.add_argument("--head-mb", default=f"100000,{transfer.GATHER_HEAD_BYTES >> 20}")
+    parser.add_argument("--head-mb", default=f"100000,{TransferTuning().gather_head_bytes >> 20}")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--out")
     cli = parser.parse_args()
@@ -80,7 +81,8 @@ def main() -> None:
     heads = [int(mb) for mb in cli.head_mb.split(",")]
     out: dict[str, list[dict]] = {str(mb): [] for mb in heads}
     for mb in heads * 2:
-        transfer.GATHER_HEAD_BYTES = mb << 20
+        controller = engine.cache.controller
+        controller.tuning = dataclasses.replace(controller.tuning, gather_head_bytes=mb << 20)
         trial(engine, rng, cli.prefix, args.host_hit_turn, issued)  # compiles its gathers
         rows = [trial(engine, rng, cli.prefix, args.host_hit_turn, issued)
                 for _ in range(cli.trials)]

@@ -8,11 +8,11 @@ from jhicache.cache.pages import PageAllocator
 from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiered_cache import TieredCache
-from jhicache.cache.transfer import TransferController, TransferKind, TransferOp
+from jhicache.cache.transfer import TransferController, TransferKind, TransferOp, TransferTuning
 
 __all__ = [
     "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool",
     "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator",
     "PagePool", "PoolLayout", "RadixTree", "TieredCache", "TransferController", "TransferKind",
-    "TransferOp", "check_invariants", "make_copier",
+    "TransferOp", "TransferTuning", "check_invariants", "make_copier",
 ]

@@ -8,7 +8,7 @@ How pages move
 |----------------|--------------------------------------------------------------------------|
 | queue_*        | nothing (page id lists)                                                  |
 | launch_writes  | jitted gathers of the pages into staging arrays, one per power-of-two    |
-|                | piece, GATHER_HEAD_BYTES first (`gather_pieces`; compute stream, so      |
+|                | piece, a head first (`gather_pieces`, `TransferTuning`; compute stream,  |
 |                | ordered after the compute that wrote them and before any compute that    |
 |                | reuses them); a piece's device->host copies are queued once its staging  |
 |                | is ready (at a later piece's dispatch or `poll`), on the copier's        |
@@ -40,6 +40,7 @@ one shard, on a plain copier.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -55,19 +56,37 @@ from jhicache.cache.device_pool import DevicePool, PagePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.ticket import LoadTicket
 
-# Host copies of write-backs queued per poll: small against a whole write-back (_issue_write).
-WRITE_PIECE_BYTES = 64 << 20
-# A write-back larger than this gathers this many bytes first (whole pages, a power of two of
-# them), then pieces that double (`gather_pieces`): the first piece's copies start once it has
-# gathered, while the rest gathers, instead of after the whole write-back's staging. Small
-# enough to gather in a fraction of a millisecond, large enough that its per-layer copies run
-# at the PCIe rate (BENCHMARKS.md, the write-back table).
-GATHER_HEAD_BYTES = 256 << 20
-# A load launched by its first layers queues at least this many bytes (whole layers) before the
-# rest: enough copying to keep the copy engine busy while the host builds the step's inputs and
-# dispatches the forward's first program, after which it queues the rest (the host-hit phases in
-# BENCHMARKS.md). Where the whole load is smaller, it is queued at once.
-LOAD_HEAD_BYTES = 96 << 20
+
+@dataclasses.dataclass(frozen=True)
+class TransferTuning:
+    """How much the controller queues at a time (bytes of one device shard).
+
+    Attributes:
+      write_piece_bytes: host copies of write-backs queued per poll (and per `launch_writes`):
+        small against a whole write-back, because a forward's own small device->host copy
+        (its sampled tokens) waits behind copies queued before it (`_issue_write`).
+      gather_head_bytes: a write-back larger than this gathers this many bytes first (whole
+        pages, a power of two of them), then pieces that double (`gather_pieces`): the first
+        piece's copies start once it has gathered, while the rest gathers, instead of after
+        the whole write-back's staging. Small enough to gather in a fraction of a millisecond,
+        large enough that its per-layer copies run at the PCIe rate (BENCHMARKS.md, the
+        write-back table).
+      load_head_bytes: a load launched by its first layers queues at least this many bytes
+        (whole layers) before the rest: enough copying to keep the copy engine busy while the
+        host builds the step's inputs and dispatches the forward's first program, after which
+        it queues the rest (the host-hit phases in BENCHMARKS.md). Where the whole load is
+        smaller, it is queued at once.
+    """
+
+    write_piece_bytes: int = 64 << 20
+    gather_head_bytes: int = 256 << 20
+    load_head_bytes: int = 96 << 20
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TransferTuning.{field.name}={value!r}: expected an int >= 1")
 
 
 class TransferKind(enum.Enum):
@@ -224,7 +243,8 @@ class _Load:
 class TransferController:
     """Merges, launches, fences and retires the copies between a device pool and a host pool."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier) -> None:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier,
+                 tuning: TransferTuning = TransferTuning()) -> None:
         if not device_pool.layout.same_page_shape(host_pool.layout):
             raise ValueError(f"page layouts differ: {device_pool.layout} vs {host_pool.layout}")
         shards = device_pool.num_shards
@@ -234,6 +254,7 @@ class TransferController:
             raise ValueError(f"{shards} device shards need a ShardedCopier of {shards} copiers, "
                              f"got {copier}")
         self.device_pool, self.host_pool, self.copier = device_pool, host_pool, copier
+        self.tuning = tuning
         self.shards = shards
         self.layer_bytes = host_pool.layer_page_bytes  # of one shard
         self._gather = _gather_kv if shards == 1 else _sharded_gather(device_pool)
@@ -324,9 +345,9 @@ class TransferController:
             return
         pool = self.device_pool
         page_bytes = 2 * pool.num_layers * self.layer_bytes  # staged per device shard
-        head = 1 << max(4, (GATHER_HEAD_BYTES // page_bytes).bit_length() - 1)
+        head = 1 << max(4, (self.tuning.gather_head_bytes // page_bytes).bit_length() - 1)
         pieces = gather_pieces(len(device), head=head)
-        budget: float = WRITE_PIECE_BYTES  # this call's host copies, over all its pieces
+        budget: float = self.tuning.write_piece_bytes  # this call's copies, over all its pieces
         for i, (start, size) in enumerate(pieces):
             ids = device[start:start + size]
             # padded with the last page, read again: one gather program per bucket of id lists
@@ -389,8 +410,8 @@ class TransferController:
 
         `first_layers`: where the device waits for each layer's flag, queue only that many
         layers' copies of the load now (what a forward's first program reads), or more, up to
-        LOAD_HEAD_BYTES; the rest follow at `finish_loads`, or before any other copy that must
-        come after them."""
+        `tuning.load_head_bytes`; the rest follow at `finish_loads`, or before any other copy
+        that must come after them."""
         filling = {p for op in self._queued[TransferKind.WRITE_BACK] for p in op.host_pages}
         if filling and any(p in filling for op in self._queued[TransferKind.LOAD_BACK]
                            for p in op.host_pages):
@@ -456,7 +477,7 @@ class TransferController:
         upto = pool.num_layers
         if first_layers is not None:
             layer_bytes = int(load.plan.rows.sizes.sum()) * self.shards
-            upto = max(first_layers, -(-LOAD_HEAD_BYTES // max(layer_bytes, 1)))
+            upto = max(first_layers, -(-self.tuning.load_head_bytes // max(layer_bytes, 1)))
         self._queue_layers(load, upto)
 
     def _plan(self, load: _Load) -> _LoadPlan:
@@ -531,8 +552,8 @@ class TransferController:
     def _advance_writes(self, budget: float | None = None) -> float:
         """Queues host copies of staged writes, strictly oldest first (two may write one host
         page: the newer must land last), about `budget` bytes of them (None: one piece,
-        WRITE_PIECE_BYTES); returns what is left of the budget."""
-        budget = WRITE_PIECE_BYTES if budget is None else budget
+        `tuning.write_piece_bytes`); returns what is left of the budget."""
+        budget = self.tuning.write_piece_bytes if budget is None else budget
         for write in self._writes:
             if budget <= 0:
                 break

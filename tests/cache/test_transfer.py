@@ -173,14 +173,15 @@ def _two_loads_on_host(layers: int = 3):
     return cache, a, b
 
 
-def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish(monkeypatch) -> None:
+def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish() -> None:
     """launch_loads(first_layers=1) queues layer 0's copies and flag only (the head's byte
     floor lowered below a layer); a forward can gate on the load's number at once, without
     queuing more. finish_loads queues the other layers and the landed mark. A later load first
     queues the rest of one still part-queued: flags only grow, so layer 1 must not see the
     later load's number before its own pages landed."""
-    monkeypatch.setattr(transfer, "LOAD_HEAD_BYTES", 1)
     cache, a, b = _two_loads_on_host()
+    ctl = cache.controller
+    ctl.tuning = dataclasses.replace(ctl.tuning, load_head_bytes=1)
     queue = cache.controller.copier.queues[Direction.TO_DEVICE]
     signals = lambda: [item[2] for item in queue if item[0] == "signal"]  # noqa: E731
     first = cache.load_back(cache.match(a))
@@ -202,7 +203,7 @@ def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish(monkeypat
     cache.check_invariants()
 
 
-def test_a_write_back_piece_is_one_batch_of_whole_layers(monkeypatch) -> None:
+def test_a_write_back_piece_is_one_batch_of_whole_layers() -> None:
     """A write-back's host copies go out in pieces of whole layers, each piece one batched copy
     (every layer's K and V runs): with a piece budget of one layer's bytes, one batch per layer
     and poll; unbounded (flush), one batch for what is left. The host gets every page."""
@@ -214,7 +215,7 @@ def test_a_write_back_piece_is_one_batch_of_whole_layers(monkeypatch) -> None:
     write_kv(cache, tokens, pages)
     ctl.queue_write_back(pages[:2], [6, 7])
     ctl.queue_write_back(pages[2:], [0, 1])  # two runs: host pages 6-7 and 0-1
-    monkeypatch.setattr(transfer, "WRITE_PIECE_BYTES", 1)  # a piece is then one layer
+    ctl.tuning = dataclasses.replace(ctl.tuning, write_piece_bytes=1)  # a piece: one layer
     queue = ctl.copier.queues[Direction.TO_HOST]
     copies = lambda: [item for item in queue if item[0] == "copy"]  # noqa: E731
     ctl.launch()  # the gather, then the first piece (the staging is ready on the CPU)
@@ -231,7 +232,7 @@ def test_a_write_back_piece_is_one_batch_of_whole_layers(monkeypatch) -> None:
 
 
 def test_a_load_under_the_head_bytes_is_queued_whole() -> None:
-    """A load smaller than LOAD_HEAD_BYTES is queued at once, first_layers or not: the copy
+    """A load smaller than `load_head_bytes` is queued at once, first_layers or not: the copy
     engine would otherwise idle until the rest is queued."""
     cache, a, _ = _two_loads_on_host()
     ticket = cache.load_back(cache.match(a))
@@ -420,6 +421,12 @@ def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
         assert gathered - pages <= max(15, pages // 8)
 
 
+def test_transfer_tuning_refuses_sizes_that_are_not_positive_ints() -> None:
+    for bad in (0, -1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="TransferTuning.write_piece_bytes"):
+            transfer.TransferTuning(write_piece_bytes=bad)
+
+
 def test_gather_pieces_start_with_the_head_then_double() -> None:
     assert transfer.gather_pieces(513, head=64) == [(0, 64), (64, 128), (192, 256), (448, 64),
                                                     (512, 1)]
@@ -442,14 +449,14 @@ def test_gather_pieces_start_with_the_head_then_double() -> None:
 
 
 @pytest.mark.parametrize("copier", COPIERS)
-def test_a_write_back_piece_is_copied_while_the_next_gathers(copier, monkeypatch) -> None:
+def test_a_write_back_piece_is_copied_while_the_next_gathers(copier) -> None:
     """A write-back larger than GATHER_PIECE_BYTES gathers in pieces; the copies of a piece
     already gathered are queued when the next piece is dispatched, not after the last. Every
     page lands and the op is reported once."""
     cache = make_cache(1, device_pages=50, host_pages=50, copier=_copier(copier))
     ctl = cache.controller
     page_bytes = 2 * cache.device_pool.num_layers * ctl.layer_bytes
-    monkeypatch.setattr(transfer, "GATHER_HEAD_BYTES", 16 * page_bytes)  # 16, then 16 + 8
+    ctl.tuning = dataclasses.replace(ctl.tuning, gather_head_bytes=16 * page_bytes)  # 16, 24
     tokens = list(range(700, 740))
     pages = cache.alloc_device(40)
     assert pages is not None
