@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
 import json
 import pstats
@@ -216,12 +215,7 @@ def main() -> None:
     profile = cProfile.Profile() if cli.profile else None
     args = bench.parse_args(["host-hit", "--preset", cli.preset,
                              *(["--host-hit-prefix", str(cli.prefix)] if cli.prefix else [])])
-    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
-                               load_back_threshold=1)
-    controller = engine.cache.controller
-    controller.tuning = dataclasses.replace(controller.tuning,
-                                            gather_head_bytes=cli.gather_mb << 20)
+    engine = bench.host_hit_engine(args, gather_head_bytes=cli.gather_mb << 20)
     rng = np.random.default_rng(args.seed + 1)
     bench.host_hit_trial(engine, rng, args)  # compiles every shape
     log: list = []

@@ -20,7 +20,6 @@ whether the forward's own device->host copy of its token waits behind them on th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import jax
@@ -61,12 +60,7 @@ def main() -> None:
     cli = parser.parse_args()
     args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
                              str(cli.prefix)])
-    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
-                               load_back_threshold=1)
-    controller = engine.cache.controller
-    controller.tuning = dataclasses.replace(controller.tuning,
-                                            write_piece_bytes=cli.piece_mb << 20)
+    engine = bench.host_hit_engine(args, write_piece_bytes=cli.piece_mb << 20)
     nbytes = cli.prefix // args.page_size * engine.device_pool.layout.page_bytes
     device = jax.devices()[0]
     big = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)

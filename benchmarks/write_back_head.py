@@ -73,16 +73,14 @@ def main() -> None:
     cli = parser.parse_args()
     args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
                              str(cli.prefix)])
-    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
-                               load_back_threshold=1)
+    engine = bench.host_hit_engine(args)
     issued = first_copy_clock(engine)
     rng = np.random.default_rng(args.seed + 3)
     heads = [int(mb) for mb in cli.head_mb.split(",")]
     out: dict[str, list[dict]] = {str(mb): [] for mb in heads}
     for mb in heads * 2:
-        controller = engine.cache.controller
-        controller.tuning = dataclasses.replace(controller.tuning, gather_head_bytes=mb << 20)
+        tuning = engine.cache.controller.tuning
+        engine.cache.controller.tuning = dataclasses.replace(tuning, gather_head_bytes=mb << 20)
         trial(engine, rng, cli.prefix, args.host_hit_turn, issued)  # compiles its gathers
         rows = [trial(engine, rng, cli.prefix, args.host_hit_turn, issued)
                 for _ in range(cli.trials)]

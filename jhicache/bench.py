@@ -654,13 +654,25 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
     return ttft_s
 
 
+def host_hit_engine(args: argparse.Namespace, **tuning: int) -> Engine:
+    """The host-hit bench's engine: hierarchical, every host run loaded back, a device pool of
+    four prompts (a prefix, its turn, two pages), so a trial's prefixes are evicted only when
+    pushed. `tuning`: `TransferTuning` fields its transfer controller uses instead (a probe for
+    the benchmark scripts)."""
+    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
+    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
+                         load_back_threshold=1)
+    if tuning:
+        controller = engine.cache.controller
+        controller.tuning = dataclasses.replace(controller.tuning, **tuning)
+    return engine
+
+
 def bench_host_hit(args: argparse.Namespace) -> dict:
     """`--host-hit-trials` trials after a warm-up one, each with its own prompts and the PCIe
     ceilings measured beside it; the figures of the trial whose ratio is the median (the lower
     one for an even count), every trial under "trials", and the ratios' range."""
-    tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
-                         load_back_threshold=1)
+    engine = host_hit_engine(args)
     rng = np.random.default_rng(args.seed + 1)
     host_hit_trial(engine, rng, args)  # compiles every shape involved
     trials = [trial_rates(host_hit_trial(engine, rng, args), engine, args)

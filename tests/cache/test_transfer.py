@@ -448,6 +448,15 @@ def test_gather_pieces_start_with_the_head_then_double() -> None:
             transfer.gather_pieces(100, head=bad)
 
 
+def _assert_host_holds(cache, tokens: list[int], host: list[int]) -> None:
+    """Host pages `host` hold `tokens`' KV (one token a page) in every layer."""
+    for layer in range(cache.device_pool.num_layers):
+        k, v = cache.host_pool.read_pages(layer, host)
+        want_k, want_v = expected_kv(tokens, layer, 1)
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
+
+
 @pytest.mark.parametrize("copier", COPIERS)
 def test_a_write_back_piece_is_copied_while_the_next_gathers(copier) -> None:
     """A write-back larger than GATHER_PIECE_BYTES gathers in pieces; the copies of a piece
@@ -471,11 +480,7 @@ def test_a_write_back_piece_is_copied_while_the_next_gathers(copier) -> None:
     assert started == [(16, 0), (32, 1)]
     done = ctl.flush()
     assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
-    for layer in range(2):
-        k, v = cache.host_pool.read_pages(layer, host)
-        want_k, want_v = expected_kv(tokens, layer, 1)
-        np.testing.assert_array_equal(k, want_k)
-        np.testing.assert_array_equal(v, want_v)
+    _assert_host_holds(cache, tokens, host)
 
 
 @pytest.mark.parametrize("copier", COPIERS)
@@ -496,11 +501,7 @@ def test_a_write_back_gathered_in_pieces_lands_whole_and_reports_once(copier) ->
     assert gathered == [32, 16]  # the second piece, one page, padded to the smallest bucket
     done = ctl.flush()
     assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
-    for layer in range(2):
-        k, v = cache.host_pool.read_pages(layer, host)
-        want_k, want_v = expected_kv(tokens, layer, 1)
-        np.testing.assert_array_equal(k, want_k)
-        np.testing.assert_array_equal(v, want_v)
+    _assert_host_holds(cache, tokens, host)
 
 
 def test_coalesced_runs() -> None:
