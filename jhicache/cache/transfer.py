@@ -9,7 +9,7 @@ How pages move
 | queue_*        | nothing (page id lists)                                                  |
 | launch_writes  | jitted gathers of the pages into staging arrays, one per power-of-two    |
 |                | piece, a head first (`gather_pieces`, `TransferTuning`; compute stream,  |
-|                | ordered after the compute that wrote them and before any compute that    |
+|                | so ordered after the compute that wrote them and before any compute that |
 |                | reuses them); a piece's device->host copies are queued once its staging  |
 |                | is ready (at a later piece's dispatch or `poll`), on the copier's        |
 |                | low-priority stream                                                      |
@@ -145,12 +145,15 @@ def gather_pieces(pages: int, smallest: int = 16,
     power-of-two bucket (`pow2_bucket`, so no new shape compiles). Where padding the whole would
     waste more than an eighth of it, its largest power of two is split off and the rest pieced
     the same way, if that gathers fewer pages in all: 129 pages gather 128 + 16, not 256.
-    `head` (a power of two, at least `smallest`): a write-back of more pages gathers `head`
-    pages first, then pieces twice as large as the one before while more than that is left,
-    then the rest pieced as above: no piece gathers more than twice the pages before it, so at
-    any size each piece's gather (HBM speed) runs while the piece before is copied (PCIe)."""
-    if head is not None and (head < smallest or head & (head - 1)):
-        raise ValueError(f"head must be a power of two >= {smallest}, got {head}")
+    `head` (pages, rounded down to a power of two, at least `smallest`): a write-back of more
+    pages gathers that many first, then pieces twice as large as the one before while more than
+    that is left, then the rest pieced as above: no piece gathers more than twice the pages
+    before it, so at any size each piece's gather (HBM speed) runs while the piece before is
+    copied (PCIe)."""
+    if head is not None:
+        if head < 1:
+            raise ValueError(f"head must be at least one page, got {head}")
+        head = max(smallest, 1 << (head.bit_length() - 1))
 
     def plan(start: int, left: int) -> tuple[int, list[tuple[int, int]]]:
         whole = (pow2_bucket(left, smallest), [(start, left)])
@@ -338,14 +341,18 @@ class TransferController:
         return ops, device, host
 
     def launch_writes(self) -> None:
-        """Dispatches the gathers of every queued write-back (its host copies follow in `poll`):
-        one per piece of `gather_pieces`, whose ops are reported once the last piece landed."""
+        """Dispatches the gathers of every queued write-back: one per piece of `gather_pieces`,
+        whose ops are reported once the last piece landed. A piece's host copies are queued
+        once its staging is ready: at a later piece's dispatch, in `poll`, or at `flush`.
+        The gathers read the pages before any later compute can overwrite them, but a load's
+        copy is not compute: it must wait for the gather (the cache fences freed pages on every
+        pending gather, `pending_gathers`)."""
         ops, device, host = self._take(TransferKind.WRITE_BACK)
         if not ops:
             return
         pool = self.device_pool
         page_bytes = 2 * pool.num_layers * self.layer_bytes  # staged per device shard
-        head = 1 << max(4, (self.tuning.gather_head_bytes // page_bytes).bit_length() - 1)
+        head = max(1, self.tuning.gather_head_bytes // page_bytes)
         pieces = gather_pieces(len(device), head=head)
         budget: float = self.tuning.write_piece_bytes  # this call's copies, over all its pieces
         for i, (start, size) in enumerate(pieces):
@@ -360,9 +367,6 @@ class TransferController:
                 self._writing[page] = write
             # An earlier piece gathered while this one was dispatched: its copies start now.
             budget = self._advance_writes(budget)
-        # The gather reads the pages before any later compute can overwrite them, but a load's
-        # copy is not compute: it must wait for the gather (the cache fences freed pages on
-        # every pending gather).
 
     def _issue_write(self, write: _Write, budget: float) -> float:
         """Queues a staged write's host copies (its staging is ready), whole layers while

@@ -443,9 +443,11 @@ def test_gather_pieces_start_with_the_head_then_double() -> None:
             assert pieces[0] == (0, head)
             for (_, before), (_, size) in zip(pieces, pieces[1:]):
                 assert pow2_bucket(size) <= 2 * before  # its gather hides under those copies
-    for bad in (8, 48):
-        with pytest.raises(ValueError, match="power of two"):
-            transfer.gather_pieces(100, head=bad)
+    # a head in pages is rounded down to a power of two, and to the smallest piece at least
+    assert transfer.gather_pieces(100, head=48) == transfer.gather_pieces(100, head=32)
+    assert transfer.gather_pieces(100, head=3) == transfer.gather_pieces(100, head=16)
+    with pytest.raises(ValueError, match="at least one page"):
+        transfer.gather_pieces(100, head=0)
 
 
 def _assert_host_holds(cache, tokens: list[int], host: list[int]) -> None:
