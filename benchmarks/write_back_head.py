@@ -63,6 +63,17 @@ def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
             "device_hit_alone_ttft_s": alone_s}
 
 
+def summary(rows: list[dict]) -> str:
+    """One line of a head size's trials: the ratio, then each time in ms."""
+    each = lambda key, scale: " ".join(f"{r[key] * scale:.2f}" for r in rows)  # noqa: E731
+    times = [("end to end", "write_back_s"), ("copies", "copies_s"),
+             ("first copy", "first_copy_queued_s"),
+             ("device hit beside", "device_hit_beside_ttft_s"),
+             ("alone", "device_hit_alone_ttft_s")]
+    return (f"end to end / PCIe {each('end_to_end_over_pcie', 1)} | ms: "
+            + ", ".join(f"{label} {each(key, 1e3)}" for label, key in times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen2-7b")
@@ -85,15 +96,7 @@ def main() -> None:
         rows = [trial(engine, rng, cli.prefix, args.host_hit_turn, issued)
                 for _ in range(cli.trials)]
         out[str(mb)] += rows
-        print(f"head {mb} MB: end to end / PCIe "
-              + " ".join(f"{r['end_to_end_over_pcie']:.2f}" for r in rows)
-              + " | ms: end to end " + " ".join(f"{r['write_back_s'] * 1e3:.2f}" for r in rows)
-              + ", copies " + " ".join(f"{r['copies_s'] * 1e3:.2f}" for r in rows)
-              + ", first copy " + " ".join(f"{r['first_copy_queued_s'] * 1e3:.2f}" for r in rows)
-              + ", device hit beside "
-              + " ".join(f"{r['device_hit_beside_ttft_s'] * 1e3:.2f}" for r in rows)
-              + " alone " + " ".join(f"{r['device_hit_alone_ttft_s'] * 1e3:.2f}" for r in rows),
-              flush=True)
+        print(f"head {mb} MB: {summary(rows)}", flush=True)
     save_json({"preset": cli.preset, "prefix": cli.prefix, "trials": out}, cli.out)
 
 

@@ -656,9 +656,8 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
 
 def host_hit_engine(args: argparse.Namespace, **tuning: int) -> Engine:
     """The host-hit bench's engine: hierarchical, every host run loaded back, a device pool of
-    four prompts (a prefix, its turn, two pages), so a trial's prefixes are evicted only when
-    pushed. `tuning`: `TransferTuning` fields its transfer controller uses instead (a probe for
-    the benchmark scripts)."""
+    four times (the prefix, its turn and two pages) tokens. `tuning`: `TransferTuning` fields
+    its transfer controller uses instead (a probe for the benchmark scripts)."""
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
                          load_back_threshold=1)
