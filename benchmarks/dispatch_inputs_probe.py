@@ -54,7 +54,7 @@ def main() -> None:
                        SamplingParams(max_new_tokens=1))
     batch = engine.scheduler.schedule()
     assert batch is not None
-    build = lambda: model_inputs(batch, engine.config.page_size, engine._load_flags)  # noqa: E731
+    build = lambda: model_inputs(batch, engine.grid, engine.load_flags)  # noqa: E731
     same = build()
     dispatch_ms(engine, same)  # compiles
     samples: dict[str, list[float]] = {"same": [], "fresh": []}

@@ -46,7 +46,7 @@ def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Gen
                        SamplingParams(max_new_tokens=1))
     batch = engine.scheduler.schedule()
     assert batch is not None
-    inputs = model_inputs(batch, engine.config.page_size, engine._load_flags)
+    inputs = model_inputs(batch, engine.grid, engine.load_flags)
     return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
 
 

@@ -29,7 +29,7 @@ def forward_alone_ms(engine: Engine, n: int) -> float:
     """Plans one more batch and dispatches its forward `n` times back to back."""
     batch = engine.scheduler.schedule()
     assert batch is not None
-    inputs = model_inputs(batch, engine.config.page_size, engine._load_flags)
+    inputs = model_inputs(batch, engine.grid, engine.load_flags)
     run = lambda: engine.runner.run(inputs.tokens, inputs.meta,  # noqa: E731
                                     inputs.last_index)
     jax.block_until_ready(run())
@@ -79,7 +79,7 @@ def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
     batch = engine.scheduler.schedule()
     engine.cache.launch()
     marks.append(time.perf_counter())
-    inputs = model_inputs(batch, engine.config.page_size, engine._load_flags)
+    inputs = model_inputs(batch, engine.grid, engine.load_flags)
     marks.append(time.perf_counter())
     logits = engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
     marks.append(time.perf_counter())

@@ -70,7 +70,14 @@ class _Cancel:
     sink: _Sink
 
 
-_Command = _Add | _Abort | _Cancel
+@dataclasses.dataclass(eq=False)
+class _Warmup:
+    """Run `Engine.warmup` in the loop thread before anything queued after it."""
+
+    progress: bool
+
+
+_Command = _Add | _Abort | _Cancel | _Warmup
 
 
 class AsyncEngine:
@@ -106,6 +113,8 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}  # the loop thread's: unfinished requests by id
         self._drain_steps = 0  # the loop thread's
         self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._ready = threading.Event()  # cleared while a warm-up runs
+        self._ready.set()
         self._thread = threading.Thread(target=self._run, name="jhicache-async-engine", daemon=True)
         self._thread.start()
 
@@ -129,6 +138,18 @@ class AsyncEngine:
     def thread(self) -> threading.Thread:
         """The loop thread; it ends once the engine is closed or has failed."""
         return self._thread
+
+    @property
+    def is_ready(self) -> bool:
+        """False while `start_warmup`'s warm-up runs (and once closed or failed)."""
+        return self._ready.is_set() and self.is_running
+
+    def start_warmup(self, progress: bool = True) -> None:
+        """Has the loop thread run `Engine.warmup(progress)` before the commands queued after
+        this; `is_ready` is False until it ends. A warm-up that fails stops the loop, as a
+        failed step does."""
+        self._ready.clear()
+        self._enqueue(_Warmup(progress), raise_if_stopped=True)
 
     @property
     def is_running(self) -> bool:
@@ -325,7 +346,10 @@ class AsyncEngine:
             self._deliver(out)
 
     def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+        if isinstance(command, _Warmup):
+            self._engine.warmup(command.progress)
+            self._ready.set()
+        elif isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
             command.future.set_result(self._abort(command.request_id))

@@ -1,4 +1,4 @@
-"""Batch: the host-side plan of one forward step, and its bucketed inputs for the jitted model."""
+"""Batch: the host-side plan of one forward step, and its inputs padded to a grid shape."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jhicache.buckets import pow2_bucket
 from jhicache.cache import LoadTicket
+from jhicache.grid import ShapeGrid, StepShape
 from jhicache.models import AttentionMetadata, metadata_arrays, pack_token_array, put_int32
 from jhicache.request import Request
 
@@ -49,11 +49,12 @@ class StepInputs(NamedTuple):
     last_index: jax.Array  # [B] int32: the token row whose logits each request samples
     patches: tuple[jax.Array, jax.Array] | None  # (token rows, rows of the previous step's
     # sampled tokens) for tokens the host has not read yet; None when there are none
+    shape: StepShape  # the grid shape the step is padded to
 
 
-def model_inputs(batch: Batch, page_size: int,
+def model_inputs(batch: Batch, grid: ShapeGrid,
                  load_flags: jax.Array | None = None) -> StepInputs:
-    """Token ids, attention metadata and sampled rows of one step, bucketed.
+    """Token ids, attention metadata and sampled rows of one step, padded to its grid shape.
 
     A decode row whose input token is still pending (sampled by the step in flight, see
     `Request.pending`) reads it on the device: `patches` pairs the row with the request's row in
@@ -61,31 +62,50 @@ def model_inputs(batch: Batch, page_size: int,
     tier) the forward waits on the device for the batch's load-backs: the metadata carries the
     flags and the newest ticket's sequence number (issuing any load still held back)."""
     chunks = batch.chunks
-    num_reqs = pow2_bucket(len(chunks), 4 if batch.is_decode else 1)
-    num_tokens = num_reqs if batch.is_decode else pow2_bucket(batch.num_tokens, 16)
+    shape = grid.shape_for(batch.num_tokens, len(chunks), batch.is_decode)
     lengths = [c.length for c in chunks]
     arrays = metadata_arrays(
         [c.start for c in chunks], lengths, [c.request.device_pages for c in chunks],
-        page_size=page_size, num_tokens=num_tokens, num_reqs=num_reqs,
-        max_pages=pow2_bucket(max(len(c.request.device_pages) for c in chunks), 4),
-        decode_only=batch.is_decode,
+        page_size=grid.page_size, num_tokens=shape.tokens, num_reqs=shape.requests,
+        max_pages=grid.page_width, decode_only=batch.is_decode,
     )
     tokens = pack_token_array([c.request.token_slice(c.start, c.start + c.length) for c in chunks],
-                              num_tokens)
-    last_index = np.zeros(num_reqs, np.int32)
+                              shape.tokens)
+    last_index = np.zeros(shape.requests, np.int32)
     last_index[: len(chunks)] = np.cumsum(lengths) - 1
-    host = {**arrays, "tokens": tokens, "last_index": last_index,
-            **_patch_arrays(chunks, last_index, num_tokens)}
+    seq = max((t.gate_seq() for t in batch.tickets), default=0) if load_flags is not None else 0
+    return _put(arrays, tokens, last_index, _patch_arrays(chunks, last_index, shape.tokens),
+                load_flags, seq, shape)
+
+
+def padding_inputs(shape: StepShape, grid: ShapeGrid, load_flags: jax.Array | None,
+                   patched: bool) -> StepInputs:
+    """The inputs of a step of `shape` with no request in it (every row padding; with
+    `patched`, patch rows that all fall outside it): what a warm-up dispatches, through the
+    same transfer and programs as a real step of that shape."""
+    arrays = metadata_arrays([], [], [], page_size=grid.page_size, num_tokens=shape.tokens,
+                             num_reqs=shape.requests, max_pages=grid.page_width,
+                             decode_only=shape.decode)
+    last_index = np.zeros(shape.requests, np.int32)
+    patches = ({"patch_rows": np.full(shape.requests, shape.tokens, np.int32),
+                "patch_from": np.zeros(shape.requests, np.int32)} if patched else {})
+    return _put(arrays, np.zeros(shape.tokens, np.int32), last_index, patches, load_flags, 0,
+                shape)
+
+
+def _put(arrays: dict[str, np.ndarray], tokens: np.ndarray, last_index: np.ndarray,
+         patches: dict[str, np.ndarray], load_flags: jax.Array | None, seq: int,
+         shape: StepShape) -> StepInputs:
+    host = {**arrays, "tokens": tokens, "last_index": last_index, **patches}
     if load_flags is not None:
-        seq = max((t.gate_seq() for t in batch.tickets), default=0)
         host["load_seq"] = np.array([seq], np.int32)
     # The step's host arrays in one transfer (see put_int32): each separate transfer costs
     # a dispatch of its own, host time that every step pays.
     put = put_int32(host)
     tokens, last_index = put.pop("tokens"), put.pop("last_index")
-    patches = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
-    meta = AttentionMetadata(**put, load_flags=load_flags, decode_only=batch.is_decode)
-    return StepInputs(tokens, meta, last_index, patches)
+    patch = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
+    meta = AttentionMetadata(**put, load_flags=load_flags, decode_only=shape.decode)
+    return StepInputs(tokens, meta, last_index, patch, shape)
 
 
 def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray,

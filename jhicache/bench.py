@@ -40,7 +40,7 @@ from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
 from jhicache.sampling import SamplingParams
-from jhicache.workload import MultiTurnSpec, user_turns
+from jhicache.workload import MultiTurnSpec, output_lengths, user_turns
 
 # unbounded: the device cache holding the whole working set
 MODES = ("off", "device", "hierarchical", "unbounded")
@@ -67,6 +67,13 @@ def positive_float(text: str) -> float:
     value = _parsed(float, text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
+    return value
+
+
+def range_ratio(text: str) -> float:
+    value = _parsed(float, text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
@@ -142,7 +149,8 @@ class Given(argparse.Action):
 
 # What configures the bench's own engine: with --url the server's flags do instead.
 ENGINE_OPTIONS = ("--weights", "--dtype", "--page-size", "--working-set-ratio",
-                  "--device-kv-tokens", "--write-policy")
+                  "--device-kv-tokens", "--write-policy", "--max-running-requests",
+                  "--chunked-prefill-tokens")
 
 
 def mode_list(text: str) -> tuple[str, ...]:
@@ -193,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: new prompt tokens per turn")
     p.add_argument("--output-length", **count, default=16 if gpu else 4,
                    help="multiturn: generated tokens per turn")
+    p.add_argument("--range-ratio", type=range_ratio, metavar="R", default=1.0,
+                   help="multiturn: each turn's request and output lengths drawn uniformly "
+                        "from [R x length, length] (SGLang's --range-ratio); 1: fixed")
+    p.add_argument("--max-running-requests", action=Given, **count, default=64 if gpu else 8,
+                   help="requests an engine runs at once (its grid's largest batch)")
+    p.add_argument("--chunked-prefill-tokens", action=Given, **count,
+                   default=4096 if gpu else 128,
+                   help="prompt tokens an engine computes per step (its grid's largest prefill)")
     p.add_argument("--working-set-ratio", action=Given, type=positive_float, metavar="X",
                    default=4.0, help="multiturn: final working set / device pool capacity")
     p.add_argument("--device-kv-tokens", action=Given, **count, default=None,
@@ -283,7 +299,8 @@ def check_url(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, dtype=args.dtype, write_policy=args.write_policy,
-                        **overrides)
+                        max_running_requests=args.max_running_requests,
+                        chunked_prefill_tokens=args.chunked_prefill_tokens, **overrides)
 
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
@@ -331,7 +348,7 @@ def bench_model(args: argparse.Namespace) -> dict:
 def multiturn_spec(args: argparse.Namespace, vocab: int) -> MultiTurnSpec:
     return MultiTurnSpec(num_clients=args.clients, num_rounds=args.rounds,
                          request_length=args.request_length, output_length=args.output_length,
-                         vocab_size=vocab, seed=args.seed)
+                         vocab_size=vocab, seed=args.seed, range_ratio=args.range_ratio)
 
 
 def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
@@ -398,18 +415,20 @@ def mode_engine(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> tup
 
 
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
-                 drive: Drive | None = None, same_warm_up: bool = False) -> MeasuredRun:
-    """Runs the workload twice on fresh engines through `drive` (in process by default) and
-    returns the second. The first compiles: on other prompts (another seed), or with
-    `same_warm_up` on the measured run's own, so that the measured run meets the batch shapes
-    the warm-up compiled, as a server that has run for a while would."""
+                 drive: Drive | None = None) -> MeasuredRun:
+    """Runs the workload once through `drive` (in process by default) on a fresh engine that
+    `Engine.warmup()` compiled, as a server does before it serves; counts the compiles the run
+    made (0 when the grid covers every step)."""
     cache_mode, device_tokens = mode_engine(args, spec, mode)
-    for seed in (args.seed if same_warm_up else args.seed + 1000, args.seed):
-        engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens)
-        run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size, seed=seed)
-        with CompileCounter() as compiles:  # the last one's: the measured run
-            run = (drive or drive_in_process)(engine, run_spec, clients_config(args, seed),
-                                              progress)
+    # Requests no longer than the workload's: the page tables (and the grid) fit it
+    longest = -(-spec.final_context_tokens // args.page_size) * args.page_size
+    engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens,
+                         max_context_len=longest)
+    engine.warmup(progress=False)
+    run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
+    with CompileCounter() as compiles:
+        run = (drive or drive_in_process)(engine, run_spec, clients_config(args, args.seed),
+                                          progress)
     engine.check_invariants()
     return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds,
                        tuple(compiles.programs))
@@ -422,8 +441,10 @@ def run_multiturn_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
 
 
 def measured_summary(measured: MeasuredRun, spec: MultiTurnSpec) -> dict:
+    warmup = measured.engine.startup.warmup
     return {**run_summary(measured.run, spec), "stats": measured.engine.stats().as_dict(),
             "device_kv_tokens": measured.device_kv_tokens,
+            "warmup": None if warmup is None else dataclasses.asdict(warmup),
             "compiles_during_run": {"count": measured.compiles, "seconds": measured.compile_s,
                                     "programs": list(measured.compiled)}}
 
@@ -455,9 +476,9 @@ async def drive_clients(engine: Engine, spec: MultiTurnSpec, config: clients.Cli
                         progress: tqdm) -> clients.ClientsRun:
     """The clients' conversations through an AsyncEngine over `engine`, as a server drives it;
     closed at the end (its thread then lets go of the engine, whose stats the caller reads)."""
-    params = SamplingParams(max_new_tokens=spec.output_length)
     async with AsyncEngine(engine) as served:
-        return await clients.run_clients(EngineBackend(served), user_turns(spec), params, config,
+        return await clients.run_clients(EngineBackend(served), user_turns(spec),
+                                         turn_params(spec), config,
                                          on_turn=lambda turn: progress.update(1))
 
 
@@ -467,11 +488,15 @@ async def drive_url(url: str, spec: MultiTurnSpec, config: clients.ClientsConfig
     the sampling params the in-process path gives the engine."""
     from jhicache import bench_http  # httpx: in the serve and test extras, not the base install
 
-    params = SamplingParams(max_new_tokens=spec.output_length)
     connections = config.max_parallel or spec.num_clients
     async with bench_http.http_backend(url, connections) as backend:
-        return await clients.run_clients(backend, user_turns(spec), params, config,
+        return await clients.run_clients(backend, user_turns(spec), turn_params(spec), config,
                                          on_turn=lambda turn: progress.update(1))
+
+
+def turn_params(spec: MultiTurnSpec) -> list[list[SamplingParams]]:
+    """Each turn's sampling: greedy, its drawn answer length."""
+    return [[SamplingParams(max_new_tokens=n) for n in row] for row in output_lengths(spec)]
 
 
 def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
@@ -494,24 +519,28 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
 
 
 def bench_remote(args: argparse.Namespace) -> dict:
-    """The workload against the server at --url, as it was started (its cache mode and pools):
-    /flush_cache, a warm-up run with other prompts, /flush_cache, the measured run."""
+    """The workload against the server at --url, as it was started (its cache mode and pools,
+    warmed up by itself): /flush_cache, then the measured run."""
     from jhicache import bench_http
 
     info = bench_http.model_info(args.url)
     vocab = info.get("vocab_size") or preset_config(args.preset).vocab_size
     spec = multiturn_spec(args, vocab)
     requests = spec.num_clients * spec.num_rounds
-    with tqdm(total=2 * requests, desc="multiturn", unit="request", file=sys.stderr,
+    with tqdm(total=requests, desc="multiturn", unit="request", file=sys.stderr,
               disable=None) as progress:
-        for seed in (args.seed + 1000, args.seed):
-            bench_http.flush_cache(args.url)  # as a fresh engine: nothing cached from before
-            run_spec = dataclasses.replace(spec, seed=seed)
-            run = asyncio.run(drive_url(args.url, run_spec, clients_config(args, seed), progress))
+        bench_http.flush_cache(args.url)  # as a fresh engine: nothing cached from before
+        before = bench_http.serving_compiles(args.url)
+        run = asyncio.run(drive_url(args.url, spec, clients_config(args, args.seed), progress))
+        after = bench_http.serving_compiles(args.url)
     server = {"url": args.url, "model_info": info, "vocab_size": vocab,
               "vocab_from": "/get_model_info" if info.get("vocab_size") else "--preset",
               "note": REMOTE_NOTE}
-    mode = {**run_summary(run, spec), "stats": None, "device_kv_tokens": info.get("pool_tokens")}
+    compiles = (None if before is None or after is None
+                else {"count": int(after - before), "seconds": None, "programs": None,
+                      "from": "the server's /metrics"})
+    mode = {**run_summary(run, spec), "stats": None, "device_kv_tokens": info.get("pool_tokens"),
+            "compiles_during_run": compiles}
     # The engine's facts are the server's: its model name, and no page size or dtype of ours.
     engine = {"preset": info.get("served_model_name") or args.url, "page_size": None,
               "dtype": None, "write_policy": None}
@@ -519,11 +548,12 @@ def bench_remote(args: argparse.Namespace) -> dict:
             "modes": {"server": mode}}
 
 
-REMOTE_NOTE = ("--url: one measured run (after a warm-up run on other prompts) against the server "
-               "as it was started: its own cache mode, pools and weights (--modes does not apply); "
-               "/flush_cache before each run; TTFT is send to the first event with tokens; hits "
-               "from each answer's meta_info; engine counters: the server's /metrics; device and "
-               "backend: this client's, not the server's")
+REMOTE_NOTE = ("--url: one measured run against the server as it was started (warmed up by "
+               "itself): its own cache mode, pools and weights (--modes does not apply); "
+               "/flush_cache before the run; TTFT is send to the first event with tokens; hits "
+               "from each answer's meta_info; compiles: the server's /metrics "
+               "(jhicache:compiles_total, serving) before and after; engine counters: the "
+               "server's /metrics; device and backend: this client's, not the server's")
 
 
 def sending(args: argparse.Namespace) -> dict:

@@ -45,6 +45,7 @@ class Turn:
     first_token_s: float  # the first output carrying tokens arrived
     done_s: float  # the finished output arrived
     itl_s: tuple[float, ...]  # per later output with tokens: gap since the one before / its tokens
+    max_gap_s: float  # the longest wait between two outputs carrying tokens (0: fewer than two)
     token_ids: tuple[int, ...]
     prompt_len: int
     device_hit_tokens: int
@@ -70,11 +71,11 @@ class ClientsRun:
 
 
 async def run_clients(backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
-                      params: SamplingParams, config: ClientsConfig,
+                      params: Sequence[Sequence[SamplingParams]], config: ClientsConfig,
                       on_turn: Callable[[Turn], None] | None = None) -> ClientsRun:
     """Runs every client's conversation on `backend` (in this process or over HTTP);
     `turns[round][client]` is a user turn, appended with the answers before it to form the
-    prompt, so prompts do not depend on timing."""
+    prompt, so prompts do not depend on timing; `params[round][client]` asks for its answer."""
     return await _Clients(backend, turns, params, config, on_turn).run()
 
 
@@ -82,7 +83,7 @@ class _Clients:
     """One run's state (histories, ready queue, requests in flight), on one event loop."""
 
     def __init__(self, backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
-                 params: SamplingParams, config: ClientsConfig,
+                 params: Sequence[Sequence[SamplingParams]], config: ClientsConfig,
                  on_turn: Callable[[Turn], None] | None) -> None:
         self.backend, self.turns, self.params, self.config = backend, turns, params, config
         self.on_turn = on_turn or (lambda turn: None)
@@ -169,16 +170,19 @@ class _Clients:
         sent = arrived = self.now()
         first = last = None
         itl: list[float] = []
+        max_gap = 0.0
         final: Chunk | None = None
-        async for out in self.backend.stream(prompt, self.params, f"c{client}-r{index}"):
+        params = self.params[index][client]
+        async for out in self.backend.stream(prompt, params, f"c{client}-r{index}"):
             arrived = self.now()
             if out.new_token_ids:
                 if last is not None:
                     itl.append((arrived - last) / len(out.new_token_ids))
+                    max_gap = max(max_gap, arrived - last)
                 first, last = first if first is not None else arrived, arrived
             final = out
         assert final is not None and first is not None, "a stream ended without tokens"
-        return Turn(client, index, sent, first, arrived, tuple(itl), final.token_ids,
+        return Turn(client, index, sent, first, arrived, tuple(itl), max_gap, final.token_ids,
                     final.prompt_len, final.device_hit_tokens, final.host_hit_tokens,
                     final.engine_ttft_s)
 
@@ -232,4 +236,6 @@ def latency_summary(turns: Sequence[Turn]) -> dict:
     gaps = [gap for t in turns for gap in t.itl_s]
     return {"ttft": {"mean_s": float(np.mean(ttfts)), **percentiles(ttfts, (50, 90, 99))},
             "e2e": {"mean_s": float(np.mean(e2es)), **percentiles(e2es, (50, 99))},
-            "itl": percentiles(gaps, (50, 99)), "requests": len(turns)}
+            "itl": percentiles(gaps, (50, 99)),
+            "max_token_gap_s": max((t.max_gap_s for t in turns), default=0.0),
+            "requests": len(turns)}

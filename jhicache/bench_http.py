@@ -112,6 +112,16 @@ def model_info(url: str) -> dict[str, Any]:
     return _call("GET", url, "/get_model_info").json()
 
 
+def serving_compiles(url: str) -> float | None:
+    """The server's compiles while serving (its /metrics, `jhicache:compiles_total`); None for
+    a server that does not report them (SGLang's)."""
+    response = httpx.get(url + "/metrics", timeout=CONNECT_TIMEOUT_S * 6)
+    for line in response.text.splitlines() if response.status_code == 200 else ():
+        if line.startswith('jhicache:compiles_total{phase="serving"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def flush_cache(url: str) -> None:
     """POST /flush_cache: both tiers emptied (refused while requests run)."""
     _call("POST", url, "/flush_cache")

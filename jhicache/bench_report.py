@@ -85,11 +85,15 @@ def _mode_lines(name: str, m: dict) -> list[str]:
                  f"evicted {s['evicted_device_tokens']} device / {s['evicted_host_tokens']} "
                  f"host tokens"]
     if "ttft" in m:
-        lines.append(f"{'':>14}{latency_text(m['ttft'], m['itl'])}")
+        gap = m.get("max_token_gap_s")
+        lines.append(f"{'':>14}{latency_text(m['ttft'], m['itl'])}"
+                     + ("" if gap is None else f"; longest token gap {gap * 1e3:.1f} ms"))
     compiles = m.get("compiles_during_run")
-    if compiles and compiles["count"]:  # a shape the warm-up run did not meet: counts as latency
-        lines.append(f"{'':>14}XLA compiles during the run: {compiles['count']} "
-                     f"({compiles['seconds']:.2f} s): {', '.join(compiles.get('programs', []))}")
+    if compiles is not None:  # each one's seconds count as latency
+        programs = compiles.get("programs") or []
+        lines.append(f"{'':>14}compiles during the run: {compiles['count']}"
+                     + (f" ({compiles['seconds']:.2f} s): {', '.join(programs)}"
+                        if programs else ""))
     return lines
 
 

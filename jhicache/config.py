@@ -93,6 +93,11 @@ class EngineConfig:
         It must divide the device count and the attention heads (checked when the engine is
         built). Every cache mode works with it: both tiers are split on the KV heads, each
         device with its own shard of every page.
+      max_context_len: the longest request (prompt plus max_new_tokens) the engine admits;
+        None: the model's context, capped by the device pool. It sets the page-table width
+        of every step shape; longer requests are refused when they are submitted.
+      fail_on_compile: compiling a program outside `warmup()` raises CompileError naming it
+        (as vLLM's TPU backend can): for checking that the warm-up covers every step.
     """
 
     page_size: int = 64
@@ -110,6 +115,8 @@ class EngineConfig:
     check_invariants_every_step: bool = False
     overlap_schedule: bool = True
     tensor_parallel_size: int = 1
+    max_context_len: int | None = None
+    fail_on_compile: bool = False
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -119,6 +126,8 @@ class EngineConfig:
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens", "tensor_parallel_size"):
             fix(field, _int(field, getattr(self, field), 1))
+        if self.max_context_len is not None:
+            fix("max_context_len", _int("max_context_len", self.max_context_len, 1))
         for field in ("device_kv_tokens", "host_kv_tokens"):
             if getattr(self, field) is not None:
                 fix(field, _int(field, getattr(self, field), 1))
@@ -128,7 +137,7 @@ class EngineConfig:
             _real("host_to_device_ratio", self.host_to_device_ratio, 1.0, 1e6, low_open=True))
         fix("device_memory_fraction",
             _real("device_memory_fraction", self.device_memory_fraction, 0.0, 0.95, low_open=True))
-        for field in ("check_invariants_every_step", "overlap_schedule"):
+        for field in ("check_invariants_every_step", "overlap_schedule", "fail_on_compile"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: "
                                  "expected True or False")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
+import logging
 import numbers
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -25,7 +27,9 @@ from jhicache.cache import (
     make_copier,
 )
 from jhicache.cache.host_memory import available_bytes
+from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
+from jhicache.grid import ShapeGrid, StepShape
 from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -39,9 +43,11 @@ from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
 from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
 from jhicache.scheduler import Scheduler
-from jhicache.stats import EngineStats, Occupancy, StepCounters
+from jhicache.stats import EngineStats, Occupancy, StartupTimes, StepCounters
+from jhicache.warmup import WarmupReport, warm_up
 
 _CPU_DEFAULT_DEVICE_TOKENS = 16384
+logger = logging.getLogger("jhicache.engine")
 
 
 def _jnp_dtype(dtype: KVDtype) -> jnp.dtype:
@@ -52,6 +58,7 @@ class Engine:
     """Serves token-id prompts with continuous batching over a two-tier prefix cache."""
 
     def __init__(self, model: Qwen2ForCausalLM, config: EngineConfig) -> None:
+        built = time.perf_counter()
         self.model_config: Qwen2Config = model.config
         self.config = config
         self.tp = _tensor_parallel(model.config, config)  # None: one device, no mesh
@@ -72,7 +79,13 @@ class Engine:
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         # With a host tier every forward takes the load flags (one compiled variant per shape,
         # whether or not its loads are still landing); without one nothing is ever loaded.
-        self._load_flags = self.device_pool.load_flags if host_pool is not None else None
+        self.load_flags = self.device_pool.load_flags if host_pool is not None else None
+        self.grid = ShapeGrid.create(
+            chunked_prefill_tokens=config.chunked_prefill_tokens,
+            max_running_requests=config.max_running_requests, page_size=config.page_size,
+            max_context_len=self._context_len(model.config, config, layout))
+        self.compiles = CompileWatch()
+        self.startup = StartupTimes(pools_s=time.perf_counter() - built)
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
@@ -85,15 +98,24 @@ class Engine:
         """An engine over a Hugging Face Qwen2 checkpoint directory (read straight into the
         sharded layout with tensor parallelism)."""
         tp = _tensor_parallel(read_config(path), config)
-        return cls(load_pretrained(path, dtype=_jnp_dtype(config.dtype), tp=tp), config)
+        start = time.perf_counter()
+        model = load_pretrained(path, dtype=_jnp_dtype(config.dtype), tp=tp)
+        return cls(model, config)._weights_took(time.perf_counter() - start)
 
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig = EngineConfig(), seed: int = 0) -> Engine:
         """An engine over seeded random weights of a preset shape (`tiny`, `qwen2-0.5b`, ...)."""
         model_config = preset_config(name)
         tp = _tensor_parallel(model_config, config)
-        return cls(init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp),
-                   config)
+        start = time.perf_counter()
+        model = init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp)
+        return cls(model, config)._weights_took(time.perf_counter() - start)
+
+    def _weights_took(self, seconds: float) -> Engine:
+        self.startup = dataclasses.replace(self.startup, weights_s=seconds)
+        logger.info("engine built: weights %.1f s, pools %.1f s; %d step shapes to warm up",
+                    seconds, self.startup.pools_s, len(self.grid.shapes()))
+        return self
 
     @staticmethod
     def _device_layout(model: Qwen2Config, config: EngineConfig,
@@ -109,6 +131,13 @@ class Engine:
         return PoolLayout(num_layers=model.num_hidden_layers,
                           num_pages=tokens // config.page_size + 1, page_size=config.page_size,
                           num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
+
+    @staticmethod
+    def _context_len(model: Qwen2Config, config: EngineConfig, layout: PoolLayout) -> int:
+        """The longest request (prompt and output): the model's context, capped by the device
+        pool (a request's pages must fit in it) and by `max_context_len`."""
+        pool = (layout.num_pages - RESERVED_PAGES) * config.page_size
+        return min(model.max_position_embeddings, pool, config.max_context_len or pool)
 
     @staticmethod
     def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
@@ -145,14 +174,35 @@ class Engine:
         With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
         the one before, so the outputs a step returns are those of the batch dispatched by the
         previous call."""
-        with self._lock:
+        with self._lock, self._serving():
             return self._step()
+
+    def warmup(self, progress: bool = True) -> WarmupReport:
+        """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
+        sampling, the inputs' transfer, the write-back gathers), so that serving compiles
+        nothing; with `progress`, a progress bar on stderr. Only while no request is unfinished
+        (ValueError otherwise). With JAX's persistent compilation cache on, a later start
+        reads the programs back instead of compiling them. Its compiles take no lock, so
+        `stats()` and `occupancy()` answer meanwhile; do not step the engine until it returns
+        (a step would compile what it meets, as without a warm-up)."""
+        with self._lock:
+            if self._requests:
+                raise ValueError("warmup() needs an idle engine: requests are unfinished")
+            self._drain()
+        report = warm_up(self, self._lock, progress)  # the lock for its steps only
+        self.startup = dataclasses.replace(self.startup, warmup=report)
+        return report
+
+    @property
+    def warmed_up(self) -> bool:
+        """True once `warmup()` has run."""
+        return self.startup.warmup is not None
 
     def abort(self, request_id: str) -> bool:
         """Drops a request at any stage: its computed full pages go to the cache, the rest back
         to the pool; copies in flight complete. False (nothing done) for an unknown or finished
         id."""
-        with self._lock:
+        with self._lock, self._serving():
             req = self._requests.pop(request_id, None)
             return req is not None and self.scheduler.abort(req)
 
@@ -170,7 +220,7 @@ class Engine:
         queues nothing. If the call fails or is interrupted part-way, its requests are dropped
         (their pages freed, nothing left queued) and the cache stays intact. Calls from several
         threads are serialised: one runs at a time."""
-        with self._lock:
+        with self._lock, self._serving():
             prompts = prompt_arrays(prompts)
             per_prompt = self._per_prompt_params(prompts, params)
             for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
@@ -191,8 +241,11 @@ class Engine:
     def stats(self) -> EngineStats:
         """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
         with self._lock:
+            compiles = self.compiles
             return EngineStats(**self.counters.as_dict(), **self.scheduler.counters,
-                               **self.cache.stats())
+                               **self.cache.stats(),
+                               compiles_warmup=compiles.counts[CompilePhase.WARMUP],
+                               compiles_serving=compiles.counts[CompilePhase.SERVING])
 
     def occupancy(self) -> Occupancy:
         """Queue lengths and the pool sizes and free pages of both tiers, now."""
@@ -208,7 +261,7 @@ class Engine:
         """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
         request is unfinished (False, nothing done, otherwise). The step and copies in flight
         end first."""
-        with self._lock:
+        with self._lock, self._serving():
             if self._requests:
                 return False
             self._drain()
@@ -221,11 +274,28 @@ class Engine:
         the devices as the pool's sharding says, when any shard of a layer left the buffer
         the host tier's copies target, or when an attention kernel stopped waiting for loaded
         pages before they landed (a device read: it waits for the compute queued so far)."""
-        with self._lock:
+        with self._lock, self._serving():
             self.cache.check_invariants(
                 extra_owned_device_pages=self.scheduler.owned_device_pages())
 
     # ---- one step ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """Counts the compiles of the block as serving ones; under `fail_on_compile`, raises
+        `CompileError` naming them once it ends (inside a warm-up they count as warm-up)."""
+        with self.compiles.watch(CompilePhase.SERVING):
+            yield
+        self._check_compiles("")
+
+    def _check_compiles(self, where: str) -> None:
+        """Under `fail_on_compile`, raises `CompileError` for the serving compiles since the
+        last check, naming each program and `where` it happened."""
+        compiled = self.compiles.take_serving()
+        if compiled and self.config.fail_on_compile:
+            names = ", ".join(f"{c.name} ({c.seconds:.2f} s)" for c in compiled)
+            raise CompileError(f"compiled while serving{where}: {names}; every program should "
+                               f"be compiled by warmup() (grid: {self.grid.describe()})")
 
     def _step(self) -> list[RequestOutput]:
         """Retire finished copies, schedule, start the step's loads, forward (the loads' later
@@ -251,8 +321,7 @@ class Engine:
         self.cache.launch_loads(self.runner.first_layers)
         launched = None
         if batch is not None:
-            launched = self._launch(batch, model_inputs(batch, self.config.page_size,
-                                                        self._load_flags))
+            launched = self._launch(batch, model_inputs(batch, self.grid, self.load_flags))
         self.cache.finish_loads()  # where no forward queued them
         self.scheduler.prefetch()  # loads for the next step
         self.cache.launch()  # write-backs and the prefetched load-backs start now
@@ -263,6 +332,8 @@ class Engine:
         if ending is not None:
             outputs += self._end(ending)
         self._note_progress(launched is not None or ending is not None or ended_early)
+        # Checked once the step is recorded, so that the engine stays consistent if it raises.
+        self._check_compiles("" if launched is None else f" in a {launched.shape} step")
         return outputs
 
     def _launch(self, batch: Batch, inputs: StepInputs) -> _Launched:
@@ -279,7 +350,7 @@ class Engine:
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
-        return _Launched(batch, sampled, start, gated)
+        return _Launched(batch, sampled, start, gated, inputs.shape)
 
     def _end(self, step: _Launched) -> list[RequestOutput]:
         """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
@@ -348,13 +419,10 @@ class Engine:
             raise ValueError(f"SamplingParams.stop_token_ids for {where}: {bad_stops} not in the "
                              f"vocabulary [0, {vocab})")
         total = len(tokens) + params.max_new_tokens
-        if total > self.model_config.max_position_embeddings:
-            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the model's "
-                             f"context ({self.model_config.max_position_embeddings})")
-        capacity = (self.device_pool.layout.num_pages - 1) * self.config.page_size
-        if total > capacity:
-            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the device pool "
-                             f"({capacity} tokens)")
+        if total > self.grid.max_context_len:
+            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the context "
+                             f"limit ({self.grid.max_context_len} tokens: the least of the "
+                             f"model's context, the device pool and max_context_len)")
 
     def _submit(self, prompt: np.ndarray, params: SamplingParams, request_id: str | None,
                 now: float) -> Request:
@@ -383,14 +451,15 @@ class Engine:
         self.cache.flush()
         self.cache.poll()
 
-    @staticmethod
-    def _sample(logits: jax.Array, rows: list[Chunk]) -> jax.Array:
-        """Dispatches the sampling of one token per row: [B] int32."""
+    def _sample(self, logits: jax.Array, rows: list[Chunk]) -> jax.Array:
+        """Dispatches the sampling of one token per row: [grid.max_requests] int32 (rows past
+        the batch's are padding)."""
+        out_rows = self.grid.max_requests
         if all(c.request.params.is_greedy for c in rows):
-            return greedy(logits)
+            return greedy(logits, rows=out_rows)
         steps = [c.sample_index or 0 for c in rows]
         arrays = sampling_arrays([c.request.params for c in rows], steps, logits.shape[0])
-        return sample(logits, *map(jnp.asarray, arrays))
+        return sample(logits, *arrays, rows=out_rows)  # host arrays: a transfer, no program
 
 
 class _Launched(NamedTuple):
@@ -400,6 +469,7 @@ class _Launched(NamedTuple):
     sampled: jax.Array  # [B] int32, on the device
     dispatched_s: float
     gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
+    shape: StepShape  # the grid shape it was padded to
 
 
 def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -96,10 +97,16 @@ def sampling_arrays(params: list[SamplingParams], steps: list[int],
     return temperature, top_k, top_p, seeds
 
 
-@jax.jit
-def greedy(logits: jax.Array) -> jax.Array:  # [B, vocab] -> [B] int32
+def _padded(ids: jax.Array, rows: int) -> jax.Array:
+    """[B] -> [rows] (zeros after B): every step's sampled tokens have one shape, so the next
+    step's patch program (`jhicache.batch.patch_tokens`) has one shape per step shape."""
+    return jnp.pad(ids, (0, rows - ids.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnames="rows")
+def greedy(logits: jax.Array, *, rows: int) -> jax.Array:  # [B, vocab] -> [rows] int32
     """Argmax rows: the whole batch is greedy, so the sort and mask work of `sample` is skipped."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _padded(jnp.argmax(logits, axis=-1).astype(jnp.int32), rows)
 
 
 def _row_key(words: jax.Array) -> jax.Array:
@@ -108,14 +115,16 @@ def _row_key(words: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, words[2])
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="rows")
 def sample(
     logits: jax.Array,  # [B, vocab] float32
     temperature: jax.Array,  # [B]
     top_k: jax.Array,  # [B] int32, 0 = no top-k
     top_p: jax.Array,  # [B] float32, 1 = no top-p
     seeds: jax.Array,  # [B, 3] uint32: (seed low, seed high, step) per row
-) -> jax.Array:  # [B] int32
+    *,
+    rows: int,  # >= B: the output is padded to it
+) -> jax.Array:  # [rows] int32
     """Greedy rows take the argmax; the others sample from the filtered, tempered softmax."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -131,4 +140,4 @@ def sample(
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
     picked = jax.vmap(jax.random.categorical)(jax.vmap(_row_key)(seeds), masked)
     sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy_ids)
+    return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)

@@ -7,6 +7,7 @@ import dataclasses
 
 from jhicache.batch import Batch
 from jhicache.request import Request
+from jhicache.warmup import WarmupReport
 
 
 @dataclasses.dataclass
@@ -92,9 +93,24 @@ class EngineStats:
     protected_tokens: int = 0
     host_free_pages: int = 0
     loads_in_flight: int = 0
+    # programs JAX compiled (or read back from its persistent cache): inside `warmup()`, and
+    # in any other engine call (a step, an abort, a flush): 0 there once the grid is warm
+    compiles_warmup: int = 0
+    compiles_serving: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupTimes:
+    """Where an engine's start went, in wall seconds: reading or drawing the weights (None for
+    an engine built over a model in hand), building the pools (the host pool pinned), and the
+    warm-up (None until `warmup()` has run)."""
+
+    pools_s: float
+    weights_s: float | None = None
+    warmup: WarmupReport | None = None
 
 
 @dataclasses.dataclass(frozen=True)

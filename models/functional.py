@@ -192,6 +192,22 @@ class ModelPrograms:
             meta, rows, start=split)
         return logits, k_first + k_rest, v_first + v_rest
 
+    def lower_first(self, k_pages: Pages, v_pages: Pages, tokens: Any,
+                    meta: AttentionMetadata) -> jax.stages.Lowered:
+        """The first program lowered for these arguments (arrays, or ShapeDtypeStructs typed as
+        a call's would be): compiled, JAX keeps it for later `forward` calls with arguments of
+        the same types (`output_type` then types its hidden state for `lower_rest`)."""
+        split = self.first_layers
+        return self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
+                                     k_pages[:split], v_pages[:split], tokens, meta)
+
+    def lower_rest(self, k_pages: Pages, v_pages: Pages, hidden: jax.ShapeDtypeStruct,
+                   meta: AttentionMetadata, rows: Any) -> jax.stages.Lowered:
+        """As `lower_first`, for the second program."""
+        split = self.first_layers
+        return self._jit.rest.lower(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
+                                    v_pages[split:], hidden, meta, rows, start=split)
+
     def lower(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
               meta: AttentionMetadata, rows: Any) -> tuple[jax.stages.Lowered, ...]:
         """The two programs lowered for these arguments (arrays or ShapeDtypeStructs): with
@@ -204,6 +220,15 @@ class ModelPrograms:
         rest = self._jit.rest.lower(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
                                     v_pages[split:], hidden, meta, rows, start=split)
         return first, rest
+
+
+def output_type(lowered: jax.stages.Lowered,
+                compiled: jax.stages.Compiled) -> jax.ShapeDtypeStruct:
+    """A compiled program's first output as a ShapeDtypeStruct with the sharding a call gives
+    it, so that a program lowered over it matches a later call over the real output."""
+    info = jax.tree.leaves(lowered.out_info)[0]
+    sharding = jax.tree.leaves(compiled.output_shardings)[0]
+    return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))

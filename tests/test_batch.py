@@ -8,6 +8,7 @@ import pytest
 from jhicache.models import metadata_arrays, put_int32
 
 from jhicache.batch import Batch, Chunk, model_inputs
+from jhicache.grid import ShapeGrid, StepShape
 from jhicache.request import Request
 from jhicache.sampling import SamplingParams
 
@@ -72,14 +73,17 @@ def test_model_inputs_of_a_mixed_prefill() -> None:
                 device_pages=[3, 4])
     b = Request(request_id="b", prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3],
                 device_pages=[9])
-    tokens, meta, last_index, patches = model_inputs(
-        Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), page_size=4)
-    assert patches is None
-    np.testing.assert_array_equal(np.asarray(tokens), [6, 7, 8, 9, 3] + [0] * 11)
-    np.testing.assert_array_equal(np.asarray(last_index), [3, 4])
+    grid = ShapeGrid.create(chunked_prefill_tokens=64, max_running_requests=8, page_size=4,
+                            max_context_len=20)
+    tokens, meta, last_index, patches, shape = model_inputs(
+        Batch([Chunk(a, 1, 4), Chunk(b, 2, 1)], is_decode=False), grid)
+    assert patches is None and shape == StepShape(64, 4, False)
+    np.testing.assert_array_equal(np.asarray(tokens), [6, 7, 8, 9, 3] + [0] * 59)
+    np.testing.assert_array_equal(np.asarray(last_index), [3, 4, 0, 0])
     np.testing.assert_array_equal(np.asarray(meta.positions)[:5], [1, 2, 3, 4, 2])
-    np.testing.assert_array_equal(np.asarray(meta.page_table), [[3, 4, 0, 0], [9, 0, 0, 0]])
-    np.testing.assert_array_equal(np.asarray(meta.seq_lens), [5, 3])
+    np.testing.assert_array_equal(np.asarray(meta.page_table),  # the grid's width: 20 tokens
+                                  [[3, 4, 0, 0, 0], [9, 0, 0, 0, 0]] + [[0] * 5] * 2)
+    np.testing.assert_array_equal(np.asarray(meta.seq_lens), [5, 3, 0, 0])
     assert not meta.decode_only
 
 

@@ -259,17 +259,17 @@ _HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,
                  "pcie_to_host_gbps": 1.0, "device_hit_beside_write_back_ttft_s": 0.01}
 
 
-@pytest.mark.parametrize(("same", "warm_up_seed"), [(False, 1007), (True, 7)])
-def test_the_warm_up_runs_other_prompts_unless_told_to_run_the_same(monkeypatch, same: bool,
-                                                                     warm_up_seed: int) -> None:
-    args = bench.parse_args(["multiturn", *TINY, "--seed", "7"])
+def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -> None:
+    args = bench.parse_args(["multiturn", *TINY, "--seed", "7", "--range-ratio", "0.5"])
     spec = bench.multiturn_spec(args, 512)
-    monkeypatch.setattr(bench, "mode_engine", lambda args, spec, mode: ("hierarchical", 256))
-    seeds: list[int] = []
-
-    def drive(engine, run_spec, config, progress):
-        seeds.append(run_spec.seed)
-        return "run"
-
-    measured = bench.measured_run(args, spec, "hierarchical", None, drive, same_warm_up=same)
-    assert seeds == [warm_up_seed, 7] and measured.run == "run"
+    args._device_tokens = bench.device_tokens_for(args, spec)  # as bench_multiturn sets it
+    measured = bench.measured_run(args, spec, "hierarchical", bench.tqdm(disable=True))
+    summary = bench.measured_summary(measured, spec)
+    assert summary["warmup"]["shapes"] == len(measured.engine.grid.shapes()) > 0
+    assert summary["compiles_during_run"]["count"] == 0
+    assert measured.engine.stats().compiles_serving == 0
+    assert summary["max_token_gap_s"] > 0
+    # variable lengths: turns and answers drawn from [12, 24] and [1, 2] tokens
+    prompts = [t.prompt_len for t in measured.run.turns if t.round == 0]
+    assert all(12 <= n <= 24 for n in prompts) and len(set(prompts)) > 1
+    assert {len(t.token_ids) for t in measured.run.turns} <= {1, 2}

@@ -11,7 +11,10 @@ from jhicache.sampling import SamplingParams, greedy, sample, sampling_arrays
 
 def _sample(logits: np.ndarray, params: list[SamplingParams], step: int = 0) -> np.ndarray:
     arrays = sampling_arrays(params, [step] * len(params), logits.shape[0])
-    return np.asarray(sample(jnp.asarray(logits), *map(jnp.asarray, arrays)))
+    rows = logits.shape[0] + 3  # padded past the batch, as the engine pads to its grid
+    out = np.asarray(sample(jnp.asarray(logits), *map(jnp.asarray, arrays), rows=rows))
+    np.testing.assert_array_equal(out[logits.shape[0]:], 0)
+    return out[: logits.shape[0]]
 
 
 def test_greedy_and_filters_that_leave_one_token_pick_the_argmax() -> None:
@@ -19,7 +22,8 @@ def test_greedy_and_filters_that_leave_one_token_pick_the_argmax() -> None:
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=1),
               SamplingParams(temperature=2.0, top_p=1e-6, seed=2), SamplingParams()]
     np.testing.assert_array_equal(_sample(logits, params), logits.argmax(-1))
-    np.testing.assert_array_equal(np.asarray(greedy(jnp.asarray(logits))), logits.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(greedy(jnp.asarray(logits), rows=6)),
+                                  np.concatenate([logits.argmax(-1), [0, 0]]))
 
 
 def test_top_k_samples_only_among_the_k_largest_and_is_seeded() -> None:

@@ -4,6 +4,7 @@ seconds on the CPU, serves token-id prompts, refuses text (no tokenizer), logs e
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,30 +26,60 @@ ROOT = Path(__file__).resolve().parent.parent
 STARTUP_S = 90.0  # the bare start takes seconds; a loaded 2-core CI box gets slack
 
 
-def test_serve_preset_from_the_command_line(tmp_path: Path):
+def _metric(url: str, line_start: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith(line_start))
+                 .rsplit(" ", 1)[1])
+
+
+def _serve(tmp_path: Path, cache: Path, check) -> str:
+    """Starts the server, waits for /health 200 (noting each status met on the way), runs
+    `check(url, statuses)`, stops it with Ctrl-C; returns its log."""
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()  # the server binds it again (SO_REUSEADDR); the window is short
-    # The tiny model's compiles are quick: cache them all (JAX caches only slow ones by default)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    cache = tmp_path / "xla-cache"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    # a small grid: 64 and 128 prefill tokens for 1 or 4 requests, decodes of 4
     cmd = [sys.executable, "-m", "jhicache.serve", "--preset", "tiny", "--port", str(port),
            "--page-size", "16", "--device-kv-tokens", "512", "--dtype", "float32",
-           "--compilation-cache", str(cache)]
+           "--chunked-prefill-tokens", "128", "--max-running-requests", "4",
+           "--fail-on-compile", "--compilation-cache", str(cache)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    url, statuses = f"http://127.0.0.1:{port}", []
     try:
         started = time.monotonic()
-        while True:
+        while not statuses or statuses[-1][0] != 200:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() - started < STARTUP_S, "server did not come up"
             try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
+                health = httpx.get(url + "/health", timeout=1.0)
             except httpx.TransportError:
                 time.sleep(0.2)
+                continue
+            if not statuses or statuses[-1][0] != health.status_code:
+                statuses.append((health.status_code, health.text.strip()))
+                if health.status_code == 503:  # warming up: generation is refused too
+                    early = httpx.post(url + "/v1/completions", timeout=60,
+                                       json={"prompt": [1, 2], "max_tokens": 2})
+                    ready = httpx.get(url + "/health", timeout=1.0).status_code == 200
+                    assert early.status_code == (200 if ready else 503), early.text
+            time.sleep(0.05)
+        check(url, statuses)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_serve_preset_from_the_command_line(tmp_path: Path):
+    """It listens at once, warms up (503) and then serves (200) without compiling; a restart
+    reads its programs back from the compilation cache."""
+    cache = tmp_path / "xla-cache"
+
+    def check(url: str, statuses: list[tuple[int, str]]) -> None:
+        assert statuses[0] == (503, "warming up") and statuses[-1][0] == 200
         got = httpx.post(url + "/v1/completions", timeout=60,
                          json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).json()
         assert len(got["choices"][0]["token_ids"]) == 4
@@ -58,9 +89,19 @@ def test_serve_preset_from_the_command_line(tmp_path: Path):
         assert "token-id prompts only" in text.json()["error"]["message"]
         info = httpx.get(url + "/get_model_info", timeout=10).json()
         assert info["model_path"] == "preset:tiny" and info["tokenizer_path"] is None
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+        assert info["max_total_tokens"] == 512 and info["page_size"] == 16
+        server = httpx.get(url + "/server_info", timeout=10).json()
+        assert server["page_size"] == 16 and server["chunked_prefill_size"] == 128
+        assert server["grid"]["shapes"] == 5 and server["startup"]["warmup"]["shapes"] == 5
+        long = httpx.post(url + "/v1/completions", timeout=60,
+                          json={"prompt": [1] * 500, "max_tokens": 13})
+        assert long.status_code == 400 and "context limit" in long.json()["error"]["message"]
+        assert _metric(url, 'jhicache:compiles_total{phase="serving"}') == 0
+        assert _metric(url, 'jhicache:compiles_total{phase="warmup"}') > 0
+
+    out = _serve(tmp_path, cache, check)
     assert "prompt_tokens=3 cached_tokens=0 ttft=" in out  # the request's info line
     assert cache.is_dir() and any(cache.iterdir())  # the programs it compiled, for the next start
+    restart = _serve(tmp_path, cache, lambda url, statuses: None)
+    read_back = re.search(r"warm-up: 5 shapes, (\d+) programs \((\d+) read back", restart)
+    assert read_back and int(read_back.group(2)) == int(read_back.group(1)) > 0, restart

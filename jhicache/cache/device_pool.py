@@ -78,6 +78,12 @@ class PagePool:
     def num_layers(self) -> int:
         return self.layout.num_layers
 
+    def layer_types(self) -> tuple[tuple[jax.ShapeDtypeStruct, ...], ...]:
+        """(K, V) of every layer as ShapeDtypeStructs (shape, dtype, sharding): what a program
+        that takes the pages is compiled for, read without touching the buffers."""
+        typed = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
+        return tuple(map(typed, self.k)), tuple(map(typed, self.v))
+
     def set_layer(self, layer: int, k: jax.Array, v: jax.Array) -> None:
         """Stores the newest K/V arrays of `layer` (after a kernel donated the old ones)."""
         if k.shape != self.layout.page_shape or v.shape != self.layout.page_shape:

@@ -323,6 +323,20 @@ class TransferController:
         any page the cache frees now."""
         return [w.staging for w in self._writes if w.mark is None]
 
+    def gather_sizes(self) -> list[int]:
+        """Every padded page count a write-back's gather can take: the pieces of any write-back
+        (`gather_pieces`) are power-of-two buckets no larger than the pool."""
+        sizes, size = [], pow2_bucket(1)
+        while size <= pow2_bucket(self.device_pool.layout.num_pages):
+            sizes.append(size)
+            size *= 2
+        return sizes
+
+    def lower_gather(self, size: int) -> jax.stages.Lowered:
+        """The write-back gather of `size` pages, lowered for this pool (as `launch_writes`
+        calls it), for a warm-up to compile ahead of serving."""
+        return self._gather.lower(*self.device_pool.layer_types(), np.zeros(size, np.int32))
+
     # -- launching -----------------------------------------------------------------------------
 
     def launch(self) -> None:

@@ -14,9 +14,13 @@ from jhicache.serve.native_routes import native_router
 from jhicache.serve.openai_routes import openai_router
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
+def build_app(ctx: ServerContext, warmup: bool = False) -> FastAPI:
+    """The app; with `warmup`, the engine compiles its programs once the server listens
+    (`/health` answers 503 until then, and generation requests are refused with 503)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if warmup:
+            ctx.engine.start_warmup()
         yield
         await ctx.engine.aclose()  # aborts what is still running; the thread ends
 

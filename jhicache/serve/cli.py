@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import enum
 import logging
+import os
 import re
 import types
 import typing
@@ -96,21 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level (info logs one line per request)")
-    parser.add_argument("--compilation-cache", metavar="DIR",
-                        help="a directory for JAX's persistent compilation cache: programs this "
-                             "server compiles are written there and read back by later starts, "
-                             "which then skip those compiles (default: no cache)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", metavar="DIR", default=default_compilation_cache(),
+                       help="JAX's persistent compilation cache: the programs the warm-up "
+                            "compiles are written there and read back by later starts, which "
+                            "then skip those compiles (default: %(default)s)")
+    cache.add_argument("--no-compilation-cache", action="store_true",
+                       help="compile every program at each start")
     add_engine_flags(parser)
     return parser
 
 
+def default_compilation_cache() -> str:
+    """A per-user cache directory (XDG's), as JAX engines keep theirs."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jhicache", "jax-compilation")
+
+
 def use_compilation_cache(directory: str) -> None:
-    """Points JAX's persistent compilation cache at `directory` (before the first compile):
-    each batch shape costs a compile of its programs the first time it is met, and with the
-    cache only the first time on this machine, not at every start."""
+    """Points JAX's persistent compilation cache at `directory` (before the first compile),
+    for every program however quickly it compiled: the warm-up's small programs add up too."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _tokenizer_dir(args: argparse.Namespace) -> str | None:
@@ -137,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from jhicache.serve.context import ServerContext
     from jhicache.serve.tokenizer import Tokenizer
 
-    if args.compilation_cache:
+    if not args.no_compilation_cache:
         use_compilation_cache(args.compilation_cache)
     tokenizer_dir = _tokenizer_dir(args)
     tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
@@ -148,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine = AsyncEngine.from_preset(args.preset, config, seed=args.seed)
         name, path = args.preset, f"preset:{args.preset}"
     ctx = ServerContext.create(engine, tokenizer, args.served_model_name or name, path)
-    logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s", ctx.model.name, path,
-                args.host, args.port, tokenizer_dir or "none (token-id prompts only)")
-    uvicorn.run(build_app(ctx), host=args.host, port=args.port, log_level=args.log_level)
+    logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s; /health answers 503 until "
+                "the warm-up has compiled every program", ctx.model.name, path, args.host,
+                args.port, tokenizer_dir or "none (token-id prompts only)")
+    uvicorn.run(build_app(ctx, warmup=True), host=args.host, port=args.port,
+                log_level=args.log_level)

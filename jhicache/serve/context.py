@@ -25,10 +25,7 @@ class ModelInfo:
     context_len: int  # the model's max_position_embeddings
     pool_tokens: int  # device pool capacity: prompt + new tokens must fit in it
     vocab_size: int  # token ids the model embeds (a token-id prompt's ids are below it)
-
-    @property
-    def max_total_tokens(self) -> int:
-        return min(self.context_len, self.pool_tokens)
+    max_total_tokens: int  # the engine's limit on prompt + new tokens (its grid's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +63,7 @@ class ServerContext:
                          tokenizer_path=tokenizer.path if tokenizer else None,
                          context_len=core.model_config.max_position_embeddings,
                          pool_tokens=core.occupancy().device_pages * core.config.page_size,
-                         vocab_size=vocab)
+                         vocab_size=vocab, max_total_tokens=core.grid.max_context_len)
         return cls(engine, tokenizer, ServerMetrics(core), info)
 
     def require_tokenizer(self, what: str, param: str) -> Tokenizer:
@@ -93,11 +90,19 @@ class ServerContext:
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room to "
                                 f"generate in {self.model.max_total_tokens} tokens (the context "
-                                f"or the device pool)", "messages", "context_length_exceeded")
+                                f"limit: the least of the model's context, the device pool and "
+                                f"--max-context-len)", "messages", "context_length_exceeded")
         return room
+
+    def require_ready(self) -> None:
+        """503 while the engine warms up: clients wait for /health to answer 200."""
+        if self.engine.is_running and not self.engine.is_ready:
+            raise ApiError(503, "the server is warming up (compiling its programs); /health "
+                                "answers 200 once it serves", None, "warming_up")
 
     def generation(self, prompt_ids: list[int], fields: SamplingFields,
                    request_id: str | None = None) -> Generation:
+        self.require_ready()
         stops = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or ())
         if stops and self.tokenizer is None:
             self.require_tokenizer("a stop string", "stop")

@@ -43,6 +43,13 @@ class EngineCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        compiles = CounterMetricFamily(
+            PREFIX + "compiles", "Programs JAX compiled or read back from its persistent cache, "
+            "in the warm-up and while serving (0 once the warm-up covered the grid).",
+            labels=["phase"])
+        for phase, count in self._engine.compiles.counts.items():  # no lock: a warm-up's too
+            compiles.add_metric([phase.value], count)
+        yield compiles
         stats, occ = self._engine.stats(), self._engine.occupancy()
         hits = CounterMetricFamily(PREFIX + "cache_hit_tokens",
                                    "Prompt tokens served from a cache tier instead of computed.",

@@ -4,6 +4,8 @@ GET /get_model_info, and Prometheus' GET /metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +58,20 @@ def _payload(rid: str, update: Update) -> dict[str, Any]:
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
 
 
+def _limits(ctx: ServerContext) -> dict[str, Any]:
+    """What a request may ask for: prompt + new tokens, requests at once, prompt tokens a step
+    computes (longer prompts are chunked), and the page size."""
+    config = ctx.engine.engine.config
+    return {"max_total_tokens": ctx.model.max_total_tokens,
+            "max_running_requests": config.max_running_requests,
+            "chunked_prefill_size": config.chunked_prefill_tokens,
+            "page_size": config.page_size}
+
+
+def _plain(value: object) -> object:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def native_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
@@ -92,14 +108,35 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if ctx.engine.is_running else 503)
+        if not ctx.engine.is_running:
+            return PlainTextResponse("engine stopped\n", status_code=503)
+        if not ctx.engine.is_ready:
+            return PlainTextResponse("warming up\n", status_code=503)
+        return Response(status_code=200)
 
     @router.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": ctx.model.model_path, "tokenizer_path": ctx.model.tokenizer_path,
                 "is_generation": True, "served_model_name": ctx.model.name,
                 "context_length": ctx.model.context_len, "pool_tokens": ctx.model.pool_tokens,
-                "vocab_size": ctx.model.vocab_size}
+                "vocab_size": ctx.model.vocab_size, **_limits(ctx)}
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        """The engine's settings (as SGLang's server_args), its limits and step grid, and where
+        its start went."""
+        engine = ctx.engine.engine
+        config = {f.name: _plain(getattr(engine.config, f.name))
+                  for f in dataclasses.fields(engine.config)}
+        startup = engine.startup
+        warm = startup.warmup
+        return {**config, **_limits(ctx), "served_model_name": ctx.model.name,
+                "model_path": ctx.model.model_path, "grid": engine.grid.describe(),
+                "ready": ctx.engine.is_ready,
+                "startup": {"weights_s": startup.weights_s, "pools_s": startup.pools_s,
+                            "warmup": None if warm is None else {**dataclasses.asdict(warm),
+                                                                 "seconds": warm.seconds}}}
 
     @router.get("/metrics")
     async def metrics() -> Response:

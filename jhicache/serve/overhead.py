@@ -51,8 +51,7 @@ def compare_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     """One mode in process, then over HTTP; the engines go once summarised (one at a time)."""
     runs, summaries = {}, {}
     for path, drive in (("in_process", bench.drive_in_process), ("http", drive_over_http)):
-        # Warmed up on the same prompts: compiles are not what this benchmark is after
-        measured = bench.measured_run(args, spec, mode, progress, drive, same_warm_up=True)
+        measured = bench.measured_run(args, spec, mode, progress, drive)
         runs[path] = measured.run
         summaries[path] = bench.measured_summary(measured, spec)
         del measured

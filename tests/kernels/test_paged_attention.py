@@ -63,13 +63,17 @@ def run_extend(seed, pairs, page_size, dtype, *, heads=4, kv_heads=2, dim=16, pa
         assert not np.asarray(got, np.float32)[~live].any()  # zeros at padding rows
 
 
-def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16, **kw):
+def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16, extra_columns=0,
+               **kw):
+    """`extra_columns`: unused page-table columns past the longest request's (the engine's
+    tables are as wide as its longest admissible request)."""
     rng = np.random.default_rng(seed)
     batch = make_batch(rng, [max(s - 1, 0) for s in seq_lens], [1 if s else 0 for s in seq_lens],
                        page_size)
     k, v = _pages(rng, batch.num_pages, page_size, kv_heads, dim, dtype)
     q = jnp.asarray(rand(rng, (len(seq_lens), heads, dim), np.float32) - 3.0).astype(dtype)
-    table, lens = jnp.asarray(batch.page_table), jnp.asarray(batch.seq_lens)
+    table = jnp.asarray(np.pad(batch.page_table, ((0, 0), (0, extra_columns))))
+    lens = jnp.asarray(batch.seq_lens)
     got = da.paged_decode_attention(q, k, v, table, lens, sm_scale=dim**-0.5, **kw)
     if not seq_lens:
         return chex.assert_shape(got, (0, heads, dim))
@@ -232,6 +236,16 @@ def test_merge_rows_spread_the_partials_over_the_sms():
        splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1))
 def test_decode_matches_reference(seq_lens, page_size, dtype, splits, seed):
     run_decode(seed, seq_lens, page_size, dtype, block_k=16, splits=splits)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seq_lens=st.lists(st.integers(0, 90), min_size=1, max_size=3),
+       extra=st.integers(1, 12), splits=st.sampled_from([2, 5]),
+       seed=st.integers(0, 2**31 - 1))
+def test_decode_over_a_table_wider_than_its_requests_matches_reference(seq_lens, extra, splits,
+                                                                       seed):
+    """Each request's splits share out its own length, whatever the table's width."""
+    run_decode(seed, seq_lens, 16, np.float32, block_k=16, splits=splits, extra_columns=extra)
 
 
 def _bad_calls():

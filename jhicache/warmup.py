@@ -1,0 +1,161 @@
+"""The warm-up: every program an engine's steps can dispatch, compiled before it serves.
+
+Two passes over the engine's `ShapeGrid`:
+1. Ahead of time, on a thread pool: for each shape, every program a step of it dispatches
+   (the forward's two programs, the samplers, a decode's patch of pending tokens and its
+   first program over the patched tokens), and each write-back gather size, lowered with
+   arguments typed as a real call's (the engine's own arrays, shardings included) and
+   compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
+   argument types). XLA compiles with the interpreter lock released, so compiles overlap
+   each other and the next lowering; the lowering itself is Python, one thread at a time.
+2. One padding step per shape through the real step path, serially: it should compile
+   nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
+   differently from a real call). Every row of a padding step is padding: it writes only
+   the reserved padding page.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+from tqdm import tqdm
+
+from jhicache.batch import padding_inputs, patch_tokens
+from jhicache.compiles import CompilePhase
+from jhicache.grid import StepShape
+from jhicache.models.functional import output_type
+from jhicache.sampling import greedy, sample, sampling_arrays
+
+if TYPE_CHECKING:
+    from jhicache.engine import Engine
+
+logger = logging.getLogger("jhicache.warmup")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What a warm-up did: the grid's shapes, the programs compiled (or read back from JAX's
+    persistent cache) in all and by the padding steps, and each pass's wall seconds."""
+
+    shapes: int
+    ahead_tasks: int  # pass 1: one per shape, one per write-back gather size
+    compiles: int  # new executables in both passes, as JAX reported them
+    cache_hits: int  # of those, read back from JAX's persistent compilation cache
+    late_compiles: int  # of those, in pass 2: 0 when pass 1 typed every program as a call does
+    ahead_s: float
+    steps_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.ahead_s + self.steps_s
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _compiled(lowered: jax.stages.Lowered, lock: threading.Lock) -> jax.ShapeDtypeStruct:
+    """Compiles `lowered` (one compile at a time: XLA times candidate kernels on the GPU while
+    it compiles, and compiles beside each other would skew those timings); returns its
+    output's type."""
+    with lock:
+        return output_type(lowered, lowered.compile())
+
+
+def _step_programs(engine: Engine, shape: StepShape, lock: threading.Lock) -> None:
+    """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
+    the inputs' transfer (run: it is small), the forward, both samplers and, for a decode, the
+    patch of pending tokens and the first program over patched tokens."""
+    programs, grid = engine.runner.programs, engine.grid
+    (k, v), rows = engine.device_pool.layer_types(), grid.max_requests
+    if shape.decode:  # its inputs' transfer without patches (a lock-step decode)
+        padding_inputs(shape, grid, engine.load_flags, patched=False)
+    inputs = padding_inputs(shape, grid, engine.load_flags, patched=shape.decode)
+    hidden = _compiled(programs.lower_first(k, v, inputs.tokens, inputs.meta), lock)
+    logits = _compiled(programs.lower_rest(k, v, hidden, inputs.meta, inputs.last_index), lock)
+    sampled = _compiled(greedy.lower(logits, rows=rows), lock)
+    _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
+    if inputs.patches is not None:
+        patched = _compiled(patch_tokens.lower(inputs.tokens, *inputs.patches, sampled), lock)
+        _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
+
+
+def _ahead_tasks(engine: Engine) -> list[tuple[str, Callable[[], object]]]:
+    """(label, compile) per shape and per write-back gather size."""
+    lock = threading.Lock()
+    tasks: list[tuple[str, Callable[[], object]]] = [
+        (f"step {shape}", functools.partial(_step_programs, engine, shape, lock))
+        for shape in engine.grid.shapes()]
+    controller = engine.cache.controller
+    if controller is not None:
+        for size in controller.gather_sizes():
+            tasks.append((f"gather {size} pages",
+                          lambda size=size: _compiled(controller.lower_gather(size), lock)))
+    return tasks
+
+
+def _padding_step(engine: Engine, shape: StepShape) -> None:
+    """Runs one all-padding step of `shape` as `Engine._launch` does, and the samplers and
+    patch that such a step or the next one can dispatch."""
+    rows, sampled = engine.grid.max_requests, None
+    for patched in ((False, True) if shape.decode else (False,)):
+        inputs = padding_inputs(shape, engine.grid, engine.load_flags, patched)
+        tokens = inputs.tokens
+        if inputs.patches is not None:  # fed by the sampled tokens of the step before
+            tokens = patch_tokens(tokens, *inputs.patches, sampled)
+        logits = engine.runner.run(tokens, inputs.meta, inputs.last_index)
+        sampled = greedy(logits, rows=rows)
+        sample(logits, *sampling_arrays([], [], logits.shape[0]), rows=rows)
+    jax.block_until_ready(sampled)
+
+
+def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
+            progress: bool = True) -> WarmupReport:
+    """Compiles every program of `engine`'s grid (see the module docstring). The first pass
+    touches no engine state (the pages only by their types), so it runs without `lock`, and
+    the engine answers `stats()` meanwhile; the padding steps run under it."""
+    watch, shapes = engine.compiles, engine.grid.shapes()
+    before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
+    tasks = _ahead_tasks(engine)
+    start = time.perf_counter()
+
+    def run(task: tuple[str, Callable[[], object]]) -> str:
+        with watch.watch(CompilePhase.WARMUP):
+            task[1]()
+        return task[0]
+
+    bar = tqdm(total=len(tasks) + len(shapes), desc="warm-up", unit="program",
+               disable=not progress)
+    with concurrent.futures.ThreadPoolExecutor(_workers()) as executor:
+        for future in concurrent.futures.as_completed([executor.submit(run, t) for t in tasks]):
+            bar.set_postfix_str(future.result(), refresh=False)
+            bar.update()
+    ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
+    with lock, watch.watch(CompilePhase.WARMUP):
+        for shape in shapes:
+            _padding_step(engine, shape)
+            bar.update()
+        total = watch.counts[CompilePhase.WARMUP]
+        engine.check_invariants()  # its device reads compile (a check, not a step)
+    bar.close()
+    report = WarmupReport(shapes=len(shapes), ahead_tasks=len(tasks),
+                          compiles=watch.counts[CompilePhase.WARMUP] - before,
+                          cache_hits=watch.cache_hits[CompilePhase.WARMUP] - hits,
+                          late_compiles=total - compiled_ahead, ahead_s=ahead - start,
+                          steps_s=time.perf_counter() - ahead)
+    logger.info("warm-up: %d shapes, %d programs (%d read back from the compilation cache, %d "
+                "by the padding steps), %.1f s (ahead of time %.1f s on %d threads, padding "
+                "steps %.1f s)", report.shapes, report.compiles, report.cache_hits,
+                report.late_compiles, report.seconds, report.ahead_s, _workers(),
+                report.steps_s)
+    return report
