@@ -6,8 +6,9 @@ Two passes over the engine's `ShapeGrid`:
    first program over the patched tokens), and each write-back gather size, lowered with
    arguments typed as a real call's (the engine's own arrays, shardings included) and
    compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
-   argument types). XLA compiles with the interpreter lock released, so compiles overlap
-   each other and the next lowering; the lowering itself is Python, one thread at a time.
+   argument types). One XLA compile runs at a time, beside the other threads' lowering (Python,
+   one thread at a time): XLA times candidate kernels on the GPU while it compiles, and with
+   compiles beside each other it chose programs that decoded slower (BENCHMARKS.md, start-up).
 2. One padding step per shape through the real step path, serially: it should compile
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
