@@ -1,10 +1,10 @@
-# Two commands: `make bench` and `make test`. Both (re)create .venv when it is missing or stale.
+# `make install`, `make bench` and `make test` (re)create .venv when it is missing or stale.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: bench test gpu-test gpu-bench clean
+.PHONY: install bench test gpu-test gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,12 @@ $(STAMP): pyproject.toml
 bench: $(STAMP)
 	$(PY) -m jhicache.bench
 
+install: $(STAMP)
+
+# One pytest worker per core (pytest-xdist): the suite is mostly XLA compiles, one core each.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto tests
 
 # On the GPU machine (preinstalled packages, no venv): the gpu-marked tests, then the bench.
 gpu-test:

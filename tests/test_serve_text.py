@@ -105,3 +105,13 @@ def test_engine_flags_mirror_engine_config():
         assert flag in help_text and words in " ".join(help_text.split())
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--cache-mode", "sometimes"])
+
+
+def test_help_lists_every_preset_and_the_readme_too():
+    from jhicache.models.config import PRESETS
+
+    assert set(cli.PRESET_NAMES) == set(PRESETS)
+    help_text = " ".join(cli.build_parser().format_help().split())
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in PRESETS:
+        assert name in help_text and f"`{name}`" in readme

@@ -18,6 +18,8 @@ from typing import Any
 from jhicache.config import EngineConfig
 
 DEFAULT_PORT = 30000  # SGLang's
+# jhicache.models.PRESETS' names, spelt out: importing the models loads JAX, which --help avoids
+PRESET_NAMES = ("tiny", "tiny-tp", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b")
 logger = logging.getLogger("jhicache.serve")
 
 
@@ -83,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a Hugging Face Qwen2 checkpoint directory (config.json and "
                              "safetensors); its tokenizer.json is used when there is one")
     source.add_argument("--preset", metavar="NAME",
-                        help="random weights of a preset shape (tiny, qwen2-0.5b, qwen2-1.5b, "
-                             "qwen2-7b); token-id prompts only, unless --tokenizer is given")
+                        help=f"random weights of a preset shape ({', '.join(PRESET_NAMES)}); "
+                             "token-id prompts only, unless --tokenizer is given")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="a directory with tokenizer.json (and tokenizer_config.json with "
                              "the chat template); default: the --model directory")
