@@ -105,7 +105,8 @@ class EngineStats:
 @dataclasses.dataclass(frozen=True)
 class StartupTimes:
     """Where an engine's start went, in wall seconds: reading or drawing the weights (None for
-    an engine built over a model in hand), building the pools (the host pool pinned), and the
+    an engine built over a model in hand), building the engine around them (`pools_s`: mostly
+    the pools, the host pool's pinning above all; also the cache and the runner), and the
     warm-up (None until `warmup()` has run)."""
 
     pools_s: float
