@@ -67,11 +67,23 @@ class Request:
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
     prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
+    # prompt + output, kept as one list that grows with `add_output` (read often: each
+    # admission's and prefetch's radix match, each insert): not rebuilt per access
+    _tokens: list[int] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.prompt + self.output
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt plus the generated tokens the host knows."""
-        return self.prompt + self.output
+        """Prompt plus the generated tokens the host knows (the request's own list: read it,
+        do not change it)."""
+        return self._tokens
+
+    def add_output(self, token: int) -> None:
+        """Appends a generated token the host has read."""
+        self.output.append(token)
+        self._tokens.append(token)
 
     @property
     def known_len(self) -> int:

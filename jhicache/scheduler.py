@@ -287,7 +287,7 @@ class Scheduler:
             if not chunk.samples_token or req.finished:
                 continue
             assert chunk.sample_index == len(req.output), "steps commit in order"
-            req.output.append(int(sampled[row]))
+            req.add_output(int(sampled[row]))
             req.pending -= 1
             if req.first_token_s is None:
                 req.first_token_s = now
