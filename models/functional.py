@@ -213,13 +213,8 @@ class ModelPrograms:
         """The two programs lowered for these arguments (arrays or ShapeDtypeStructs): with
         programs built over an `nnx.eval_shape` model, a dry run that compiles for a mesh
         without allocating a weight."""
-        split = self.first_layers
-        first = self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
-                                      k_pages[:split], v_pages[:split], tokens, meta)
-        hidden = first.out_info[0]
-        rest = self._jit.rest.lower(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
-                                    v_pages[split:], hidden, meta, rows, start=split)
-        return first, rest
+        first = self.lower_first(k_pages, v_pages, tokens, meta)
+        return first, self.lower_rest(k_pages, v_pages, first.out_info[0], meta, rows)
 
 
 def output_type(lowered: jax.stages.Lowered,
