@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
+
+import numpy as np
 
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine, prompt_arrays
@@ -49,7 +51,7 @@ class _Add:
     """Submit these requests together (all or none); `future` gets their ids or the error."""
 
     sinks: list[_Sink]
-    prompts: list[object]
+    prompts: list[Sequence[int] | np.ndarray]
     params: list[SamplingParams]
     future: concurrent.futures.Future[list[str]]
 
@@ -160,7 +162,7 @@ class AsyncEngine:
     # ---- public API ----------------------------------------------------------------------
 
     async def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Submits one prompt and yields its outputs as tokens appear (`new_token_ids` each
         time, `token_ids` so far); the last has `finished=True`. The request is submitted at
         the first iteration; leaving the loop early, or cancelling the consuming task, aborts it.
@@ -251,7 +253,7 @@ class AsyncEngine:
         return [_Sink(loop, asyncio.Queue(), rid, _length(p), final_only)
                 for rid, p in zip(ids, prompts)]
 
-    async def _submit(self, sinks: list[_Sink], prompts: list[object],
+    async def _submit(self, sinks: list[_Sink], prompts: list[Sequence[int] | np.ndarray],
                       params: list[SamplingParams]) -> None:
         """Queues the requests and waits until the loop thread has added them (or refused)."""
         future: concurrent.futures.Future[list[str]] = concurrent.futures.Future()

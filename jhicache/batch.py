@@ -102,10 +102,10 @@ def _put(arrays: dict[str, np.ndarray], tokens: np.ndarray, last_index: np.ndarr
     # The step's host arrays in one transfer (see put_int32): each separate transfer costs
     # a dispatch of its own, host time that every step pays.
     put = put_int32(host)
-    tokens, last_index = put.pop("tokens"), put.pop("last_index")
+    on_device, rows = put.pop("tokens"), put.pop("last_index")
     patch = (put.pop("patch_rows"), put.pop("patch_from")) if "patch_rows" in put else None
     meta = AttentionMetadata(**put, load_flags=load_flags, decode_only=shape.decode)
-    return StepInputs(tokens, meta, last_index, patch, shape)
+    return StepInputs(on_device, meta, rows, patch, shape)
 
 
 def _patch_arrays(chunks: list[Chunk], last_index: np.ndarray,

@@ -50,12 +50,12 @@ class CompileWatch:
         self._unseen: list[Compile] = []  # serving compiles not yet taken by `take_serving`
         ref = weakref.ref(self)
 
-        def listener(event: str, seconds: float, **kwargs: object) -> None:
+        def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
             watch = ref()
             if watch is not None and event == BACKEND_COMPILE_EVENT:
-                watch._record(str(kwargs.get("fun_name", "?")), seconds)
+                watch._record(str(kwargs.get("fun_name", "?")), duration_secs)
 
-        def hit_listener(event: str, **kwargs: object) -> None:
+        def hit_listener(event: str, **kwargs: str | int) -> None:
             watch = ref()
             if watch is not None and event == CACHE_HIT_EVENT:
                 watch._record_hit()

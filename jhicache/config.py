@@ -50,11 +50,14 @@ def _int(field: str, value: object, low: int) -> int:
 
 def _real(field: str, value: object, low: float, high: float, *, low_open: bool) -> float:
     """`value` as a float in (low, high] (or [low, high]); bools and strings do not count."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not (low < value if low_open else low <= value) or value > high:
+    number = math.nan  # fails every test below
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    above_low = low < number if low_open else low <= number
+    if not (math.isfinite(number) and above_low and number <= high):
         span = f"{'(' if low_open else '['}{low}, {high}]"
         raise ValueError(f"EngineConfig.{field}={value!r}: expected a number in {span}")
-    return float(value)
+    return number
 
 
 def _page_multiple(field: str, tokens: int, page_size: int) -> None:

@@ -50,8 +50,8 @@ _CPU_DEFAULT_DEVICE_TOKENS = 16384
 logger = logging.getLogger("jhicache.engine")
 
 
-def _jnp_dtype(dtype: KVDtype) -> jnp.dtype:
-    return jnp.dtype(jnp.bfloat16 if dtype is KVDtype.BFLOAT16 else jnp.float32)
+def _jnp_dtype(dtype: KVDtype | str) -> jnp.dtype:
+    return jnp.dtype(jnp.bfloat16 if KVDtype(dtype) is KVDtype.BFLOAT16 else jnp.float32)
 
 
 class Engine:
@@ -153,7 +153,8 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: Sequence[int] | np.ndarray,
+                    params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         """Queues one prompt (a list or 1-D array of token ids) and returns its id; `step()`
         then advances it. Validated as `generate` does: a bad value raises `ValueError` and
@@ -221,13 +222,13 @@ class Engine:
         (their pages freed, nothing left queued) and the cache stays intact. Calls from several
         threads are serialised: one runs at a time."""
         with self._lock, self._serving():
-            prompts = prompt_arrays(prompts)
-            per_prompt = self._per_prompt_params(prompts, params)
-            for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            arrays = prompt_arrays(prompts)
+            per_prompt = self._per_prompt_params(arrays, params)
+            for i, (prompt, p) in enumerate(zip(arrays, per_prompt)):
                 self._validate(f"prompt {i}", prompt, p)
             now = time.perf_counter()
             requests = [self._submit(prompt, p, None, now)
-                        for prompt, p in zip(prompts, per_prompt)]
+                        for prompt, p in zip(arrays, per_prompt)]
             try:
                 while not all(r.finished for r in requests):
                     self._step()
@@ -308,7 +309,9 @@ class Engine:
         ended_early = batch is None and in_flight
         if ended_early:
             # The step in flight may finish requests and free their pages: commit it first.
-            outputs = self._end(self._take_in_flight())
+            ending = self._take_in_flight()
+            assert ending is not None  # `in_flight` said so
+            outputs = self._end(ending)
             self.cache.poll()
             batch = self.scheduler.schedule(may_retract=True)
         # This step's loads start before the rest of the step's host work: a host hit waits for

@@ -4,6 +4,7 @@ that `Engine.stats()` returns (engine, scheduler and cache counters in one recor
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jhicache.batch import Batch
 from jhicache.request import Request
@@ -41,7 +42,7 @@ class StepCounters:
     def record_finished(self, finished: list[Request]) -> None:
         self.finished_requests += len(finished)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 

@@ -87,7 +87,8 @@ class Qwen2Config:
                     "(and no head_dim given)"
                 )
             self._normalise("head_dim", self.hidden_size // heads)
-        if self.head_dim % 2:  # RoPE rotates the two halves of each head
+        # RoPE rotates the two halves of each head (head_dim None was just resolved)
+        if self.head_dim is not None and self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates its two halves)")
 
     @classmethod
@@ -126,7 +127,7 @@ def _checked_int(name: str, value: Any, *, minimum: int) -> int:
     # bool is an int subclass: `true` where a count belongs is a mistake, not 1
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
+    if int(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return int(value)
 
@@ -134,9 +135,10 @@ def _checked_int(name: str, value: Any, *, minimum: int) -> int:
 def _checked_positive_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(value) and value > 0):
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return float(value)
+    return number
 
 
 def _check_bool(name: str, value: Any) -> None:

@@ -112,8 +112,8 @@ def _over_mesh(first: Callable, rest: Callable, specs: _Specs) -> tuple[Callable
 class _Jitted(NamedTuple):
     """The forward's two jitted programs (see `_programs`)."""
 
-    first: Callable
-    rest: Callable
+    first: Any  # jax.jit's wrapped functions (callable, with `.lower`)
+    rest: Any
 
 
 @functools.lru_cache(maxsize=16)

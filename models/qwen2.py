@@ -180,7 +180,11 @@ class LMHead(nnx.Module):
     def __call__(self, x: jax.Array, comm: Collectives = LOCAL) -> jax.Array:
         x = self.norm(x)
         # [hidden, vocab]
-        weight = self.embed.embedding[...].T if self.embed is not None else self.kernel[...]
+        if self.embed is not None:
+            weight = self.embed.embedding[...].T
+        else:
+            assert self.kernel is not None  # untied: __init__ made it
+            weight = self.kernel[...]
         return comm.gather_last(jnp.dot(x, weight, precision=_precision(x.dtype),
                                         preferred_element_type=jnp.float32))
 

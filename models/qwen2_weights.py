@@ -254,7 +254,8 @@ def _read_sharded(sources: list[Source], shapes: list[tuple[int, ...]],
         headers.append(_reading(name, path,
                                 functools.partial(_checked_slice, f, name, path, expected)))
 
-    def block(index: tuple[slice, ...]) -> np.ndarray:
+    def block(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # a sharded array's index names each axis
         pieces = []
         for part, cols in tp.source_columns(names, index[-1]):  # stored -> model-layout columns
             name, _, path = sources[part]

@@ -46,7 +46,7 @@ def await_layer(flags_ref, seq_ref, layer_ref) -> None:
         # 0.11.2); a volatile load reads it correctly (benchmarks/spin_wait_probe.py).
         return plgpu.load(flags_ref.at[pl.ds(layer, 1)], volatile=True)[0]
 
-    seen, _ = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < limit),
+    seen, _spins = jax.lax.while_loop(lambda c: (c[0] < target) & (c[1] < limit),
                                  lambda c: (read(), c[1] + 1), (read(), 0))
 
     @pl.when(seen < target)

@@ -94,7 +94,8 @@ def _skinny(x: jax.Array, w: jax.Array, *, p: SkinnyPlan, num_warps: int,
 def skinny_applies(x: jax.Array, w: jax.Array) -> bool:
     """Whether `skinny_matmul` takes x @ w: one 16-bit dtype, and a shape `plan` takes."""
     return (x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[0] and x.dtype == w.dtype
-            and jnp.dtype(x.dtype).itemsize == 2 and plan(*x.shape, w.shape[1]) is not None)
+            and jnp.dtype(x.dtype).itemsize == 2
+            and plan(x.shape[0], x.shape[1], w.shape[1]) is not None)
 
 
 def skinny_matmul(x: jax.Array, w: jax.Array, *, num_warps: int = 4, num_stages: int = 4,
@@ -104,7 +105,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, *, num_warps: int = 4, num_stages:
           f"skinny_matmul: takes [m <= {MAX_ROWS}, k] @ [k, n] of one 16-bit dtype with k a "
           f"multiple of {BLOCK_K} and n of 16; got {x.dtype}{list(x.shape)} @ "
           f"{w.dtype}{list(w.shape)}")
-    p = plan(*x.shape, w.shape[1], tuning)
+    p = plan(x.shape[0], x.shape[1], w.shape[1], tuning)
     assert p is not None
     return _skinny(x, w, p=p, num_warps=num_warps, num_stages=num_stages)
 

@@ -38,6 +38,13 @@ class Mark:
         self.timed = timed
 
 
+def _event(mark: Mark) -> int:
+    """A driver copier's mark's event: it records one for every mark it makes."""
+    if mark.event is None:
+        raise ValueError("a mark without a CUDA event reached the driver copier")
+    return mark.event
+
+
 class CopyRows:
     """Copies prepared once and queued a row at a time (a load's layers, in order): row `r` of
     device shard `s` copies `srcs[s, r, i] -> dsts[s, r, i]`, `sizes[i]` bytes each. It keeps
@@ -154,32 +161,32 @@ class CudaCopier(Copier):
         self.driver.write_value32(self._streams[direction], address, value)
 
     def elapsed_s(self, start: Mark, end: Mark) -> float:
-        return self.driver.elapsed_ms(start.event, end.event) / 1e3
+        return self.driver.elapsed_ms(_event(start), _event(end)) / 1e3
 
     def is_done(self, mark: Mark) -> bool:
-        if not mark.done and self.driver.query(mark.event):
+        if not mark.done and self.driver.query(_event(mark)):
             self._retire(mark)
         return mark.done
 
     def wait(self, mark: Mark) -> None:
         if not mark.done:
-            self.driver.synchronize(mark.event)
+            self.driver.synchronize(_event(mark))
             self._retire(mark)
 
     def order_after(self, direction: Direction, mark: Mark) -> None:
         if not self.is_done(mark):
-            self.driver.stream_wait(self._streams[direction], mark.event)
+            self.driver.stream_wait(self._streams[direction], _event(mark))
 
     def _retire(self, mark: Mark) -> None:
         # A stream may still be told to wait on a retired event: waiting on a completed event
         # is a no-op. A timed event goes back only once it has been read (`release`).
         mark.done = True
         if not mark.timed:
-            self._spare[False].append(mark.event)
+            self._spare[False].append(_event(mark))
 
     def release(self, mark: Mark) -> None:
         """A done, timed mark whose time has been read: its event may be reused."""
-        self._spare[True].append(mark.event)
+        self._spare[True].append(_event(mark))
 
 
 class ShardMark(Mark):

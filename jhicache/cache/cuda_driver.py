@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,7 +32,8 @@ def _address(array: np.ndarray) -> int:
     """The address of a C-contiguous array's data; through a ctypes view of its buffer, which
     costs less host time than `array.ctypes.data` (only read-only arrays take that way)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        # numpy's stubs do not declare the buffer protocol that ndarray has
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
     except (TypeError, ValueError):  # read-only, or empty
         return array.ctypes.data
 
@@ -100,7 +102,7 @@ class CudaDriver:
             self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(self._ctx))
             self._bound.done = True
 
-    def _batch_function(self) -> ctypes._CFuncPtr | None:
+    def _batch_function(self) -> Callable[..., int] | None:
         """cuMemcpyBatchAsync at the CUDA 13 ABI, or None if this driver is older."""
         pfn, status = ctypes.c_void_p(), ctypes.c_int()
         get = getattr(self._lib, "cuGetProcAddress_v2", None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool
@@ -43,7 +44,7 @@ class TieredCache:
     """Prefix cache over device pages with an optional pinned-host tier (None: device only)."""
 
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
-                 policy: WritePolicy = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
+                 policy: WritePolicy | str = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
                  write_through_threshold: int = 2, copier: Copier | None = None) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
@@ -63,7 +64,7 @@ class TieredCache:
         self.controller = (TransferController(device_pool, host_pool, copier)
                            if host_pool is not None else None)
         self.host = (HostTier(host_pool, self.tree, self.controller, self._stats)
-                     if self.controller else None)
+                     if host_pool is not None and self.controller is not None else None)
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
         self._loading_pages: dict[int, LoadTicket] = {}
@@ -355,7 +356,7 @@ class TieredCache:
         return self.host_alloc.num_free if self.host_alloc is not None else 0
 
     # -- introspection -------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:  # counts, and seconds spent copying
         stats = {**self._stats, "write_back_s": 0.0, "load_back_s": 0.0}
         if self.controller is not None:
             c, page_bytes = self.controller.counters, self.device_pool.layout.page_bytes

@@ -171,6 +171,11 @@ def gather_pieces(pages: int, smallest: int = 16,
     return doubling + plan(start, pages - start)[1]
 
 
+def _is_ready(array: jax.Array) -> bool:
+    """Whether a dispatched program's output is computed (jax.Array's stubs lack is_ready)."""
+    return array.is_ready()  # type: ignore[attr-defined]
+
+
 class _Fence(NamedTuple):
     """A dispatched compute that may still touch some device pages: no load copies into them
     before it is ready. Kept per compute, not per page: a step frees many pages and the fences
@@ -309,7 +314,7 @@ class TransferController:
         programs that may still touch them) is ready."""
         self._prune_fences()  # none piles up
         for compute in computes:
-            if compute.is_ready():
+            if _is_ready(compute):
                 continue
             fence = self._fences.setdefault(id(compute), _Fence(compute, set()))
             fence.pages.update(pages)
@@ -564,7 +569,7 @@ class TransferController:
     # -- completion ----------------------------------------------------------------------------
 
     def _prune_fences(self) -> None:
-        for key in [key for key, fence in self._fences.items() if fence.compute.is_ready()]:
+        for key in [key for key, fence in self._fences.items() if _is_ready(fence.compute)]:
             del self._fences[key]
 
     def _advance_writes(self, budget: float | None = None) -> float:
@@ -577,7 +582,7 @@ class TransferController:
                 break
             if write.mark is not None:
                 continue
-            if not write.staging.is_ready():
+            if not _is_ready(write.staging):
                 break
             budget = self._issue_write(write, budget)
         return budget

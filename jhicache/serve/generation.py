@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from jhicache.async_engine import AsyncEngine
 from jhicache.request import FinishReason, RequestOutput
@@ -107,7 +107,7 @@ class Generation:
         self._last_token_s: float | None = None
         self._ttft_s: float | None = None
 
-    async def updates(self) -> AsyncIterator[Update]:
+    async def updates(self) -> AsyncGenerator[Update, None]:
         stream = self._engine.stream(self.spec.prompt_ids, self.spec.params, self.spec.request_id)
         last: Update | None = None
         refused = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -22,7 +22,7 @@ logger = logging.getLogger("jhicache.serve")
 Encoder = Callable[[Update], Iterable[bytes]]
 
 
-async def first_update(request: Request, updates: AsyncIterator[Update]) -> Update | None:
+async def first_update(request: Request, updates: AsyncGenerator[Update, None]) -> Update | None:
     """The first update: the request is submitted and has its first token (or has ended);
     None if the client disconnected first (the request is then aborted). A request the engine
     refuses (prompt too long for the context or the pool, a token id out of the vocabulary...)
@@ -37,7 +37,7 @@ async def first_update(request: Request, updates: AsyncIterator[Update]) -> Upda
     return await _unless_disconnected(request, submit(), updates)
 
 
-def event_stream(first: Update, updates: AsyncIterator[Update], chunks: Encoder,
+def event_stream(first: Update, updates: AsyncGenerator[Update, None], chunks: Encoder,
                  end: Encoder) -> StreamingResponse:
     """SSE: `chunks(update)` for each update, `end(last)` after the last one, then [DONE].
 
@@ -67,7 +67,7 @@ def event_stream(first: Update, updates: AsyncIterator[Update], chunks: Encoder,
 
 
 async def last_update(request: Request, first: Update,
-                      updates: AsyncIterator[Update]) -> Update | None:
+                      updates: AsyncGenerator[Update, None]) -> Update | None:
     """Runs the request to its end; None if the client disconnected first (it was aborted)."""
 
     async def finish() -> Update:
@@ -83,7 +83,7 @@ async def last_update(request: Request, first: Update,
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Update],
-                               updates: AsyncIterator[Update]) -> Update | None:
+                               updates: AsyncGenerator[Update, None]) -> Update | None:
     """`work`'s result, or None if the client disconnects first. Nothing cancels a handler
     whose client has left, so the work is raced against the connection's disconnect message;
     cancelling it reaches the engine stream inside `updates`, which aborts the request."""
