@@ -30,9 +30,9 @@ from collections.abc import Callable
 import numpy as np
 
 from jhicache import batch as batch_module
-from jhicache import bench
 from jhicache import engine as engine_module
-from jhicache.bench import save_json
+from jhicache.bench import command as bench
+from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 from jhicache.sampling import SamplingParams
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache import bench
-from jhicache.bench import save_json
+from jhicache.bench import command as bench
+from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 
 

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jhicache import bench, bench_clients
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench import clients as bench_clients
+from jhicache.bench import command as bench
+from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
 TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24",
         "--output-length", "2", "--page-size", "8", "--dtype", "float32"]

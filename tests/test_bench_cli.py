@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from jhicache import bench
+from jhicache.bench import command as bench
 from jhicache.config import WritePolicy
 
 

@@ -17,8 +17,10 @@ for _module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jhicache import AsyncEngine, Engine, SamplingParams, bench, bench_http  # noqa: E402
-from jhicache.bench_backends import ServerError  # noqa: E402
+from jhicache import AsyncEngine, Engine, SamplingParams  # noqa: E402
+from jhicache.bench import command as bench  # noqa: E402
+from jhicache.bench import remote as bench_http  # noqa: E402
+from jhicache.bench.backends import ServerError  # noqa: E402
 from jhicache.serve.context import ServerContext  # noqa: E402
 from jhicache.serve.thread import ServerThread, free_socket  # noqa: E402
 

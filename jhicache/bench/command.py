@@ -1,7 +1,7 @@
 """`python -m jhicache.bench`: model throughput, the multi-turn cache benchmark, and host-hit TTFT.
 
 With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
-minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench_kernels`) instead.
+minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench.kernels`) instead.
 `multiturn --url URL` drives a running server's POST /generate instead of an engine in this
 process; `serve-overhead` runs the multi-turn workload through the server (uvicorn in this
 process) and in process, on identically configured engines, and reports the difference.
@@ -31,16 +31,15 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jhicache import bench_clients as clients
-from jhicache import bench_report as report
 from jhicache.async_engine import AsyncEngine
-from jhicache.bench_backends import EngineBackend, ServerError
+from jhicache.bench import clients, report
+from jhicache.bench.backends import EngineBackend, ServerError
+from jhicache.bench.workload import MultiTurnSpec, output_lengths, user_turns
 from jhicache.config import EngineConfig, KVDtype, WritePolicy
 from jhicache.engine import Engine
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
 from jhicache.sampling import SamplingParams
-from jhicache.workload import MultiTurnSpec, output_lengths, user_turns
 
 # unbounded: the device cache holding the whole working set
 MODES = ("off", "device", "hierarchical", "unbounded")
@@ -486,10 +485,10 @@ async def drive_url(url: str, spec: MultiTurnSpec, config: clients.ClientsConfig
                     progress: tqdm) -> clients.ClientsRun:
     """The clients' conversations through the server at `url`: POST /generate, streamed, with
     the sampling params the in-process path gives the engine."""
-    from jhicache import bench_http  # httpx: in the serve and test extras, not the base install
+    from jhicache.bench import remote  # httpx: in the serve and test extras, not the base install
 
     connections = config.max_parallel or spec.num_clients
-    async with bench_http.http_backend(url, connections) as backend:
+    async with remote.http_backend(url, connections) as backend:
         return await clients.run_clients(backend, user_turns(spec), turn_params(spec), config,
                                          on_turn=lambda turn: progress.update(1))
 
@@ -521,18 +520,18 @@ def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict],
 def bench_remote(args: argparse.Namespace) -> dict:
     """The workload against the server at --url, as it was started (its cache mode and pools,
     warmed up by itself): /flush_cache, then the measured run."""
-    from jhicache import bench_http
+    from jhicache.bench import remote
 
-    info = bench_http.model_info(args.url)
+    info = remote.model_info(args.url)
     vocab = info.get("vocab_size") or preset_config(args.preset).vocab_size
     spec = multiturn_spec(args, vocab)
     requests = spec.num_clients * spec.num_rounds
     with tqdm(total=requests, desc="multiturn", unit="request", file=sys.stderr,
               disable=None) as progress:
-        bench_http.flush_cache(args.url)  # as a fresh engine: nothing cached from before
-        before = bench_http.serving_compiles(args.url)
+        remote.flush_cache(args.url)  # as a fresh engine: nothing cached from before
+        before = remote.serving_compiles(args.url)
         run = asyncio.run(drive_url(args.url, spec, clients_config(args, args.seed), progress))
-        after = bench_http.serving_compiles(args.url)
+        after = remote.serving_compiles(args.url)
     server = {"url": args.url, "model_info": info, "vocab_size": vocab,
               "vocab_from": "/get_model_info" if info.get("vocab_size") else "--preset",
               "note": REMOTE_NOTE}
@@ -774,11 +773,11 @@ def run(args: argparse.Namespace) -> dict:
         print(report.multiturn_table(result))
         save_json(result, args.out)
     if args.what == "serve-overhead":
-        # The server sits above the bench (it imports jhicache, not the other way): only this
-        # command needs it, so it is imported here.
-        from jhicache.serve import overhead
+        # The server (fastapi, uvicorn: the serve extra) is needed by this command alone, so it
+        # is imported here.
+        from jhicache.bench import serve_overhead
 
-        result["serve_overhead"] = overhead.bench_serve_overhead(
+        result["serve_overhead"] = serve_overhead.bench_serve_overhead(
             args, model_vocab(args),
             lambda part: save_json({**result, "serve_overhead": part}, args.out))
         print(report.serve_overhead_table(result["serve_overhead"]))
@@ -812,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
                   "it needs a GPU", file=sys.stderr)
             return 2
-        from jhicache.bench_kernels.cli import main as bench_kernels
+        from jhicache.bench.kernels.cli import main as bench_kernels
 
         bench_kernels([] if args.out is None else ["--out", args.out])
         return 0

@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from jhicache import bench
-from jhicache import bench_clients as clients
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench import clients
+from jhicache.bench import command as bench
+from jhicache.bench.workload import MultiTurnSpec
 from jhicache.engine import Engine
 from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
-from jhicache.workload import MultiTurnSpec
 
 HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
        "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine; each path a "
