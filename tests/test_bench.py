@@ -14,6 +14,7 @@ from tqdm import tqdm
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import (
     cli,
+    clients,
     command,
     compile_counter,
     engines,
@@ -22,7 +23,6 @@ from jhicache.bench import (
     report,
     workload,
 )
-from jhicache.bench import clients as bench_clients
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
 
@@ -157,7 +157,7 @@ class CountingAsyncEngine(AsyncEngine):
             self.open -= 1
 
 
-def run_clients(argv: list[str], monkeypatch) -> tuple[bench_clients.ClientsRun, int]:
+def run_clients(argv: list[str], monkeypatch) -> tuple[clients.ClientsRun, int]:
     """multiturn.drive_clients on a fresh hierarchical engine; also the most streams open at
     once."""
     args = cli.parse_args(["multiturn", *EVICTING, *argv])
@@ -177,7 +177,7 @@ def test_round_barrier_on_gives_the_old_generate_paths_hits_and_tokens(monkeypat
     rates, histories = generate_rounds(args, spec)
     assert any(host > 0 for _, host in rates)  # the workload does load back
     run, _ = run_clients([], monkeypatch)
-    summaries = [bench_clients.round_summary([t for t in run.turns if t.round == r])
+    summaries = [clients.round_summary([t for t in run.turns if t.round == r])
                  for r in range(3)]
     assert [(s["device_hit_rate"], s["host_hit_rate"]) for s in summaries] == rates
     assert list(run.histories) == histories
