@@ -1,4 +1,4 @@
-"""The argparse types and actions of `python -m jhicache.bench`'s options: each checks one value."""
+"""The argparse types and actions of `python -m jhicache.bench`: each checks one value."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The command line of `python -m jhicache.bench`: its options, and the usage errors that involve
-more than one of them."""
+"""The command line of `python -m jhicache.bench`: its options, and checks across options."""
 
 from __future__ import annotations
 

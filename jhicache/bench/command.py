@@ -1,5 +1,4 @@
-"""The command `python -m jhicache.bench`: runs the benchmarks its command line names, prints their
-tables and writes their JSON."""
+"""`python -m jhicache.bench`: runs the benchmarks named, prints their tables, writes JSON."""
 
 from __future__ import annotations
 

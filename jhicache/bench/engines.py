@@ -1,5 +1,4 @@
-"""The bench's engines: their EngineConfig from the command line, built from a preset's random
-weights or a checkpoint."""
+"""The bench's engines: their EngineConfig from the command line, from a preset or weights."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The host-hit bench (`host-hit`): one request's TTFT with its prefix cached nowhere, on device
-or on host only, beside the load alone, PCIe copies and a write-back."""
+"""The host-hit bench: TTFT of a prefix cached nowhere, on device or on host, and ceilings."""
 
 from __future__ import annotations
 

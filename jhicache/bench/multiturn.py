@@ -1,5 +1,4 @@
-"""The multi-turn cache bench (`multiturn`), in process: each mode's measured run on a warmed-up
-engine, driven by the clients through an AsyncEngine, and its summary."""
+"""The multi-turn bench in process: each cache mode's measured run on a warm engine."""
 
 from __future__ import annotations
 

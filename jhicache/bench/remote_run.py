@@ -1,5 +1,4 @@
-"""The multi-turn bench against a running server (`multiturn --url`): its clients over HTTP, and
-the one measured run."""
+"""`multiturn --url`: the multi-turn clients' one measured run against a running server."""
 
 from __future__ import annotations
 

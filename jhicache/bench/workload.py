@@ -1,5 +1,4 @@
-"""The benchmarks' prompts: random ones, and a multi-turn chat workload shaped like SGLang's
-bench_multiturn.py (N clients x R rounds, seeded)."""
+"""The benchmarks' prompts: random ones, and SGLang-style multi-turn chats, seeded."""
 
 from __future__ import annotations
 
