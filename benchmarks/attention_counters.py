@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-from jhicache.bench_kernels.cases import inputs, kernel, resolve, target_cases
+from jhicache.bench.kernels.cases import inputs, kernel, resolve, target_cases
 
 CASES = ("extend_qwen2-7b_64_over_8192", "prefill_qwen2-7b_4x2048")
 

@@ -24,9 +24,9 @@ import jhicache.pallas_kernels as pk
 import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
-from jhicache.bench import save_json
-from jhicache.bench_kernels.shapes import PAGE, SHAPES, random_array
-from jhicache.bench_kernels.timing import per_layer_seconds, safe
+from jhicache.bench.command import save_json
+from jhicache.bench.kernels.shapes import PAGE, SHAPES, random_array
+from jhicache.bench.kernels.timing import per_layer_seconds, safe
 
 
 def _over_layers(kernel):

@@ -24,7 +24,7 @@ import numpy as np
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
-from jhicache.bench import save_json
+from jhicache.bench.command import save_json
 
 
 def dispatch_ms(engine: Engine, inputs) -> float:

@@ -7,7 +7,7 @@ prompt's TTFT.
   programs are dispatched 10 times back to back (the host hidden behind the GPU) and once at a
   time (blocked on each); the floor is the bytes the forward must read (every weight it uses:
   the layers and the head, not the embedding rows it looks up; plus the K/V of every cached and
-  new token) over the HBM read ceiling measured in the same run (`bench_kernels`' hbm_read).
+  new token) over the HBM read ceiling measured in the same run (`bench.kernels`' hbm_read).
 - Per kernel: one more forward traced by `jax.profiler` (CUPTI), its GPU events summed by
   kernel name (the trace's own durations; the profiler adds a little to each).
 - Host time of one forward's dispatch (`dispatch_us`: both programs, the device idle at each
@@ -32,8 +32,8 @@ import numpy as np
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
-from jhicache.bench import save_json
-from jhicache.bench_kernels.timing import dispatch_us, hbm_read, timeit
+from jhicache.bench.command import save_json
+from jhicache.bench.kernels.timing import dispatch_us, hbm_read, timeit
 
 
 def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Generator):

@@ -9,7 +9,7 @@ polling without blocking, when the load had landed (its event) and when the samp
 ready on the device; the same for a device hit of the same shape. Polling adds no work to the
 device; it delays the host's next step, so the step() after it is not timed.
 
-`--write-back`: also the phases of pushing the prefix to host (`bench.push_to_host`: the
+`--write-back`: also the phases of pushing the prefix to host (`host_hit.push_to_host`: the
 eviction, the gathers, their host copies, the wait), on the host clock from its start, with the
 copies' own span by their device-side marks; `--profile` then profiles that push instead.
 `--gather-mb` sets how many bytes a write-back gathers first, before the rest
@@ -30,9 +30,10 @@ from collections.abc import Callable
 import numpy as np
 
 from jhicache import batch as batch_module
-from jhicache import bench
 from jhicache import engine as engine_module
-from jhicache.bench import save_json
+from jhicache.bench import host_hit, workload
+from jhicache.bench.cli import parse_args
+from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 from jhicache.sampling import SamplingParams
 
@@ -137,7 +138,7 @@ def traced(engine, prompt: list[int], log: list, calls: list,
 
 def traced_write_back(engine, log: list, calls: list,
                       profile: cProfile.Profile | None = None) -> dict:
-    """`bench.push_to_host` with its phases on the host clock from its start (ms), and its
+    """`host_hit.push_to_host` with its phases on the host clock from its start (ms), and its
     copies' span by their device-side marks."""
     log.clear()
     calls.clear()
@@ -145,7 +146,7 @@ def traced_write_back(engine, log: list, calls: list,
     if profile is not None:
         profile.enable()
     t0 = time.perf_counter()
-    seconds = bench.push_to_host(engine)
+    seconds = host_hit.push_to_host(engine)
     if profile is not None:
         profile.disable()
     after = engine.stats()
@@ -213,11 +214,11 @@ def main() -> None:
     parser.add_argument("--out")
     cli = parser.parse_args()
     profile = cProfile.Profile() if cli.profile else None
-    args = bench.parse_args(["host-hit", "--preset", cli.preset,
-                             *(["--host-hit-prefix", str(cli.prefix)] if cli.prefix else [])])
-    engine = bench.host_hit_engine(args, gather_head_bytes=cli.gather_mb << 20)
+    args = parse_args(["host-hit", "--preset", cli.preset,
+                       *(["--host-hit-prefix", str(cli.prefix)] if cli.prefix else [])])
+    engine = host_hit.host_hit_engine(args, gather_head_bytes=cli.gather_mb << 20)
     rng = np.random.default_rng(args.seed + 1)
-    bench.host_hit_trial(engine, rng, args)  # compiles every shape
+    host_hit.host_hit_trial(engine, rng, args)  # compiles every shape
     log: list = []
     calls: list = []
     instrument(engine, log, cli.write_back)
@@ -226,13 +227,13 @@ def main() -> None:
     burst = Burst(engine, cli.beside_copies << 20) if cli.beside_copies else None
     out = []
     for _ in range(cli.trials):
-        prefix, = bench.random_prompts(rng, vocab, 1, args.host_hit_prefix)
-        turns = bench.random_prompts(rng, vocab, 3, args.host_hit_turn)
-        bench.ttft_of(engine, prefix + turns[0])
+        prefix, = workload.random_prompts(rng, vocab, 1, args.host_hit_prefix)
+        turns = workload.random_prompts(rng, vocab, 3, args.host_hit_turn)
+        host_hit.ttft_of(engine, prefix + turns[0])
         if cli.write_back:
             pushed = traced_write_back(engine, log, calls, profile)
         else:
-            bench.push_to_host(engine)
+            host_hit.push_to_host(engine)
         host = traced(engine, prefix + turns[1], log, calls,
                       None if cli.write_back else profile)
         device = traced(engine, prefix + turns[2], log, calls)
@@ -240,12 +241,12 @@ def main() -> None:
         if cli.write_back:
             out[-1]["write_back"] = pushed
         if burst is not None:
-            turn, = bench.random_prompts(rng, vocab, 1, args.host_hit_turn)
+            turn, = workload.random_prompts(rng, vocab, 1, args.host_hit_turn)
             burst.start()
             out[-1]["device_hit_beside_copies"] = traced(engine, prefix + turn, log, calls)
             burst.wait()
         if cli.after_wait:
-            turn, = bench.random_prompts(rng, vocab, 1, args.host_hit_turn)
+            turn, = workload.random_prompts(rng, vocab, 1, args.host_hit_turn)
             block_on_busy_gpu()
             out[-1]["device_hit_after_wait"] = traced(engine, prefix + turn, log, calls)
         print(json.dumps(out[-1]), flush=True)

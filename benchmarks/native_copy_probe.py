@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.bench import save_json
+from jhicache.bench.command import save_json
 from jhicache.cache.cuda_driver import CudaDriver, load_library
 from jhicache.cache.host_memory import HostMemory
 

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jhicache.bench import save_json
+from jhicache.bench.command import save_json
 
 LAYERS, LAYER_BYTES = 28, 8192 * 4 * 128 * 2 * 2  # K and V of 8192 tokens, 4 heads x 128, bf16
 BLOCK = 4096  # bf16 elements per program (Triton blocks are powers of two)

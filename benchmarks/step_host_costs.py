@@ -79,7 +79,7 @@ def cache_tokens(engine: Engine, tokens: list[int]) -> None:
 
 
 def push_to_host(engine: Engine) -> None:
-    """As jhicache/bench.py: evict every unlocked device page (writing back) and wait for the
+    """As bench/host_hit.py: evict every unlocked device page (writing back) and wait for the
     copies."""
     engine.cache.evict_device(engine.cache.evictable_device_pages)
     engine.cache.flush()

@@ -22,7 +22,7 @@ import numpy as np
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
-from jhicache.bench import save_json
+from jhicache.bench.command import save_json
 
 
 def forward_alone_ms(engine: Engine, n: int) -> float:

@@ -26,25 +26,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache import bench
-from jhicache.bench import save_json
+from jhicache.bench import host_hit, workload
+from jhicache.bench.cli import parse_args
+from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 
 
 def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
           big: jax.Array, host: jax.sharding.Sharding) -> dict:
     vocab = engine.model_config.vocab_size
-    prefix, other = bench.random_prompts(rng, vocab, 2, prefix_len)
-    turns = bench.random_prompts(rng, vocab, 6, turn_len)
-    bench.ttft_of(engine, prefix + turns[0])
-    alone_s, _ = bench.ttft_of(engine, prefix + turns[1])
-    beside_s = bench.device_hit_beside_write_back(engine, prefix, other, turns[2:5])
+    prefix, other = workload.random_prompts(rng, vocab, 2, prefix_len)
+    turns = workload.random_prompts(rng, vocab, 6, turn_len)
+    host_hit.ttft_of(engine, prefix + turns[0])
+    alone_s, _ = host_hit.ttft_of(engine, prefix + turns[1])
+    beside_s = host_hit.device_hit_beside_write_back(engine, prefix, other, turns[2:5])
     start = time.perf_counter()
     copied = jax.device_put(big, host)
-    xla_s, _ = bench.ttft_of(engine, prefix + turns[5])
+    xla_s, _ = host_hit.ttft_of(engine, prefix + turns[5])
     copied.block_until_ready()
     copy_s = time.perf_counter() - start
-    bench.push_to_host(engine)
+    host_hit.push_to_host(engine)
     return {"device_hit_alone_ttft_s": alone_s, "beside_write_back_ttft_s": beside_s,
             "beside_xla_copy_ttft_s": xla_s, "xla_copy_s": copy_s}
 
@@ -58,9 +59,9 @@ def main() -> None:
                         default=TransferTuning().write_piece_bytes >> 20)
     parser.add_argument("--out")
     cli = parser.parse_args()
-    args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
-                             str(cli.prefix)])
-    engine = bench.host_hit_engine(args, write_piece_bytes=cli.piece_mb << 20)
+    args = parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
+                       str(cli.prefix)])
+    engine = host_hit.host_hit_engine(args, write_piece_bytes=cli.piece_mb << 20)
     nbytes = cli.prefix // args.page_size * engine.device_pool.layout.page_bytes
     device = jax.devices()[0]
     big = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)

@@ -6,11 +6,11 @@ gather stages first (`TransferTuning.gather_head_bytes`).
 
 One engine; the head sizes in turn, twice round (order effects show), each after a warm-up
 trial that compiles its gathers. Per trial: a prefix computed, then pushed to host
-(`bench.push_to_host`: eviction, gathers, copies, the wait), timed end to end on the host
+(`host_hit.push_to_host`: eviction, gathers, copies, the wait), timed end to end on the host
 clock, its copies' span by their device-side marks, the first host copy's queuing on the host
 clock from the push's start, and the PCIe ceiling (one contiguous XLA copy of as many bytes to
-pinned host, `bench.pcie_copy_seconds`); then a device hit on the prefix beside a write-back of
-another prefix as long (`bench.device_hit_beside_write_back`) and alone. A head above the
+pinned host, `host_hit.pcie_copy_seconds`); then a device hit on the prefix beside a write-back of
+another prefix as long (`host_hit.device_hit_beside_write_back`) and alone. A head above the
 write-back's size gathers it whole, as before pieces.
 """
 
@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
-from jhicache import bench
-from jhicache.bench import save_json
+from jhicache.bench import host_hit, workload
+from jhicache.bench.cli import parse_args
+from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 
 
@@ -44,19 +45,19 @@ def first_copy_clock(engine) -> list[float]:
 def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
           issued: list[float]) -> dict:
     vocab = engine.model_config.vocab_size
-    prefix, other = bench.random_prompts(rng, vocab, 2, prefix_len)
-    turns = bench.random_prompts(rng, vocab, 5, turn_len)
-    bench.ttft_of(engine, prefix + turns[0])
+    prefix, other = workload.random_prompts(rng, vocab, 2, prefix_len)
+    turns = workload.random_prompts(rng, vocab, 5, turn_len)
+    host_hit.ttft_of(engine, prefix + turns[0])
     before = engine.stats()
     issued.clear()
     start = time.perf_counter()
-    seconds = bench.push_to_host(engine)
+    seconds = host_hit.push_to_host(engine)
     after = engine.stats()
     nbytes = after.write_back_bytes - before.write_back_bytes
-    beside_s = bench.device_hit_beside_write_back(engine, prefix, other, turns[1:4])
-    alone_s, _ = bench.ttft_of(engine, prefix + turns[4])
-    bench.push_to_host(engine)
-    pcie_s = bench.pcie_copy_seconds(nbytes, to_host=True)
+    beside_s = host_hit.device_hit_beside_write_back(engine, prefix, other, turns[1:4])
+    alone_s, _ = host_hit.ttft_of(engine, prefix + turns[4])
+    host_hit.push_to_host(engine)
+    pcie_s = host_hit.pcie_copy_seconds(nbytes, to_host=True)
     return {"write_back_s": seconds, "copies_s": after.write_back_s - before.write_back_s,
             "first_copy_queued_s": issued[0] - start, "bytes": nbytes, "pcie_to_host_s": pcie_s,
             "end_to_end_over_pcie": pcie_s / seconds, "device_hit_beside_ttft_s": beside_s,
@@ -82,9 +83,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--out")
     cli = parser.parse_args()
-    args = bench.parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
-                             str(cli.prefix)])
-    engine = bench.host_hit_engine(args)
+    args = parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
+                       str(cli.prefix)])
+    engine = host_hit.host_hit_engine(args)
     issued = first_copy_clock(engine)
     rng = np.random.default_rng(args.seed + 3)
     heads = [int(mb) for mb in cli.head_mb.split(",")]

@@ -32,7 +32,7 @@ from jhicache.models import (
 from jhicache.models.sharding import TensorParallel, param_names
 
 from jhicache import Engine, EngineConfig, SamplingParams
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
+from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 
 DEVICES = 4
 # 3 clients x 2 rounds of 40-token turns: 3 x 86 tokens at the end, over a 160-token pool

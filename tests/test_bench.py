@@ -9,11 +9,22 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tqdm import tqdm
 
-from jhicache import bench, bench_clients
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench import (
+    cli,
+    clients,
+    command,
+    compile_counter,
+    engines,
+    host_hit,
+    multiturn,
+    report,
+    workload,
+)
+from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
 
 TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24",
         "--output-length", "2", "--page-size", "8", "--dtype", "float32"]
@@ -23,7 +34,7 @@ def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, ca
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out),
             "--plot", str(png)]
-    assert bench.main(argv) == 0
+    assert command.main(argv) == 0
     printed = capsys.readouterr()
     assert "timings only check that the bench runs" in printed.out.splitlines()[0]  # a CPU run
     assert png.read_bytes().startswith(b"\x89PNG") and f"plot written to {png}" in printed.out
@@ -53,7 +64,7 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     out = tmp_path / "hit.json"
     args = ["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8",
             "--host-hit-trials", "3", "--out", str(out)]
-    assert bench.main(args) == 0
+    assert command.main(args) == 0
     hit = json.loads(out.read_text())["host_hit"]
     assert hit["host_hit_tokens"] == 64
     assert hit["pcie_s"] > 0 and hit["host_hit_ratio"] == pytest.approx(
@@ -69,15 +80,15 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
 
 
 def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:
-    args = bench.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
-    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
-                               load_back_threshold=1)
+    args = cli.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
+    engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
+                                 load_back_threshold=1)
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size
-    prefix, other = bench.random_prompts(rng, vocab, 2, 64)
-    turns = bench.random_prompts(rng, vocab, 3, 8)
+    prefix, other = workload.random_prompts(rng, vocab, 2, 64)
+    turns = workload.random_prompts(rng, vocab, 3, 8)
     before = engine.stats()
-    assert bench.device_hit_beside_write_back(engine, prefix, other, turns) > 0
+    assert host_hit.device_hit_beside_write_back(engine, prefix, other, turns) > 0
     after = engine.stats()
     assert after.load_back_bytes == before.load_back_bytes  # `prefix` never left the device
     page_bytes = engine.device_pool.layout.page_bytes
@@ -88,7 +99,7 @@ def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -
 
 def test_unknown_mode_is_a_clear_error(capsys) -> None:
     with pytest.raises(SystemExit):
-        bench.parse_args(["multiturn", "--modes", "off,warp"])
+        cli.parse_args(["multiturn", "--modes", "off,warp"])
     assert "unknown mode" in capsys.readouterr().err
 
 
@@ -98,10 +109,10 @@ def test_multiturn_saves_finished_modes_when_a_later_one_fails(tmp_path, monkeyp
             raise KeyboardInterrupt
         return {"rounds": [], "mode": mode}
 
-    monkeypatch.setattr(bench, "run_multiturn_mode", only_off)
+    monkeypatch.setattr(multiturn, "run_multiturn_mode", only_off)
     out = tmp_path / "partial.json"
     with pytest.raises(KeyboardInterrupt):
-        bench.main(["multiturn", *TINY, "--modes", "off,device", "--out", str(out)])
+        command.main(["multiturn", *TINY, "--modes", "off,device", "--out", str(out)])
     assert json.loads(out.read_text())["modes"] == {"off": {"rounds": [], "mode": "off"}}
 
 
@@ -111,8 +122,8 @@ EVICTING = ["--preset", "tiny", "--clients", "3", "--rounds", "3", "--request-le
 
 
 def engine_for(args, spec: MultiTurnSpec):
-    return bench.make_engine(args, cache_mode="hierarchical",
-                             device_kv_tokens=bench.device_tokens_for(args, spec))
+    return engines.make_engine(args, cache_mode="hierarchical",
+                               device_kv_tokens=multiturn.device_tokens_for(args, spec))
 
 
 def generate_rounds(args, spec: MultiTurnSpec) -> tuple[list[tuple[float, float]], list]:
@@ -146,26 +157,27 @@ class CountingAsyncEngine(AsyncEngine):
             self.open -= 1
 
 
-def run_clients(argv: list[str], monkeypatch) -> tuple[bench_clients.ClientsRun, int]:
-    """bench.drive_clients on a fresh hierarchical engine; also the most streams open at once."""
-    args = bench.parse_args(["multiturn", *EVICTING, *argv])
-    spec = bench.multiturn_spec(args, 512)
+def run_clients(argv: list[str], monkeypatch) -> tuple[clients.ClientsRun, int]:
+    """multiturn.drive_clients on a fresh hierarchical engine; also the most streams open at
+    once."""
+    args = cli.parse_args(["multiturn", *EVICTING, *argv])
+    spec = multiturn.multiturn_spec(args, 512)
     served: list[CountingAsyncEngine] = []
-    monkeypatch.setattr(bench, "AsyncEngine",
+    monkeypatch.setattr(multiturn, "AsyncEngine",
                         lambda e: served.append(CountingAsyncEngine(e)) or served[-1])
-    progress = bench.tqdm(disable=True)
-    run = asyncio.run(bench.drive_clients(engine_for(args, spec), spec,
-                                          bench.clients_config(args, args.seed), progress))
+    progress = tqdm(disable=True)
+    run = asyncio.run(multiturn.drive_clients(engine_for(args, spec), spec,
+                                              multiturn.clients_config(args, args.seed), progress))
     return run, served[0].most_open
 
 
 def test_round_barrier_on_gives_the_old_generate_paths_hits_and_tokens(monkeypatch) -> None:
-    args = bench.parse_args(["multiturn", *EVICTING])
-    spec = bench.multiturn_spec(args, 512)
+    args = cli.parse_args(["multiturn", *EVICTING])
+    spec = multiturn.multiturn_spec(args, 512)
     rates, histories = generate_rounds(args, spec)
     assert any(host > 0 for _, host in rates)  # the workload does load back
     run, _ = run_clients([], monkeypatch)
-    summaries = [bench_clients.round_summary([t for t in run.turns if t.round == r])
+    summaries = [clients.round_summary([t for t in run.turns if t.round == r])
                  for r in range(3)]
     assert [(s["device_hit_rate"], s["host_hit_rate"]) for s in summaries] == rates
     assert list(run.histories) == histories
@@ -173,8 +185,8 @@ def test_round_barrier_on_gives_the_old_generate_paths_hits_and_tokens(monkeypat
 
 
 def test_no_barrier_keeps_max_parallel_and_the_same_conversations(monkeypatch) -> None:
-    args = bench.parse_args(["multiturn", *EVICTING])
-    _, histories = generate_rounds(args, bench.multiturn_spec(args, 512))
+    args = cli.parse_args(["multiturn", *EVICTING])
+    _, histories = generate_rounds(args, multiturn.multiturn_spec(args, 512))
     argv = ["--round-barrier", "off", "--request-rate", "50", "--max-parallel", "2"]
     run, most_open = run_clients(argv, monkeypatch)
     assert most_open == 2 and run.max_in_flight == 2
@@ -209,7 +221,7 @@ def test_compile_counter_names_what_compiled_in_its_block() -> None:
     program = jax.jit(shifted_by_seven)
     three, five = jnp.ones(3), jnp.ones(5)
     program(three)  # compiled before the block: not counted
-    with bench.CompileCounter() as compiles:
+    with compile_counter.CompileCounter() as compiles:
         program(three)
         program(five)  # a new shape
     assert compiles.count == 1
@@ -224,7 +236,7 @@ def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
     first, other = list(range(1, 25)), list(range(100, 124))
     engine.generate([first], SamplingParams(max_new_tokens=1))
     engine.generate([other], SamplingParams(max_new_tokens=1))  # evicts `first` to host
-    ttft_s, out, timeline = bench.traced_ttft(engine, first + [7, 7, 7, 7])
+    ttft_s, out, timeline = host_hit.traced_ttft(engine, first + [7, 7, 7, 7])
     assert out.host_hit_tokens == 24
     flags = np.asarray(jnp.copy(engine.device_pool.load_flags))
     assert (flags[:-1] >= 1).all() and flags[-1] == 0  # every layer's flag set by its load
@@ -236,7 +248,7 @@ def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
     assert all(p["ms"] >= 0 and p["generation"] in (0, 1, 2) for p in timeline["gc_pauses"])
     row = {**_HOST_HIT_ROW, "host_hit_timeline": timeline, "engine_load_back_s": 0.002,
            "engine_load_gated_steps": 1, "gate_timeouts": 0}
-    text = bench.report.host_hit_table(row)
+    text = report.host_hit_table(row)
     assert "step() returned at" in text and "gate timeouts 0" in text
     assert "garbage collections" in text
 
@@ -244,7 +256,7 @@ def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
 def test_gc_pauses_records_each_collection_inside_the_block() -> None:
     import gc
 
-    with bench.gc_pauses() as pauses:
+    with host_hit.gc_pauses() as pauses:
         gc.collect(1)
         gc.collect(2)
     gc.collect()  # outside: not recorded
@@ -260,11 +272,11 @@ _HOST_HIT_ROW = {"prefix_tokens": 64, "turn_tokens": 8, "no_cache_ttft_s": 0.1,
 
 
 def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -> None:
-    args = bench.parse_args(["multiturn", *TINY, "--seed", "7", "--range-ratio", "0.5"])
-    spec = bench.multiturn_spec(args, 512)
-    args._device_tokens = bench.device_tokens_for(args, spec)  # as bench_multiturn sets it
-    measured = bench.measured_run(args, spec, "hierarchical", bench.tqdm(disable=True))
-    summary = bench.measured_summary(measured, spec)
+    args = cli.parse_args(["multiturn", *TINY, "--seed", "7", "--range-ratio", "0.5"])
+    spec = multiturn.multiturn_spec(args, 512)
+    args._device_tokens = multiturn.device_tokens_for(args, spec)  # as bench_multiturn sets it
+    measured = multiturn.measured_run(args, spec, "hierarchical", tqdm(disable=True))
+    summary = multiturn.measured_summary(measured, spec)
     assert summary["warmup"]["shapes"] == len(measured.engine.grid.shapes()) > 0
     assert summary["compiles_during_run"]["count"] == 0
     assert measured.engine.stats().compiles_serving == 0

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 
-from jhicache import bench
+from jhicache.bench import arg_types, cli, command
 from jhicache.config import WritePolicy
 
 
 def usage_error(capsys, argv: list[str]) -> str:
     """parse_args's stderr for `argv`, which must exit like argparse does on a usage error."""
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(argv)
+        cli.parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "Traceback" not in err
@@ -40,13 +41,13 @@ def test_request_rate_must_be_positive_or_inf(capsys, value: str) -> None:
 
 
 def test_sending_options_parse_and_default_to_todays_behaviour() -> None:
-    args = bench.parse_args([])
+    args = cli.parse_args([])
     assert args.request_rate == float("inf") and args.max_parallel is None
     assert (args.ready_queue_policy, args.round_barrier) == ("fifo", "on")
-    args = bench.parse_args(["--request-rate", "16", "--max-parallel", "8",
-                             "--ready-queue-policy", "random", "--round-barrier", "off"])
+    args = cli.parse_args(["--request-rate", "16", "--max-parallel", "8",
+                           "--ready-queue-policy", "random", "--round-barrier", "off"])
     assert (args.request_rate, args.max_parallel) == (16.0, 8)
-    assert bench.parse_args(["--request-rate", "inf"]).request_rate == float("inf")
+    assert cli.parse_args(["--request-rate", "inf"]).request_rate == float("inf")
 
 
 @pytest.mark.parametrize("option", ["--ready-queue-policy", "--round-barrier"])
@@ -55,7 +56,7 @@ def test_sending_choices(capsys, option: str) -> None:
 
 
 def test_seed_may_be_zero_but_not_negative(capsys) -> None:
-    assert bench.parse_args(["--seed", "0"]).seed == 0
+    assert cli.parse_args(["--seed", "0"]).seed == 0
     assert "argument --seed:" in usage_error(capsys, ["--seed", "-1"])
 
 
@@ -69,8 +70,8 @@ def test_modes_named_twice(capsys) -> None:
 
 
 def test_modes_parse_to_a_tuple_in_order() -> None:
-    assert bench.parse_args(["--modes", " unbounded, off "]).modes == ("unbounded", "off")
-    assert bench.parse_args([]).modes == bench.MODES
+    assert cli.parse_args(["--modes", " unbounded, off "]).modes == ("unbounded", "off")
+    assert cli.parse_args([]).modes == arg_types.MODES
 
 
 def test_unknown_preset_lists_the_presets(capsys) -> None:
@@ -79,7 +80,7 @@ def test_unknown_preset_lists_the_presets(capsys) -> None:
 
 
 def test_preset_takes_the_engines_spellings() -> None:
-    assert bench.parse_args(["--preset", "Qwen/Qwen2-0.5B"]).preset == "qwen2-0.5b"
+    assert cli.parse_args(["--preset", "Qwen/Qwen2-0.5B"]).preset == "qwen2-0.5b"
 
 
 def test_weights_must_be_a_checkpoint_directory(capsys, tmp_path) -> None:
@@ -87,7 +88,7 @@ def test_weights_must_be_a_checkpoint_directory(capsys, tmp_path) -> None:
                                                 ["--weights", str(tmp_path / "nonexistent")])
     assert "has no config.json" in usage_error(capsys, ["--weights", str(tmp_path)])
     (tmp_path / "config.json").write_text("{}")
-    assert bench.parse_args(["--weights", str(tmp_path)]).weights == str(tmp_path)
+    assert cli.parse_args(["--weights", str(tmp_path)]).weights == str(tmp_path)
 
 
 def test_write_policy_choices_are_the_cache_policies(capsys) -> None:
@@ -101,7 +102,7 @@ def test_output_folder_must_exist_before_the_run(capsys, tmp_path, option: str) 
     err = usage_error(capsys, ["multiturn", option, str(tmp_path / "missing" / "x")])
     assert f"argument {option}:" in err and "does not exist" in err
     assert "is a directory" in usage_error(capsys, ["multiturn", option, str(tmp_path)])
-    assert getattr(bench.parse_args(["multiturn", option, str(tmp_path / "x")]), option[2:])
+    assert getattr(cli.parse_args(["multiturn", option, str(tmp_path / "x")]), option[2:])
 
 
 @pytest.mark.parametrize("what", ["model", "host-hit", "kernels"])
@@ -114,8 +115,8 @@ def test_pages_that_the_engine_would_reject(capsys) -> None:
     assert "--page-size 8192" in usage_error(capsys, ["--page-size", "8192"])
     err = usage_error(capsys, ["--page-size", "16", "--device-kv-tokens", "31"])
     assert "--device-kv-tokens 31" in err
-    assert bench.parse_args(["--page-size", "16",
-                             "--device-kv-tokens", "32"]).device_kv_tokens == 32
+    assert cli.parse_args(["--page-size", "16",
+                           "--device-kv-tokens", "32"]).device_kv_tokens == 32
 
 
 def help_entries(text: str) -> dict[str, str]:
@@ -136,8 +137,8 @@ def help_entries(text: str) -> dict[str, str]:
 # ids that are not "gpu": conftest skips tests with a `gpu` keyword on a CPU machine.
 @pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["cpu-sizes", "gpu-sizes"])
 def test_help_gives_every_option_a_help_text_and_one_default(monkeypatch, backend: str) -> None:
-    monkeypatch.setattr(bench.jax, "default_backend", lambda: backend)
-    parser = bench.build_parser()
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    parser = cli.build_parser()
     entries = help_entries(parser.format_help())
     options = [a.option_strings[0] if a.option_strings else "{" + ",".join(a.choices) + "}"
                for a in parser._actions]
@@ -155,21 +156,21 @@ def test_help_gives_every_option_a_help_text_and_one_default(monkeypatch, backen
 
 
 def test_help_lists_the_write_policies() -> None:
-    usage = bench.build_parser().format_usage()
+    usage = cli.build_parser().format_usage()
     assert "{" + ",".join(p.value for p in WritePolicy) + "}" in usage
 
 
 def test_cpu_runs_start_with_a_note_on_timings(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bench, "run", lambda args: {})
-    monkeypatch.setattr(bench.jax, "default_backend", lambda: "cpu")
-    assert bench.main(["model"]) == 0
+    monkeypatch.setattr(command, "run", lambda args: {})
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert command.main(["model"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert "CPU" in first and "only check that the bench runs" in first
 
 
 def test_gpu_runs_have_no_timing_note(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bench, "run", lambda args: {})
-    monkeypatch.setattr(bench.jax, "default_backend", lambda: "gpu")
-    assert bench.main(["model"]) == 0
+    monkeypatch.setattr(command, "run", lambda args: {})
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert command.main(["model"]) == 0
     assert "only check" not in capsys.readouterr().out
 

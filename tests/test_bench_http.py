@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from tqdm import tqdm
 
 # The serve extra (`pip install -e '.[test,serve]'`, as `make test` does); the GPU machine's
 # preinstalled packages may lack it: skip these tests there rather than fail collection.
@@ -17,8 +18,17 @@ for _module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jhicache import AsyncEngine, Engine, SamplingParams, bench, bench_http  # noqa: E402
-from jhicache.bench_backends import ServerError  # noqa: E402
+from jhicache import AsyncEngine, Engine, SamplingParams  # noqa: E402
+from jhicache.bench import (  # noqa: E402
+    cli,
+    command,
+    compile_counter,
+    engines,
+    multiturn,
+    remote,
+    remote_run,
+)
+from jhicache.bench.backends import ServerError  # noqa: E402
 from jhicache.serve.context import ServerContext  # noqa: E402
 from jhicache.serve.thread import ServerThread, free_socket  # noqa: E402
 
@@ -28,14 +38,14 @@ URL = "http://127.0.0.1:30000"
 
 
 def bench_args() -> object:
-    return bench.parse_args(["multiturn", *WORKLOAD, *ENGINE])
+    return cli.parse_args(["multiturn", *WORKLOAD, *ENGINE])
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     """The tiny preset served with the engine config the bench gives its hierarchical mode."""
     args = bench_args()
-    config = bench.engine_config(args, cache_mode="hierarchical", device_kv_tokens=512)
+    config = engines.engine_config(args, cache_mode="hierarchical", device_kv_tokens=512)
     engine = AsyncEngine(Engine.from_preset("tiny", config, seed=args.seed))
     srv = ServerThread(ServerContext.create(engine, None, "tiny", "preset:tiny")).start()
     yield srv
@@ -44,7 +54,7 @@ def server() -> Iterator[ServerThread]:
 
 def usage_error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(argv)
+        cli.parse_args(argv)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
 
@@ -53,15 +63,15 @@ def usage_error(capsys, argv: list[str]) -> str:
 
 def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread) -> None:
     args = bench_args()
-    spec, config = bench.multiturn_spec(args, 512), bench.clients_config(args, args.seed)
-    progress = bench.tqdm(disable=True)
-    engine = bench.make_engine(args, cache_mode="hierarchical", device_kv_tokens=512)
-    here = asyncio.run(bench.drive_clients(engine, spec, config, progress))
-    bench_http.flush_cache(server.url)  # nothing cached by other tests
-    remote = asyncio.run(bench.drive_url(server.url, spec, config, progress))
-    assert remote.histories == here.histories
+    spec, config = multiturn.multiturn_spec(args, 512), multiturn.clients_config(args, args.seed)
+    progress = tqdm(disable=True)
+    engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=512)
+    here = asyncio.run(multiturn.drive_clients(engine, spec, config, progress))
+    remote.flush_cache(server.url)  # nothing cached by other tests
+    over_http = asyncio.run(remote_run.drive_url(server.url, spec, config, progress))
+    assert over_http.histories == here.histories
     by_turn = {(t.client, t.round): t for t in here.turns}
-    for turn in remote.turns:
+    for turn in over_http.turns:
         twin = by_turn[(turn.client, turn.round)]
         assert (turn.token_ids, turn.prompt_len) == (twin.token_ids, twin.prompt_len)
         assert (turn.device_hit_tokens, turn.host_hit_tokens) == (twin.device_hit_tokens,
@@ -69,14 +79,14 @@ def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread) -> No
         assert len(turn.token_ids) == 3 and turn.engine_ttft_s is None
         assert 0 < turn.ttft_s <= turn.e2e_s
         assert len(turn.itl_s) >= 1 and all(gap > 0 for gap in turn.itl_s)
-    assert all(t.device_hit_tokens > 0 for t in remote.turns if t.round == 1)
-    assert remote.max_in_flight == 3
+    assert all(t.device_hit_tokens > 0 for t in over_http.turns if t.round == 1)
+    assert over_http.max_in_flight == 3
 
 
 def test_multiturn_url_command_writes_the_servers_run(server: ServerThread, tmp_path,
                                                       capsys) -> None:
     out = tmp_path / "remote.json"
-    assert bench.main(["multiturn", "--url", server.url + "/", *WORKLOAD, "--out", str(out)]) == 0
+    assert command.main(["multiturn", "--url", server.url + "/", *WORKLOAD, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"server"} and result["preset"] == "tiny"
@@ -96,14 +106,14 @@ def test_unreachable_server_is_a_message_not_a_traceback(capsys) -> None:
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    assert bench.main(["multiturn", "--url", f"http://127.0.0.1:{port}", *WORKLOAD]) == 1
+    assert command.main(["multiturn", "--url", f"http://127.0.0.1:{port}", *WORKLOAD]) == 1
     err = capsys.readouterr().err
     assert "cannot reach the server at" in err and "Traceback" not in err
 
 
 def test_a_refused_request_raises_server_error_with_the_status(server: ServerThread) -> None:
     async def send() -> None:
-        async with bench_http.http_backend(server.url, 1) as backend:
+        async with remote.http_backend(server.url, 1) as backend:
             async for _ in backend.stream([10**6], SamplingParams(max_new_tokens=2), "bad"):
                 pass
 
@@ -114,15 +124,15 @@ def test_a_refused_request_raises_server_error_with_the_status(server: ServerThr
 def test_events_are_checked_and_a_server_without_tier_split_counts_device_hits() -> None:
     sglang = {"output_ids": [5, 6], "meta_info": {"prompt_tokens": 9, "cached_tokens": 4,
                                                   "finish_reason": None}}
-    chunk = bench_http.parse_chunk(sglang, (5,))
+    chunk = remote.parse_chunk(sglang, (5,))
     assert (chunk.new_token_ids, chunk.device_hit_tokens, chunk.host_hit_tokens) == ((6,), 4, 0)
     assert not chunk.finished and chunk.prompt_len == 9
     with pytest.raises(ServerError, match="do not extend"):
-        bench_http.parse_chunk(sglang, (7,))
+        remote.parse_chunk(sglang, (7,))
     with pytest.raises(ServerError, match="with an error"):
-        bench_http.parse_chunk({"error": {"message": "engine unavailable"}}, ())
+        remote.parse_chunk({"error": {"message": "engine unavailable"}}, ())
     with pytest.raises(ServerError, match="without output_ids"):
-        bench_http.parse_chunk({"text": ""}, ())
+        remote.parse_chunk({"text": ""}, ())
 
 
 # ---- usage errors --------------------------------------------------------------------------
@@ -151,15 +161,15 @@ def test_bad_urls_are_usage_errors(capsys, url: str) -> None:
 
 
 def test_a_base_url_loses_its_trailing_slash() -> None:
-    assert bench.parse_args(["multiturn", "--url", URL + "/"]).url == URL
-    assert bench.parse_args(["multiturn"]).url is None
+    assert cli.parse_args(["multiturn", "--url", URL + "/"]).url == URL
+    assert cli.parse_args(["multiturn"]).url is None
 
 
 # ---- serve-overhead ------------------------------------------------------------------------
 
 def test_serve_overhead_reports_both_paths_and_their_difference(tmp_path, capsys) -> None:
     out = tmp_path / "overhead.json"
-    assert bench.main(["serve-overhead", *WORKLOAD, *ENGINE, "--out", str(out)]) == 0
+    assert command.main(["serve-overhead", *WORKLOAD, *ENGINE, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())["serve_overhead"]
     assert set(result["modes"]) == {"hierarchical"}  # its default
@@ -182,7 +192,7 @@ def test_serve_overhead_reports_both_paths_and_their_difference(tmp_path, capsys
 
 
 def test_compile_counter_counts_only_inside_its_block() -> None:
-    with bench.CompileCounter() as compiles:
+    with compile_counter.CompileCounter() as compiles:
         jax.jit(lambda x: x * 3 + 1)(jnp.ones(7)).block_until_ready()
     assert compiles.count >= 1 and compiles.seconds > 0
     seen = compiles.count

@@ -1,4 +1,4 @@
-"""jhicache.bench_report: byte amounts in readable units, and the multiturn PNG's content."""
+"""jhicache.bench.report: byte amounts in readable units, and the multiturn PNG's content."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from jhicache import bench_report as report
+from jhicache.bench import report
 
 
 def multiturn_result(modes: dict[str, list[tuple[float, float]]], **stats) -> dict:

@@ -11,7 +11,7 @@ from jhicache.models import init_random, preset_config
 
 import jhicache.engine as engine_module
 from jhicache import Engine, EngineConfig, SamplingParams
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
+from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from tests.cache._helpers import DeferredCopier
 
 SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3,

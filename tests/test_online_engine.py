@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jhicache import Engine, RequestOutput, SamplingParams
+from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.request import RequestStatus
-from jhicache.workload import MultiTurnChats, MultiTurnSpec
 from tests.test_engine import (
     assert_idle_and_consistent,
     deferred_copies,

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.bench_kernels.cases import AttnCase, CaseInputs, KernelConfig, kernel
-from jhicache.bench_kernels.shapes import PAGE
+from jhicache.bench.kernels.cases import AttnCase, CaseInputs, KernelConfig, kernel
+from jhicache.bench.kernels.shapes import PAGE
 from jhicache.pallas_kernels.decode_attention import paged_decode_attention_reference
 from jhicache.pallas_kernels.extend_attention import paged_attention_reference
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jhicache.bench_backends import Backend, Chunk
+from jhicache.bench.backends import Backend, Chunk
 from jhicache.sampling import SamplingParams
 
 POLICIES = ("fifo", "random")

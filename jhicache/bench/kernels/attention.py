@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-from jhicache.bench_kernels.cases import (
+from jhicache.bench.kernels.cases import (
     JAX_PAGED,
     AttnCase,
     KernelConfig,
@@ -23,9 +23,9 @@ from jhicache.bench_kernels.cases import (
     resolve,
     target_cases,
 )
-from jhicache.bench_kernels.reference import reference_check
-from jhicache.bench_kernels.shapes import PAGE, random_array
-from jhicache.bench_kernels.timing import GB, hbm_read, per_layer_seconds, safe
+from jhicache.bench.kernels.reference import reference_check
+from jhicache.bench.kernels.shapes import PAGE, random_array
+from jhicache.bench.kernels.timing import GB, hbm_read, per_layer_seconds, safe
 from jhicache.pallas_kernels.backend import use_interpreter
 
 # Each target case times its kernel in one dispatch: one jitted program runs it over L layers, and

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jhicache.pallas_kernels as pk
-from jhicache.bench_kernels.shapes import DT, PAGE, random_array
-from jhicache.bench_kernels.timing import GB, safe, timeit
+from jhicache.bench.kernels.shapes import DT, PAGE, random_array
+from jhicache.bench.kernels.timing import GB, safe, timeit
 from jhicache.cache import DevicePool, HostPool, PoolLayout, TransferController, make_copier
 from jhicache.pallas_kernels.kv_write import write_kv_reference
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jhicache.pallas_kernels as pk
-from jhicache.bench_kernels.shapes import DT, PAGE, SHAPES, random_array
+from jhicache.bench.kernels.shapes import DT, PAGE, SHAPES, random_array
 from jhicache.pallas_kernels.extend_attention import choose_extend_splits
 from jhicache.pallas_kernels.fresh_attention import attend_fresh_apart
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from jhicache.bench_backends import Chunk, ServerError
+from jhicache.bench.backends import Chunk, ServerError
 from jhicache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0

@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from jhicache import bench
-from jhicache import bench_clients as clients
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench import clients, multiturn
+from jhicache.bench.remote_run import drive_url
+from jhicache.bench.workload import MultiTurnSpec
 from jhicache.engine import Engine
 from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
-from jhicache.workload import MultiTurnSpec
 
 HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
        "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine; each path a "
@@ -28,10 +28,10 @@ HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 
 
 def drive_over_http(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
                     progress: tqdm) -> clients.ClientsRun:
-    """bench.Drive through a server over `engine` (closed, with the server, at the end)."""
+    """multiturn.Drive through a server over `engine` (closed, with the server, at the end)."""
     ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
     with ServerThread(ctx) as server:
-        return asyncio.run(bench.drive_url(server.url, spec, config, progress))
+        return asyncio.run(drive_url(server.url, spec, config, progress))
 
 
 def overhead(here: dict, http: dict) -> dict:
@@ -50,10 +50,10 @@ def compare_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                  progress: tqdm) -> dict:
     """One mode in process, then over HTTP; the engines go once summarised (one at a time)."""
     runs, summaries = {}, {}
-    for path, drive in (("in_process", bench.drive_in_process), ("http", drive_over_http)):
-        measured = bench.measured_run(args, spec, mode, progress, drive)
+    for path, drive in (("in_process", multiturn.drive_in_process), ("http", drive_over_http)):
+        measured = multiturn.measured_run(args, spec, mode, progress, drive)
         runs[path] = measured.run
-        summaries[path] = bench.measured_summary(measured, spec)
+        summaries[path] = multiturn.measured_summary(measured, spec)
         del measured
     same = runs["in_process"].histories == runs["http"].histories
     return {**summaries, "same_tokens": same,
@@ -65,9 +65,9 @@ def bench_serve_overhead(args: argparse.Namespace, vocab: int,
     """Each mode (hierarchical unless --modes names them) both ways; `save` gets the result
     after each mode."""
     modes = args.modes if "--modes" in args.given else ("hierarchical",)
-    spec = bench.multiturn_spec(args, vocab)
-    args._device_tokens = bench.device_tokens_for(args, spec)
-    result: dict = {"spec": {**dataclasses.asdict(spec), **bench.sending(args)}, "how": HOW,
+    spec = multiturn.multiturn_spec(args, vocab)
+    args._device_tokens = multiturn.device_tokens_for(args, spec)
+    result: dict = {"spec": {**dataclasses.asdict(spec), **multiturn.sending(args)}, "how": HOW,
                     "modes": {}}
     total = 4 * len(modes) * spec.num_clients * spec.num_rounds  # 2 paths x (warm-up, measured)
     with tqdm(total=total, desc="serve-overhead", unit="request", file=sys.stderr,

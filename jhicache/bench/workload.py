@@ -1,5 +1,4 @@
-"""Multi-turn chat workload shaped like SGLang's bench_multiturn.py: N clients x R rounds,
-seeded."""
+"""The benchmarks' prompts: random ones, and SGLang-style multi-turn chats, seeded."""
 
 from __future__ import annotations
 
@@ -87,3 +86,9 @@ class MultiTurnChats:
     def extend(self, outputs: list[list[int]]) -> None:
         for history, output in zip(self.histories, outputs):
             history.extend(output)
+
+
+def random_prompts(rng: np.random.Generator, vocab: int, count: int,
+                   length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens drawn uniformly from the vocabulary by `rng`."""
+    return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(count)]

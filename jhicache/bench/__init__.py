@@ -1,0 +1,1 @@
+"""The benchmarks: `python -m jhicache.bench` and the kernel benchmark, beside the engine."""

@@ -1,0 +1,109 @@
+"""`python -m jhicache.bench`: runs the benchmarks named, prints their tables, writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import jax
+
+from jhicache.bench import report
+from jhicache.bench.backends import ServerError
+from jhicache.bench.cli import parse_args
+from jhicache.bench.engines import make_engine
+from jhicache.bench.host_hit import bench_host_hit
+from jhicache.bench.model import bench_model
+from jhicache.bench.multiturn import bench_multiturn
+from jhicache.bench.remote_run import bench_remote
+from jhicache.models.config import preset_config
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs what `args.what` names; writes the JSON to `args.out` after each part and at the end."""
+    result: dict = {"date": datetime.date.today().isoformat(),
+                    "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+                    "jax": jax.__version__, "preset": args.weights or args.preset,
+                    "page_size": args.page_size, "dtype": args.dtype,
+                    "write_policy": args.write_policy}
+    if args.what in ("all", "model"):
+        result["model"] = bench_model(args)
+        print(report.model_table(result["model"]))
+        save_json(result, args.out)
+    if args.url is not None:
+        result.update(bench_remote(args))
+        print(result["server"]["note"])
+        print(report.multiturn_table(result))
+        return result
+    if args.what in ("all", "multiturn"):
+        result.update(bench_multiturn(args, model_vocab(args),
+                                      lambda partial: save_json({**result, **partial}, args.out)))
+        print(report.multiturn_table(result))
+        save_json(result, args.out)
+    if args.what == "serve-overhead":
+        # The server (fastapi, uvicorn: the serve extra) is needed by this command alone, so it
+        # is imported here.
+        from jhicache.bench import serve_overhead
+
+        result["serve_overhead"] = serve_overhead.bench_serve_overhead(
+            args, model_vocab(args),
+            lambda part: save_json({**result, "serve_overhead": part}, args.out))
+        print(report.serve_overhead_table(result["serve_overhead"]))
+    if args.what in ("all", "host-hit"):
+        result["host_hit"] = bench_host_hit(args)
+        print(report.host_hit_table(result["host_hit"]))
+    return result
+
+
+def model_vocab(args: argparse.Namespace) -> int:
+    if args.weights:
+        return make_engine(args).model_config.vocab_size
+    return preset_config(args.preset).vocab_size
+
+
+def save_json(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--url" or a.startswith("--url=") for a in argv):
+        # The client needs no accelerator memory, and the server on the same GPU needs all
+        # of it: JAX's default preallocation (75%) at the first backend call would take it.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    args = parse_args(argv)
+    if args.what == "kernels":
+        if jax.default_backend() != "gpu":
+            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
+                  "it needs a GPU", file=sys.stderr)
+            return 2
+        from jhicache.bench.kernels.cli import main as kernels_main
+
+        kernels_main([] if args.out is None else ["--out", args.out])
+        return 0
+    note = None if args.url else timing_note(jax.default_backend())  # --url: the server's
+    if note:
+        print(note, flush=True)
+    try:
+        result = run(args)
+    except ServerError as e:  # a server that is down or misbehaves: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    save_json(result, args.out)
+    if args.plot:  # parse_args made sure that the run has multiturn modes and matplotlib is there
+        report.save_plot(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def timing_note(backend: str) -> str | None:
+    """What a non-GPU run's timings are worth: the bench is tuned for, and only meaningful on, a
+    GPU."""
+    if backend == "gpu":
+        return None
+    return (f"note: on the {backend.upper()} backend, timings only check that the bench runs; "
+            "they say nothing about performance")

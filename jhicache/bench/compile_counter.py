@@ -1,0 +1,33 @@
+"""CompileCounter: the XLA compiles this process does while a block runs (any thread), by name."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+# jax.monitoring's event for one XLA backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts this process's XLA compiles (any thread) while the `with` block runs, and names
+    the programs compiled (the event's `fun_name`, where JAX gives one)."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        self.programs: list[str] = []
+        self._lock = threading.Lock()
+
+    def _heard(self, event: str, duration_s: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            with self._lock:
+                self.count, self.seconds = self.count + 1, self.seconds + duration_s
+                self.programs.append(f"{kwargs.get('fun_name', '?')} ({duration_s:.2f} s)")
+
+    def __enter__(self) -> CompileCounter:
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._heard)

@@ -1,0 +1,1 @@
+"""The kernel benchmark (`python -m jhicache.bench.kernels`), one module per kind of part."""

@@ -1,1 +1,0 @@
-"""The kernel benchmark (`python -m jhicache.bench_kernels`), one module per kind of part."""
