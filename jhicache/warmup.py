@@ -6,9 +6,11 @@ Two passes over the engine's `ShapeGrid`:
    first program over the patched tokens), and each write-back gather size, lowered with
    arguments typed as a real call's (the engine's own arrays, shardings included) and
    compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
-   argument types). One XLA compile runs at a time, beside the other threads' lowering (Python,
-   one thread at a time): XLA times candidate kernels on the GPU while it compiles, and with
-   compiles beside each other it chose programs that decoded slower (BENCHMARKS.md, start-up).
+   argument types). XLA times candidate kernels for each matmul on the GPU while it compiles,
+   and keeps the winners for the rest of the process; timed beside other compiles, it chose
+   programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet a
+   token count or a request count (the matmuls' rows) compile one at a time, first; every
+   other program then finds its matmuls timed already, and compiles in parallel.
 2. One padding step per shape through the real step path, serially: it should compile
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
@@ -38,6 +40,7 @@ from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sampling_arrays
 
 if TYPE_CHECKING:
+    from jhicache.cache import TransferController
     from jhicache.engine import Engine
 
 logger = logging.getLogger("jhicache.warmup")
@@ -50,6 +53,7 @@ class WarmupReport:
 
     shapes: int
     ahead_tasks: int  # pass 1: one per shape, one per write-back gather size
+    alone_tasks: int  # of those, the shapes compiled one at a time (`timing_shapes`)
     compiles: int  # new executables in both passes, as JAX reported them
     cache_hits: int  # of those, read back from JAX's persistent compilation cache
     late_compiles: int  # of those, in pass 2: 0 when pass 1 typed every program as a call does
@@ -65,15 +69,16 @@ def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _compiled(lowered: jax.stages.Lowered, lock: threading.Lock) -> jax.ShapeDtypeStruct:
-    """Compiles `lowered` (one compile at a time: XLA times candidate kernels on the GPU while
-    it compiles, and compiles beside each other would skew those timings); returns its
-    output's type."""
+def _compiled(lowered: jax.stages.Lowered,
+              lock: contextlib.AbstractContextManager) -> jax.ShapeDtypeStruct:
+    """Compiles `lowered` under `lock` (held by the shapes that compile one at a time); returns
+    its output's type."""
     with lock:
         return output_type(lowered, lowered.compile())
 
 
-def _step_programs(engine: Engine, shape: StepShape, lock: threading.Lock) -> None:
+def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractContextManager,
+                   ) -> None:
     """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
     the inputs' transfer (run: it is small), the forward, both samplers and, for a decode, the
     patch of pending tokens and the first program over patched tokens."""
@@ -91,18 +96,44 @@ def _step_programs(engine: Engine, shape: StepShape, lock: threading.Lock) -> No
         _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
 
 
-def _ahead_tasks(engine: Engine) -> list[tuple[str, Callable[[], object]]]:
-    """(label, compile) per shape and per write-back gather size."""
-    lock = threading.Lock()
-    tasks: list[tuple[str, Callable[[], object]]] = [
-        (f"step {shape}", functools.partial(_step_programs, engine, shape, lock))
-        for shape in engine.grid.shapes()]
+def _gather_program(controller: TransferController, size: int,
+                    lock: contextlib.AbstractContextManager) -> None:
+    _compiled(controller.lower_gather(size), lock)
+
+
+def timing_shapes(shapes: tuple[StepShape, ...]) -> tuple[StepShape, ...]:
+    """The shapes whose programs XLA must time kernels for: each first to meet a token count
+    (the layers' matmul rows) or a request count (the head's)."""
+    tokens: set[int] = set()
+    requests: set[int] = set()
+    chosen = []
+    for shape in shapes:
+        if shape.tokens not in tokens or shape.requests not in requests:
+            chosen.append(shape)
+        tokens.add(shape.tokens)
+        requests.add(shape.requests)
+    return tuple(chosen)
+
+
+Task = tuple[str, Callable[[], object]]
+
+
+def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
+    """(label, compile) per shape and per write-back gather size: those that compile one at a
+    time, then those that compile in parallel after them."""
+    lock, free = threading.Lock(), contextlib.nullcontext()
+    timing = timing_shapes(engine.grid.shapes())
+    alone: list[Task] = [(f"step {shape}", functools.partial(_step_programs, engine, shape, lock))
+                         for shape in timing]
+    parallel: list[Task] = [
+        (f"step {shape}", functools.partial(_step_programs, engine, shape, free))
+        for shape in engine.grid.shapes() if shape not in timing]
     controller = engine.cache.controller
-    if controller is not None:
+    if controller is not None:  # gathers have no matmuls
         for size in controller.gather_sizes():
-            tasks.append((f"gather {size} pages",
-                          lambda size=size: _compiled(controller.lower_gather(size), lock)))
-    return tasks
+            parallel.append((f"gather {size} pages",
+                             functools.partial(_gather_program, controller, size, free)))
+    return alone, parallel
 
 
 def _padding_step(engine: Engine, shape: StepShape) -> None:
@@ -127,20 +158,22 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
     the engine answers `stats()` meanwhile; the padding steps run under it."""
     watch, shapes = engine.compiles, engine.grid.shapes()
     before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
-    tasks = _ahead_tasks(engine)
+    alone, parallel = _ahead_tasks(engine)
     start = time.perf_counter()
 
-    def run(task: tuple[str, Callable[[], object]]) -> str:
+    def run(task: Task) -> str:
         with watch.watch(CompilePhase.WARMUP):
             task[1]()
         return task[0]
 
-    bar = tqdm(total=len(tasks) + len(shapes), desc="warm-up", unit="program",
+    bar = tqdm(total=len(alone) + len(parallel) + len(shapes), desc="warm-up", unit="program",
                disable=not progress)
     with concurrent.futures.ThreadPoolExecutor(_workers()) as executor:
-        for future in concurrent.futures.as_completed([executor.submit(run, t) for t in tasks]):
-            bar.set_postfix_str(future.result(), refresh=False)
-            bar.update()
+        for tasks in (alone, parallel):  # the first group's timings stand before the second
+            for future in concurrent.futures.as_completed(
+                    [executor.submit(run, t) for t in tasks]):
+                bar.set_postfix_str(future.result(), refresh=False)
+                bar.update()
     ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
     with lock, watch.watch(CompilePhase.WARMUP):
         for shape in shapes:
@@ -149,14 +182,15 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
         total = watch.counts[CompilePhase.WARMUP]
         engine.check_invariants()  # its device reads compile (a check, not a step)
     bar.close()
-    report = WarmupReport(shapes=len(shapes), ahead_tasks=len(tasks),
+    report = WarmupReport(shapes=len(shapes), ahead_tasks=len(alone) + len(parallel),
+                          alone_tasks=len(alone),
                           compiles=watch.counts[CompilePhase.WARMUP] - before,
                           cache_hits=watch.cache_hits[CompilePhase.WARMUP] - hits,
                           late_compiles=total - compiled_ahead, ahead_s=ahead - start,
                           steps_s=time.perf_counter() - ahead)
     logger.info("warm-up: %d shapes, %d programs (%d read back from the compilation cache, %d "
-                "by the padding steps), %.1f s (ahead of time %.1f s on %d threads, padding "
-                "steps %.1f s)", report.shapes, report.compiles, report.cache_hits,
-                report.late_compiles, report.seconds, report.ahead_s, _workers(),
-                report.steps_s)
+                "by the padding steps), %.1f s (ahead of time %.1f s on %d threads, %d shapes "
+                "one at a time; padding steps %.1f s)", report.shapes, report.compiles,
+                report.cache_hits, report.late_compiles, report.seconds, report.ahead_s,
+                _workers(), report.alone_tasks, report.steps_s)
     return report

@@ -14,6 +14,7 @@ from jhicache.models import init_random, preset_config
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.compiles import CompileError
 from jhicache.grid import ShapeGrid, StepShape, token_ladder
+from jhicache.warmup import timing_shapes
 from tests.models.numpy_reference import (
     random_hf_weights,
     reference_logits,
@@ -37,6 +38,21 @@ def test_the_7b_defaults_grid_is_bounded_and_pads_little() -> None:
     for n in range(257, 4097):
         padded = grid.shape_for(n, 1, False).tokens
         assert padded - n < padded / 3
+
+
+def test_the_shapes_compiled_alone_meet_every_token_and_request_count_once() -> None:
+    """Each token count and request count is met first by a shape compiled alone, so XLA times
+    every matmul's kernels with no compile beside it; every other shape comes after."""
+    grid = ShapeGrid.create(chunked_prefill_tokens=4096, max_running_requests=64, page_size=64,
+                            max_context_len=32768)
+    alone = timing_shapes(grid.shapes())
+    assert len(alone) == 18
+    assert {s.tokens for s in alone} == {s.tokens for s in grid.shapes()}
+    assert {s.requests for s in alone} == {s.requests for s in grid.shapes()}
+    for shape in alone:  # each brings a count no shape before it had
+        before = grid.shapes()[:grid.shapes().index(shape)]
+        assert (shape.tokens not in {s.tokens for s in before}
+                or shape.requests not in {s.requests for s in before})
 
 
 @pytest.mark.parametrize("limit,want", [(64, (64,)), (100, (64, 112)), (8, (64,)),
@@ -195,6 +211,7 @@ def test_warmup_shows_progress_and_logs_its_phases(checkpoint: tuple[Path, dict]
     assert len(warmed) == 1 and f"{report.shapes} shapes" in warmed[0]
     assert engine.startup.weights_s is not None and engine.startup.warmup == report
     assert report.ahead_tasks == len(engine.grid.shapes())  # no gathers: no host tier
+    assert report.alone_tasks == len(timing_shapes(engine.grid.shapes()))
     with pytest.raises(ValueError, match="idle"):
         engine.add_request([1, 2], SamplingParams())
         engine.warmup()
