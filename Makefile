@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: install bench test gpu-test gpu-bench clean
+.PHONY: install bench test typecheck gpu-test gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,18 @@ install: $(STAMP)
 # One pytest worker per core (pytest-xdist): the suite is mostly XLA compiles, one core each.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto tests
+	$(MAKE) --no-print-directory typecheck
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests
+
+# mypy over the package as an install lays it out (models/ and pallas_kernels/ inside jhicache/,
+# as pyproject's package-dir maps them): a tree of links under build/, so that the calls from
+# jhicache into them are checked too (mypy does not follow jhicache's __path__ extension).
+VIEW := build/mypy
+typecheck: $(STAMP)
+	@rm -rf $(VIEW) && mkdir -p $(VIEW) && cp -rs $(CURDIR)/jhicache $(VIEW)/
+	@ln -s $(CURDIR)/models $(VIEW)/jhicache/models
+	@ln -s $(CURDIR)/pallas_kernels $(VIEW)/jhicache/pallas_kernels
+	cd $(VIEW) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml jhicache
 
 # On the GPU machine (preinstalled packages, no venv): the gpu-marked tests, then the bench.
 gpu-test:

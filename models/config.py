@@ -53,7 +53,8 @@ class Qwen2Config:
     use_sliding_window: bool = False
     sliding_window: int | None = None
     max_window_layers: int | None = None
-    head_dim: int | None = None
+    # None: hidden_size // num_attention_heads, resolved to that int on construction
+    head_dim: int = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -87,8 +88,7 @@ class Qwen2Config:
                     "(and no head_dim given)"
                 )
             self._normalise("head_dim", self.hidden_size // heads)
-        # RoPE rotates the two halves of each head (head_dim None was just resolved)
-        if self.head_dim is not None and self.head_dim % 2:
+        if self.head_dim % 2:  # RoPE rotates the two halves of each head
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE rotates its two halves)")
 
     @classmethod

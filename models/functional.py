@@ -192,7 +192,7 @@ class ModelPrograms:
             meta, rows, start=split)
         return logits, k_first + k_rest, v_first + v_rest
 
-    def lower_first(self, k_pages: Pages, v_pages: Pages, tokens: Any,
+    def lower_first(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
                     meta: AttentionMetadata) -> jax.stages.Lowered:
         """The first program lowered for these arguments (arrays, or ShapeDtypeStructs typed as
         a call's would be): compiled, JAX keeps it for later `forward` calls with arguments of
@@ -201,7 +201,8 @@ class ModelPrograms:
         return self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
                                      k_pages[:split], v_pages[:split], tokens, meta)
 
-    def lower_rest(self, k_pages: Pages, v_pages: Pages, hidden: jax.ShapeDtypeStruct,
+    def lower_rest(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...],
+                   hidden: jax.ShapeDtypeStruct,
                    meta: AttentionMetadata, rows: Any) -> jax.stages.Lowered:
         """As `lower_first`, for the second program."""
         split = self.first_layers

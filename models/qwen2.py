@@ -75,6 +75,7 @@ def attend(q: jax.Array, new_kv: tuple[jax.Array, jax.Array], k_pages: jax.Array
     layer's flag says its loads have landed."""
     gate = None
     if meta.load_flags is not None:
+        assert meta.load_seq is not None  # set with the flags (`build_metadata`)
         gate = LayerGate(meta.load_flags, meta.load_seq, jnp.full((1,), layer, jnp.int32))
     if meta.decode_only:
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens,

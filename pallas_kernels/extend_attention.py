@@ -280,7 +280,8 @@ def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, 
     flat = lambda x: x.reshape(num_pages * page_size, kv_heads, dim)  # noqa: E731  a bitcast
     fresh = None
     if new_kv is not None:
-        o0, lse0 = fresh_attention(q, *new_kv, query_start, query_lens, sm_scale=sm_scale)
+        k_new, v_new = new_kv
+        o0, lse0 = fresh_attention(q, k_new, v_new, query_start, query_lens, sm_scale=sm_scale)
         fresh = (o0.reshape(tokens * heads, dim), lse0.reshape(tokens * heads))
     out = _extend_call(q.reshape(tokens * heads, dim), flat(k_pages), flat(v_pages), page_table,
                        seq_lens, query_start, query_lens, gate, fresh, group=heads // kv_heads,
@@ -288,8 +289,9 @@ def _extend(q, k_pages, v_pages, page_table, seq_lens, query_start, query_lens, 
                        page_size=page_size, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         rows = merge_rows(tokens * heads, dim, default_tuning().num_sms)
-        out = _merge_call(*out, query_start, query_lens, fresh, splits=splits, heads=heads,
-                          block_rows=rows)
+        o_part, lse = out  # split: each split's partial output and log-sum-exp
+        out = _merge_call(o_part, lse, query_start, query_lens, fresh, splits=splits,
+                          heads=heads, block_rows=rows)
     return out.reshape(tokens, heads, dim)  # [T, H, D]
 
 

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 if os.environ.get("JHICACHE_GPU_TESTS") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX persistent compilation cache for every pytest-xdist worker: most of the suite's
+    time is XLA compiles, and tests in different workers (or after `jax.clear_caches` below)
+    build the same programs. Its key covers the program, JAX version, backend and flags.
+    `JHICACHE_TEST_COMPILE_CACHE=off` turns it off."""
+    directory = os.environ.get("JHICACHE_TEST_COMPILE_CACHE") or os.path.join(
+        tempfile.gettempdir(), f"jhicache-test-jax-cache-{getpass.getuser()}")
+    if directory == "off":
+        return
+    # As environment too, for the checks that run in a subprocess (tensor parallelism, servers)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -26,8 +26,11 @@ from jhicache.bench import (
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
 
+# A small step grid (3 shapes: 64 tokens x 1 or 4 requests, decode 4): each mode's warm-up
+# compiles every shape of its grid, and the CPU defaults' grid is 8 shapes.
+SMALL_GRID = ["--max-running-requests", "4", "--chunked-prefill-tokens", "64"]
 TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length", "24",
-        "--output-length", "2", "--page-size", "8", "--dtype", "float32"]
+        "--output-length", "2", "--page-size", "8", "--dtype", "float32", *SMALL_GRID]
 
 
 def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, capsys) -> None:
@@ -118,7 +121,7 @@ def test_multiturn_saves_finished_modes_when_a_later_one_fails(tmp_path, monkeyp
 
 # A workload that evicts and loads back (hierarchical), so that equal hit rates mean something.
 EVICTING = ["--preset", "tiny", "--clients", "3", "--rounds", "3", "--request-length", "24",
-            "--output-length", "3", "--page-size", "8", "--dtype", "float32"]
+            "--output-length", "3", "--page-size", "8", "--dtype", "float32", *SMALL_GRID]
 
 
 def engine_for(args, spec: MultiTurnSpec):

@@ -16,7 +16,7 @@ MODES = ("off", "device", "hierarchical", "unbounded")
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    value = _parsed(int, text)
+    value = int(_parsed(int, text))
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
     return value
@@ -24,7 +24,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    value = _parsed(int, text)
+    value = int(_parsed(int, text))
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
     return value

@@ -6,6 +6,7 @@ import argparse
 import enum
 import importlib.util
 import math
+from typing import Any
 
 import jax
 
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
     p.add_argument("--dtype", action=Given, default="bfloat16" if gpu else "float32",
                    choices=_values(KVDtype), help="weights and KV pages dtype")
-    count = {"type": positive_int, "metavar": "N"}
+    count: dict[str, Any] = {"type": positive_int, "metavar": "N"}
     p.add_argument("--page-size", action=Given, **count, default=64 if gpu else 16,
                    help="tokens per KV page")
     p.add_argument("--clients", **count, default=32 if gpu else 4,

@@ -199,7 +199,7 @@ class _Clients:
             self.ready.extend(range(len(self.histories)))
 
 
-def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float]:
+def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
     """`{"p50_s": ...}` for each q, by np.percentile (None with no values)."""
     if not values:
         return {f"p{q}_s": None for q in qs}
@@ -225,9 +225,8 @@ def round_summary(turns: Sequence[Turn]) -> dict:
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
     """The mean, or None where a backend could not see some of the values."""
-    if any(v is None for v in values):
-        return None
-    return float(np.mean(values))
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if len(known) == len(values) else None
 
 
 def latency_summary(turns: Sequence[Turn]) -> dict:

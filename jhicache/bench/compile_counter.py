@@ -19,11 +19,11 @@ class CompileCounter:
         self.programs: list[str] = []
         self._lock = threading.Lock()
 
-    def _heard(self, event: str, duration_s: float, **kwargs: object) -> None:
+    def _heard(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == COMPILE_EVENT:
             with self._lock:
-                self.count, self.seconds = self.count + 1, self.seconds + duration_s
-                self.programs.append(f"{kwargs.get('fun_name', '?')} ({duration_s:.2f} s)")
+                self.count, self.seconds = self.count + 1, self.seconds + duration_secs
+                self.programs.append(f"{kwargs.get('fun_name', '?')} ({duration_secs:.2f} s)")
 
     def __enter__(self) -> CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(self._heard)

@@ -15,12 +15,19 @@ import numpy as np
 from jhicache.bench.engines import make_engine
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
+from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
 
 
-def ttft_of(engine: Engine, prompt: list[int]) -> tuple[float, object]:
+def _ttft(out: RequestOutput) -> float:
+    """A finished request's TTFT (set once its first token is known)."""
+    assert out.ttft_s is not None
+    return out.ttft_s
+
+
+def ttft_of(engine: Engine, prompt: list[int]) -> tuple[float, RequestOutput]:
     out = engine.generate([prompt], SamplingParams(max_new_tokens=1))[0]
-    return out.ttft_s, out
+    return _ttft(out), out
 
 
 def push_to_host(engine: Engine) -> float:
@@ -78,7 +85,7 @@ def host_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Name
             **measured}
 
 
-def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict]:
+def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, RequestOutput, dict]:
     """`ttft_of` through `add_request` and `step`, with the host clock of each `step` call's
     return in ms from the `add_request` call (the first dispatches the whole forward; with
     overlap scheduling a later one reads its token), of the first token's arrival, and of
@@ -93,7 +100,7 @@ def traced_ttft(engine: Engine, prompt: list[int]) -> tuple[float, object, dict]
     while engine.has_unfinished():
         engine.step()
     ms = lambda at: (at - start) * 1e3  # noqa: E731
-    return out.ttft_s, out, {
+    return _ttft(out), out, {
         "steps_returned_ms": [ms(t) for t in returned], "first_token_ms": ms(returned[-1]),
         "gc_pauses": [{"generation": g, "at_ms": ms(a), "ms": (b - a) * 1e3}
                       for g, a, b in pauses],
@@ -145,6 +152,7 @@ def host_hit_engine(args: argparse.Namespace, **tuning: int) -> Engine:
                          load_back_threshold=1)
     if tuning:
         controller = engine.cache.controller
+        assert controller is not None  # hierarchical
         controller.tuning = dataclasses.replace(controller.tuning, **tuning)
     return engine
 

@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ def _over_layers(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 def _best(times: dict[KernelConfig, float | str]) -> tuple[KernelConfig | None, float | None]:
     ok = {c: t for c, t in times.items() if isinstance(t, float)}
-    best = min(ok, key=ok.get, default=None)
+    best = min(ok, key=lambda c: ok[c], default=None)
     return best, None if best is None else ok[best]
 
 
@@ -74,7 +75,8 @@ def sweep(case: AttnCase, measure: Callable[[KernelConfig], float | str]
         around = _best(times)[0] or case.start
         names = [name for name, _ in stage]
         for values in itertools.product(*(vals for _, vals in stage)):
-            run(dataclasses.replace(around, **dict(zip(names, values, strict=True))))
+            fields: dict[str, Any] = dict(zip(names, values, strict=True))  # ints, or None
+            run(dataclasses.replace(around, **fields))
     return times
 
 
@@ -141,7 +143,7 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
                      else {"metric": "fraction_of_hbm_read", "at_least": case.target})
     res.setdefault("attention_targets", {})[case.name] = row
     best, seconds = _best(times)
-    if best is None:
+    if best is None or seconds is None:
         raise RuntimeError(f"{case.name}: every config failed, first: {next(iter(times.values()))}")
     row.update(best=best.label(), best_config=dataclasses.asdict(resolve(case, best)),
                per_layer_ms=seconds * 1e3, gbps=case.kv_bytes / seconds / GB)
@@ -197,7 +199,7 @@ def run_targets(res: dict, only: set[str], targets: list[str]) -> None:
     names = []
     for part in targets:
         for case in target_cases()[part]:
-            record(safe(lambda case=case: attention_case(res, case)), f"{part} {case.name}")
+            record(safe(functools.partial(attention_case, res, case)), f"{part} {case.name}")
             if case.name in res.get("attention_targets", {}):
                 names.append(case.name)
     if targets:

@@ -187,7 +187,7 @@ def apart(case: AttnCase) -> bool:
 
 def resolve(case: AttnCase, cfg: KernelConfig) -> KernelConfig:
     """cfg with extend's automatic split count made explicit: what paged_attention would pick."""
-    if case.kind == "decode" or cfg.splits is not None:
+    if case.kind == "decode" or cfg.splits is not None or cfg.block_q is None:
         return cfg
     splits = choose_extend_splits(case.batch * case.query_len, case.batch,
                                   case.pages_per_request * PAGE, case.heads, case.kv_heads,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 
 import jax
@@ -67,14 +68,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge:
         res["parts_rerun"] = {"parts": sorted(only), "date": res["date"],
                               "note": "other fields come from the earlier run in --merge"}
-    for key, part in (("ceilings", lambda: ceilings(res)), ("transfers", lambda: transfers(res))):
-        err = safe(part) if key in only else None
+    for key, run in (("ceilings", ceilings), ("transfers", transfers)):
+        err = safe(functools.partial(run, res)) if key in only else None
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
     for name, shape in SHAPES.items():
-        for key, part in (("kv_write", kv_write), ("gathers", gathers)):
+        for key, memory_op in (("kv_write", kv_write), ("gathers", gathers)):
             if key in only:
-                err = safe(lambda part=part: part(res, name, **shape))
+                err = safe(functools.partial(memory_op, res, name, **shape))
                 if isinstance(err, str):
                     res.setdefault("errors", []).append(f"{name} {key}: {err}")
     run_targets(res, only, targets)

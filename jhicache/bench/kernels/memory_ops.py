@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -50,10 +51,12 @@ def transfers(res: dict, layers: int = 24, kv_heads: int = 2, dim: int = 64, n: 
     host.close()
 
 
-def _pallas_write(**tuning: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def _pallas_write(tokens_per_program: int, num_warps: int
+                  ) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """`write_kv` with a fixed program size and warp count (the peer is `write_kv_reference`, the
     XLA scatter the kernel replaced)."""
-    return lambda k, v, *meta: pk.write_kv(k, v, *meta, **tuning)
+    return functools.partial(pk.write_kv, tokens_per_program=tokens_per_program,
+                             num_warps=num_warps)
 
 
 def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens: int = 65536,
@@ -89,7 +92,7 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
         def step(f: Callable = f) -> list[jax.Array]:
             box[:] = f(box[0], box[1], kn, vn, table, req, pos)
             return box
-        out[f"jit_{label}"] = safe(lambda step=step: nbytes / timeit(step) / GB)
+        out[f"jit_{label}"] = safe(functools.partial(_rate, nbytes, step))
     del box[:], k, v
     lk = [jnp.zeros((pages, PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
     # per layer: no L2 reuse
@@ -106,9 +109,13 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
         def step(f: Callable = f) -> list[jax.Array]:
             lk[:] = f(lk, new, table, req, pos)
             return lk
-        out[f"jit_{layers}_layers_{label}"] = safe(
-            lambda step=step: layers * nbytes / timeit(step) / GB)
+        out[f"jit_{layers}_layers_{label}"] = safe(functools.partial(_rate, layers * nbytes, step))
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
+
+
+def _rate(nbytes: int, step: Callable[[], object]) -> float:
+    """GB/s of `nbytes` moved per `step`, timed."""
+    return nbytes / timeit(step) / GB
 
 
 def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: int = 128,
@@ -126,7 +133,7 @@ def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: i
     same = all(bool((s[0] == k[ids]).all() and (s[1] == v[ids]).all())
                for s, k, v in zip(staging, ks, vs))
     moved = 2 * 2 * layers * pages * PAGE * kv_heads * dim * 2  # K and V, read + write, bf16
-    r = {"pages": pages, "layers": layers, "bytes_read_and_written": moved,
+    r: dict[str, object] = {"pages": pages, "layers": layers, "bytes_read_and_written": moved,
          "staging_is_the_pages": same}
     seconds = safe(lambda: timeit(lambda: transfer._gather_kv(ks, vs, ids)))
     r["xla_gather_ms"] = seconds * 1e3 if isinstance(seconds, float) else seconds

@@ -95,8 +95,10 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
     xs = tuple(random_array(50 + i, (n,)) for i in range(buffers))
     row = res.setdefault("hbm_read", {"variants_gbps": {}, "passes": 0})
     for name, read in READS:
-        s = safe(lambda read=read: per_layer_seconds(lambda xs: [read(x) for x in xs], (xs,),
-                                                     buffers, reps, warm))
+        def one_pass(read: Callable = read) -> float:
+            return per_layer_seconds(lambda xs: [read(x) for x in xs], (xs,), buffers, reps, warm)
+
+        s = safe(one_pass)
         old = row["variants_gbps"].get(name)
         if isinstance(s, float):
             gbps = 2 * n / s / GB
@@ -107,7 +109,7 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
     measured = {k: v for k, v in row["variants_gbps"].items() if isinstance(v, float)}
     if not measured:
         raise RuntimeError(f"no HBM read pass ran: {row['variants_gbps']}")
-    best = max(measured, key=measured.get)
+    best = max(measured, key=lambda name: measured[name])
     res["hbm_read_gbps"] = measured[best]
     res["hbm_read_note"] = (f"{best}: jitted read-only pass over {buffers} distinct {mib} MiB bf16 "
                             f"arrays in one program, bytes read / per-array time; the best of "
