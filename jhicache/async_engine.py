@@ -18,8 +18,6 @@ from jhicache.engine import Engine, prompt_arrays
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
 
-_DRAIN_STEPS = 2  # idle steps after work: the first ends the step in flight, the second the copies
-
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; raised (from the original exception) to every waiting caller and
@@ -113,7 +111,7 @@ class AsyncEngine:
         self._holds = 0  # under _cond: open together() blocks; the thread waits while > 0
         self._error: BaseException | None = None  # set (under _cond) once the thread stops
         self._sinks: dict[str, _Sink] = {}  # the loop thread's: unfinished requests by id
-        self._drain_steps = 0  # the loop thread's
+        self._stepped = False  # the loop thread's: a step ran since the last `Engine.drain`
         self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._ready = threading.Event()  # cleared while a warm-up runs
         self._ready.set()
@@ -332,19 +330,20 @@ class AsyncEngine:
             return commands
 
     def _engine_busy(self) -> bool:
-        return self._engine.has_unfinished() or self._drain_steps > 0
+        return self._engine.has_unfinished() or self._stepped
 
     def _advance(self) -> None:
-        """One step while there is work; after it, `_DRAIN_STEPS` steps that end what is in
-        flight (`Engine.step` with nothing left to run returns []). Only a step that had work
-        arms them: the engine counts steps with nothing to do, and refuses too many in a row."""
+        """One step while there is work; once there is none, one `Engine.drain` that ends the
+        step and copies in flight (and delivers that step's outputs)."""
         if self._engine.has_unfinished():
-            self._drain_steps = _DRAIN_STEPS
-        elif self._drain_steps > 0:
-            self._drain_steps -= 1
+            self._stepped = True
+            outputs = self._engine.step()
+        elif self._stepped:
+            self._stepped = False
+            outputs = self._engine.drain()
         else:
             return
-        for out in self._engine.step():
+        for out in outputs:
             self._deliver(out)
 
     def _apply(self, command: _Command) -> None:
@@ -423,9 +422,9 @@ class AsyncEngine:
         for sink in list(self._sinks.values()):
             self._post(sink, self._stopped_error())
             self._drop(sink)
-        while self._drain_steps > 0:
-            self._drain_steps -= 1
-            self._engine.step()
+        if self._stepped:
+            self._stepped = False
+            self._engine.drain()
 
     def _stop(self) -> None:
         """Last act of the loop thread: every caller still waiting gets the error."""

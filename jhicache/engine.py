@@ -385,13 +385,20 @@ class Engine:
             raise RuntimeError("scheduler made no progress: device pool too small for the "
                                "running requests")
 
-    def _drain(self) -> None:
-        """Ends the step in flight and every transfer: the engine is idle afterwards."""
+    def drain(self) -> list[RequestOutput]:
+        """Ends the step in flight and waits for every transfer; returns that step's outputs.
+        Unfinished requests stay queued for later steps; with none, the engine is idle
+        afterwards (no step, copy or write-back in flight), as a caller that stops stepping
+        needs it to be: `AsyncEngine` calls it once its requests have all finished."""
+        with self._lock, self._serving():
+            return self._drain()
+
+    def _drain(self) -> list[RequestOutput]:
         step = self._take_in_flight()
-        if step is not None:
-            self._end(step)
+        outputs = self._end(step) if step is not None else []
         self.cache.flush()
         self.cache.poll()
+        return outputs
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -241,3 +241,23 @@ def test_from_pretrained_and_from_preset_serve(tmp_path) -> None:
     assert loaded[0].token_ids == make_engine().generate(prompt, params)[0].token_ids
     preset = Engine.from_preset("tiny", config, seed=3).generate(prompt, params)[0]
     assert len(preset.token_ids) == 5 and preset.finish_reason == "length"
+
+
+def test_drain_ends_the_step_in_flight_and_keeps_unfinished_requests() -> None:
+    """`drain` returns the outputs of the step in flight (with overlap scheduling, the step's
+    token is read one call later) and leaves unfinished requests queued: stepping on gives the
+    tokens `generate` gives. Drained with nothing unfinished, the engine is idle."""
+    prompt, params = list(range(1, 40)), SamplingParams(max_new_tokens=3)
+    want = make_engine().generate([prompt], params)[0].token_ids
+    engine = make_engine()
+    rid = engine.add_request(prompt, params)
+    outputs = engine.step()  # the prefill is dispatched; its token is read by the next call
+    assert outputs == [] and engine.config.overlap_schedule
+    outputs = engine.drain()
+    assert [o.request_id for o in outputs] == [rid] and len(outputs[0].token_ids) == 1
+    assert engine.drain() == [] and engine.has_unfinished()
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].token_ids == want
+    assert engine.drain() == []
+    assert_idle_and_consistent(engine)
