@@ -261,3 +261,21 @@ def test_drain_ends_the_step_in_flight_and_keeps_unfinished_requests() -> None:
     assert outputs[-1].finished and outputs[-1].token_ids == want
     assert engine.drain() == []
     assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("cache_mode", ["hierarchical", "device"])
+def test_evict_moves_the_cache_to_host_or_drops_it(cache_mode: str) -> None:
+    """`evict()` frees every unlocked device page: with a host tier, written back first, so the
+    same prompt then hits on host and gives the same tokens; without one, the prefix is gone."""
+    prompt, params = list(range(1, 70)), SamplingParams(max_new_tokens=2)
+    engine = make_engine(cache_mode=cache_mode)
+    first = engine.generate([prompt], params)[0]
+    cached = engine.stats().evictable_tokens
+    assert cached >= 64 and engine.evict() == cached // engine.config.page_size
+    assert engine.stats().evictable_tokens == 0
+    again = engine.generate([prompt], params)[0]
+    assert again.token_ids == first.token_ids and again.device_hit_tokens == 0
+    assert again.host_hit_tokens == (64 if cache_mode == "hierarchical" else 0)
+    assert engine.evict(1, wait=False) >= 1
+    engine.drain()
+    assert_idle_and_consistent(engine)

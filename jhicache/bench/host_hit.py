@@ -34,8 +34,7 @@ def push_to_host(engine: Engine) -> float:
     """Evicts every unlocked device page (writing back what the host lacks) and waits for the
     copies; returns the seconds that took, end to end."""
     start = time.perf_counter()
-    engine.cache.evict_device(engine.cache.evictable_device_pages)
-    engine.cache.flush()
+    engine.evict()
     return time.perf_counter() - start
 
 
@@ -135,11 +134,11 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
     ttft_of(engine, other + turns[0])
     ttft_of(engine, prefix + turns[1])  # `prefix` used last: the eviction takes `other`
     # Sized without `match(other)`: a match is an access, and would make `other` the newest.
-    engine.cache.evict_device(len(other) // engine.config.page_size)
+    engine.evict(len(other) // engine.config.page_size, wait=False)
     if engine.cache.match(other).device_len or engine.cache.match(prefix).host_len:
         raise RuntimeError("the eviction did not take exactly `other`: no device hit to time")
     ttft_s, _ = ttft_of(engine, prefix + turns[2])
-    engine.cache.flush()
+    engine.drain()
     return ttft_s
 
 
