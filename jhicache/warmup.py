@@ -7,10 +7,11 @@ Two passes over the engine's `ShapeGrid`:
    arguments typed as a real call's (the engine's own arrays, shardings included) and
    compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
    argument types). XLA times candidate kernels for each matmul on the GPU while it compiles,
-   and keeps the winners for the rest of the process; timed beside other compiles, it chose
-   programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet a
-   token count or a request count (the matmuls' rows) compile one at a time, first; every
-   other program then finds its matmuls timed already, and compiles in parallel.
+   and keeps the winners in its in-process autotuning cache; timed beside other compiles, it
+   chose programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet
+   a token count or a request count (the matmuls' rows) compile one at a time, first; every
+   other program should then find its matmuls timed already, and compiles in parallel. That
+   the cache is hit is inferred from the decode speed measured after this order, not checked.
 2. One padding step per shape through the real step path, serially: it should compile
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
