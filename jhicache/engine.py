@@ -388,7 +388,8 @@ class Engine:
     def evict(self, pages: int | None = None, wait: bool = True) -> int:
         """Evicts least recently used unlocked device pages, at least `pages` where there are
         that many (every one, with None), as the engine does when it needs room: their write-
-        backs to the host tier start under the write policy. With `wait`, returns once every copy has landed. Returns the pages freed."""
+        backs to the host tier start under the write policy. With `wait`, returns once every
+        copy has landed. Returns the pages freed."""
         with self._lock, self._serving():
             count = self.cache.evictable_device_pages if pages is None else pages
             freed = self.cache.evict_device(count)
