@@ -12,6 +12,9 @@ Two passes over the engine's `ShapeGrid`:
    a token count or a request count (the matmuls' rows) compile one at a time, first; every
    other program should then find its matmuls timed already, and compiles in parallel. That
    the cache is hit is inferred from the decode speed measured after this order, not checked.
+   When the first shape's programs are all read back from JAX's persistent compilation cache
+   (a restart), nothing is timed: the executables carry the kernels chosen when they were
+   first compiled, and every other program is read back in parallel.
 2. One padding step per shape through the real step path, serially: it should compile
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
@@ -54,7 +57,8 @@ class WarmupReport:
 
     shapes: int
     ahead_tasks: int  # pass 1: one per shape, one per write-back gather size
-    alone_tasks: int  # of those, the shapes compiled one at a time (`timing_shapes`)
+    alone_tasks: int  # of those, the shapes compiled one at a time (`timing_shapes`, or its
+    # first alone when that one's programs were all read back from the persistent cache)
     compiles: int  # new executables in both passes, as JAX reported them
     cache_hits: int  # of those, read back from JAX's persistent compilation cache
     late_compiles: int  # of those, in pass 2: 0 when pass 1 typed every program as a call does
@@ -78,8 +82,8 @@ def _compiled(lowered: jax.stages.Lowered,
         return output_type(lowered, lowered.compile())
 
 
-def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractContextManager,
-                   ) -> None:
+def _step_programs(engine: Engine, shape: StepShape,
+                   lock: contextlib.AbstractContextManager) -> None:
     """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
     the inputs' transfer (run: it is small), the forward, both samplers and, for a decode, the
     patch of pending tokens and the first program over patched tokens."""
@@ -116,24 +120,30 @@ def timing_shapes(shapes: tuple[StepShape, ...]) -> tuple[StepShape, ...]:
     return tuple(chosen)
 
 
-Task = tuple[str, Callable[[], object]]
+# (label, compile): the compile takes the lock its XLA compiles hold (a real one, or none)
+Task = tuple[str, Callable[[contextlib.AbstractContextManager], object]]
+
+
+def read_back(compiles: int, cache_hits: int) -> bool:
+    """Whether a task's programs all came from the persistent cache, so that XLA timed no
+    kernel for them (and will time none for the programs compiled with them)."""
+    return compiles > 0 and cache_hits == compiles
 
 
 def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
-    """(label, compile) per shape and per write-back gather size: those that compile one at a
-    time, then those that compile in parallel after them."""
-    lock, free = threading.Lock(), contextlib.nullcontext()
+    """A task per shape and per write-back gather size: those that compile one at a time,
+    then those that compile in parallel after them."""
     timing = timing_shapes(engine.grid.shapes())
-    alone: list[Task] = [(f"step {shape}", functools.partial(_step_programs, engine, shape, lock))
+    alone: list[Task] = [(f"step {shape}", functools.partial(_step_programs, engine, shape))
                          for shape in timing]
     parallel: list[Task] = [
-        (f"step {shape}", functools.partial(_step_programs, engine, shape, free))
+        (f"step {shape}", functools.partial(_step_programs, engine, shape))
         for shape in engine.grid.shapes() if shape not in timing]
     controller = engine.cache.controller
     if controller is not None:  # gathers have no matmuls
         for size in controller.gather_sizes():
             parallel.append((f"gather {size} pages",
-                             functools.partial(_gather_program, controller, size, free)))
+                             functools.partial(_gather_program, controller, size)))
     return alone, parallel
 
 
@@ -152,6 +162,37 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
     jax.block_until_ready(sampled)
 
 
+def _compile_ahead(engine: Engine, bar: tqdm) -> int:
+    """Pass 1: runs the tasks of `_ahead_tasks` on a thread pool, those that time kernels one
+    at a time first; returns how many ran one at a time."""
+    watch = engine.compiles
+    alone, parallel = _ahead_tasks(engine)
+    serial, free = threading.Lock(), contextlib.nullcontext()
+
+    def run(task: Task, lock: contextlib.AbstractContextManager) -> str:
+        with watch.watch(CompilePhase.WARMUP):
+            task[1](lock)
+        return task[0]
+
+    def counts() -> tuple[int, int]:
+        return watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
+
+    if alone:  # the first shape tells a restart (its programs read back) from a first start
+        first = counts()
+        bar.set_postfix_str(run(alone[0], serial), refresh=False)
+        bar.update()
+        if read_back(*(now - then for now, then in zip(counts(), first))):
+            alone, parallel = alone[:1], alone[1:] + parallel
+    with concurrent.futures.ThreadPoolExecutor(_workers()) as executor:
+        # the first group's timings stand before the second starts
+        for tasks, hold in ((alone[1:], serial), (parallel, free)):
+            for future in concurrent.futures.as_completed(
+                    [executor.submit(run, t, hold) for t in tasks]):
+                bar.set_postfix_str(future.result(), refresh=False)
+                bar.update()
+    return len(alone)
+
+
 def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
             progress: bool = True) -> WarmupReport:
     """Compiles every program of `engine`'s grid (see the module docstring). The first pass
@@ -159,22 +200,10 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
     the engine answers `stats()` meanwhile; the padding steps run under it."""
     watch, shapes = engine.compiles, engine.grid.shapes()
     before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
-    alone, parallel = _ahead_tasks(engine)
+    tasks = sum(map(len, _ahead_tasks(engine)))
+    bar = tqdm(total=tasks + len(shapes), desc="warm-up", unit="program", disable=not progress)
     start = time.perf_counter()
-
-    def run(task: Task) -> str:
-        with watch.watch(CompilePhase.WARMUP):
-            task[1]()
-        return task[0]
-
-    bar = tqdm(total=len(alone) + len(parallel) + len(shapes), desc="warm-up", unit="program",
-               disable=not progress)
-    with concurrent.futures.ThreadPoolExecutor(_workers()) as executor:
-        for tasks in (alone, parallel):  # the first group's timings stand before the second
-            for future in concurrent.futures.as_completed(
-                    [executor.submit(run, t) for t in tasks]):
-                bar.set_postfix_str(future.result(), refresh=False)
-                bar.update()
+    alone = _compile_ahead(engine, bar)
     ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
     with lock, watch.watch(CompilePhase.WARMUP):
         for shape in shapes:
@@ -183,8 +212,7 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
         total = watch.counts[CompilePhase.WARMUP]
         engine.check_invariants()  # its device reads compile (a check, not a step)
     bar.close()
-    report = WarmupReport(shapes=len(shapes), ahead_tasks=len(alone) + len(parallel),
-                          alone_tasks=len(alone),
+    report = WarmupReport(shapes=len(shapes), ahead_tasks=tasks, alone_tasks=alone,
                           compiles=watch.counts[CompilePhase.WARMUP] - before,
                           cache_hits=watch.cache_hits[CompilePhase.WARMUP] - hits,
                           late_compiles=total - compiled_ahead, ahead_s=ahead - start,

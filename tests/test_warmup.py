@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from jhicache.models import init_random, preset_config
@@ -14,7 +15,7 @@ from jhicache.models import init_random, preset_config
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.compiles import CompileError
 from jhicache.grid import ShapeGrid, StepShape, token_ladder
-from jhicache.warmup import timing_shapes
+from jhicache.warmup import read_back, timing_shapes
 from tests.models.numpy_reference import (
     random_hf_weights,
     reference_logits,
@@ -211,7 +212,30 @@ def test_warmup_shows_progress_and_logs_its_phases(checkpoint: tuple[Path, dict]
     assert len(warmed) == 1 and f"{report.shapes} shapes" in warmed[0]
     assert engine.startup.weights_s is not None and engine.startup.warmup == report
     assert report.ahead_tasks == len(engine.grid.shapes())  # no gathers: no host tier
-    assert report.alone_tasks == len(timing_shapes(engine.grid.shapes()))
+    timing = len(timing_shapes(engine.grid.shapes()))  # 1 alone: the suite's cache was warm
+    assert report.alone_tasks == timing or (report.alone_tasks == 1 and report.cache_hits > 0)
     with pytest.raises(ValueError, match="idle"):
         engine.add_request([1, 2], SamplingParams())
         engine.warmup()
+
+
+def test_a_restart_reads_its_programs_back_in_parallel(checkpoint: tuple[Path, dict]) -> None:
+    """With JAX's persistent compilation cache on (the suite's conftest turns it on), a second
+    engine of the same config reads every program back, so only its first shape runs alone:
+    nothing is left for XLA to time."""
+    if not jax.config.jax_compilation_cache_dir:
+        pytest.skip("JAX's persistent compilation cache is off")
+    path, _ = checkpoint
+    config = EngineConfig(cache_mode="device", **ENGINE)
+    first = Engine.from_pretrained(str(path), config)
+    first.warmup(progress=False)
+    jax.clear_caches()  # a restart: JAX's in-process caches are empty
+    again = Engine.from_pretrained(str(path), config).warmup(progress=False)
+    assert again.compiles == again.cache_hits > 0 and again.alone_tasks == 1
+    assert again.ahead_tasks == len(first.grid.shapes())  # every shape still read back
+
+
+def test_a_task_is_read_back_when_every_program_it_compiled_was_a_cache_hit() -> None:
+    assert read_back(compiles=6, cache_hits=6)
+    assert not read_back(compiles=6, cache_hits=5)  # one compiled: XLA timed its kernels
+    assert not read_back(compiles=0, cache_hits=0)  # nothing compiled: nothing known
