@@ -181,9 +181,6 @@ class CudaDriver:
                     fn(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)))
         return ms.value
 
-    def destroy_event(self, event: int) -> None:
-        self._check("cuEventDestroy", self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)))
-
     # -- copies --------------------------------------------------------------------------------
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
@@ -230,15 +227,3 @@ class CudaDriver:
     def unregister(self, address: int) -> None:
         self._bind()
         self._check("cuMemHostUnregister", self._lib.cuMemHostUnregister(ctypes.c_void_p(address)))
-
-    def host_alloc(self, nbytes: int) -> int:
-        """cuMemHostAlloc: pinned memory allocated by the driver (compared against register)."""
-        self._bind()
-        ptr = ctypes.c_void_p()
-        self._check("cuMemHostAlloc",
-                    self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
-                                             _HOST_REGISTER_PORTABLE))
-        return ptr.value or 0
-
-    def free_host(self, address: int) -> None:
-        self._check("cuMemFreeHost", self._lib.cuMemFreeHost(ctypes.c_void_p(address)))
