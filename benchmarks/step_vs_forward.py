@@ -76,10 +76,11 @@ def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
     marks = [time.perf_counter()]
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=1))
     marks.append(time.perf_counter())
-    batch = engine.scheduler.schedule()
-    engine.cache.launch()
+    with engine.cache.step() as transfers:
+        batch = engine.scheduler.schedule()
+        gate = transfers.start_loads(batch.tickets)
     marks.append(time.perf_counter())
-    inputs = model_inputs(batch, engine.grid, engine.load_flags)
+    inputs = model_inputs(batch, engine.grid, engine.load_flags, gate)
     marks.append(time.perf_counter())
     logits = engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
     marks.append(time.perf_counter())

@@ -7,18 +7,16 @@ gather stages first (`TransferTuning.gather_head_bytes`).
 One engine; the head sizes in turn, twice round (order effects show), each after a warm-up
 trial that compiles its gathers. Per trial: a prefix computed, then pushed to host
 (`host_hit.push_to_host`: eviction, gathers, copies, the wait), timed end to end on the host
-clock, its copies' span by their device-side marks, the first host copy's queuing on the host
-clock from the push's start, and the PCIe ceiling (one contiguous XLA copy of as many bytes to
-pinned host, `host_hit.pcie_copy_seconds`); then a device hit on the prefix beside a write-back of
-another prefix as long (`host_hit.device_hit_beside_write_back`) and alone. A head above the
-write-back's size gathers it whole, as before pieces.
+clock, its copies' span by their device-side marks, and the PCIe ceiling (one contiguous XLA
+copy of as many bytes to pinned host, `host_hit.pcie_copy_seconds`); then a device hit on the
+prefix beside a write-back of another prefix as long (`host_hit.device_hit_beside_write_back`)
+and alone. A head above the write-back's size gathers it whole, as before pieces.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import numpy as np
 
@@ -28,29 +26,12 @@ from jhicache.bench.command import save_json
 from jhicache.cache import TransferTuning
 
 
-def first_copy_clock(engine) -> list[float]:
-    """Wraps the controller's `_issue_write` to note the host clock of each call (a probe)."""
-    controller = engine.cache.controller
-    calls: list[float] = []
-    issue = controller._issue_write
-
-    def noted(write, budget):
-        calls.append(time.perf_counter())
-        return issue(write, budget)
-
-    controller._issue_write = noted
-    return calls
-
-
-def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
-          issued: list[float]) -> dict:
+def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int) -> dict:
     vocab = engine.model_config.vocab_size
     prefix, other = workload.random_prompts(rng, vocab, 2, prefix_len)
     turns = workload.random_prompts(rng, vocab, 5, turn_len)
     host_hit.ttft_of(engine, prefix + turns[0])
     before = engine.stats()
-    issued.clear()
-    start = time.perf_counter()
     seconds = host_hit.push_to_host(engine)
     after = engine.stats()
     nbytes = after.write_back_bytes - before.write_back_bytes
@@ -59,7 +40,7 @@ def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int,
     host_hit.push_to_host(engine)
     pcie_s = host_hit.pcie_copy_seconds(nbytes, to_host=True)
     return {"write_back_s": seconds, "copies_s": after.write_back_s - before.write_back_s,
-            "first_copy_queued_s": issued[0] - start, "bytes": nbytes, "pcie_to_host_s": pcie_s,
+            "bytes": nbytes, "pcie_to_host_s": pcie_s,
             "end_to_end_over_pcie": pcie_s / seconds, "device_hit_beside_ttft_s": beside_s,
             "device_hit_alone_ttft_s": alone_s}
 
@@ -68,7 +49,6 @@ def summary(rows: list[dict]) -> str:
     """One line of a head size's trials: the ratio, then each time in ms."""
     each = lambda key, scale: " ".join(f"{r[key] * scale:.2f}" for r in rows)  # noqa: E731
     times = [("end to end", "write_back_s"), ("copies", "copies_s"),
-             ("first copy", "first_copy_queued_s"),
              ("device hit beside", "device_hit_beside_ttft_s"),
              ("alone", "device_hit_alone_ttft_s")]
     return (f"end to end / PCIe {each('end_to_end_over_pcie', 1)} | ms: "
@@ -86,15 +66,14 @@ def main() -> None:
     args = parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
                        str(cli.prefix)])
     engine = host_hit.host_hit_engine(args)
-    issued = first_copy_clock(engine)
     rng = np.random.default_rng(args.seed + 3)
     heads = [int(mb) for mb in cli.head_mb.split(",")]
     out: dict[str, list[dict]] = {str(mb): [] for mb in heads}
     for mb in heads * 2:
-        tuning = engine.cache.controller.tuning
-        engine.cache.controller.tuning = dataclasses.replace(tuning, gather_head_bytes=mb << 20)
-        trial(engine, rng, cli.prefix, args.host_hit_turn, issued)  # compiles its gathers
-        rows = [trial(engine, rng, cli.prefix, args.host_hit_turn, issued)
+        transfers = engine.cache.transfers
+        transfers.tuning = dataclasses.replace(transfers.tuning, gather_head_bytes=mb << 20)
+        trial(engine, rng, cli.prefix, args.host_hit_turn)  # compiles its gathers
+        rows = [trial(engine, rng, cli.prefix, args.host_hit_turn)
                 for _ in range(cli.trials)]
         out[str(mb)] += rows
         print(f"head {mb} MB: {summary(rows)}", flush=True)

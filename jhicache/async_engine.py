@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 import numpy as np
 
 from jhicache.config import EngineConfig
-from jhicache.engine import Engine, prompt_arrays
+from jhicache.engine import Engine
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
 
@@ -185,14 +185,14 @@ class AsyncEngine:
         order, `new_token_ids` holding every generated token (as `Engine.generate`). All are
         validated together: a bad one raises `ValueError` and none is queued. Cancelling the
         call aborts its requests. Only final outputs cross threads (vLLM's FINAL_ONLY)."""
-        tokens = prompt_arrays(prompts)
-        per_prompt = Engine._per_prompt_params(tokens, params)
-        if not tokens:
+        prompts = _prompt_list(prompts)  # validated once, by Engine.add_requests
+        per_prompt = Engine._per_prompt_params(prompts, params)
+        if not prompts:
             return []
-        ids = [uuid.uuid4().hex for _ in tokens]
-        sinks = self._sinks_for(ids, tokens, final_only=True)
+        ids = [uuid.uuid4().hex for _ in prompts]
+        sinks = self._sinks_for(ids, prompts, final_only=True)
         try:
-            await self._submit(sinks, list(tokens), per_prompt)
+            await self._submit(sinks, prompts, per_prompt)
             finals = [await self._next(sink) for sink in sinks]
         finally:
             for sink in sinks:
@@ -363,20 +363,13 @@ class AsyncEngine:
         """Adds every request of the command, or (the first refusal raised) none of them."""
         if not command.future.set_running_or_notify_cancel():
             return  # the caller was cancelled before the thread got to it
-        added: list[str] = []
+        ids = [sink.request_id for sink in command.sinks]
         try:
-            for i, (sink, prompt, params) in enumerate(zip(command.sinks, command.prompts,
-                                                           command.params)):
-                try:
-                    added.append(self._engine.add_request(prompt, params, sink.request_id))
-                except ValueError as e:
-                    if len(command.sinks) == 1:
-                        raise
-                    # add_request names its prompt "prompt"; name it as Engine.generate does
-                    raise ValueError(str(e).replace("prompt", f"prompt {i}", 1)) from None
-        except Exception as e:  # noqa: BLE001 (the caller's: it raises there)
-            for rid in added:
-                self._engine.abort(rid)
+            if len(ids) == 1:  # its errors name "prompt", as Engine.add_request's do
+                added = [self._engine.add_request(command.prompts[0], command.params[0], ids[0])]
+            else:
+                added = self._engine.add_requests(command.prompts, command.params, ids)
+        except Exception as e:  # noqa: BLE001 (the caller's: it raises there; none was queued)
             command.future.set_exception(e)
             return
         for sink in command.sinks:
@@ -454,6 +447,14 @@ class AsyncEngine:
                 command.future.set_exception(self._stopped_error())
         elif isinstance(command, _Abort):
             command.future.set_result(False)
+
+
+def _prompt_list(prompts: object) -> list:
+    """`prompts` as a list (its items checked by `Engine.add_requests`); a clear error for
+    what cannot be a list of prompts at all."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _length(prompt: object) -> int:

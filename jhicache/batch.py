@@ -52,15 +52,16 @@ class StepInputs(NamedTuple):
     shape: StepShape  # the grid shape the step is padded to
 
 
-def model_inputs(batch: Batch, grid: ShapeGrid,
-                 load_flags: jax.Array | None = None) -> StepInputs:
+def model_inputs(batch: Batch, grid: ShapeGrid, load_flags: jax.Array | None = None,
+                 gate: int = 0) -> StepInputs:
     """Token ids, attention metadata and sampled rows of one step, padded to its grid shape.
 
     A decode row whose input token is still pending (sampled by the step in flight, see
     `Request.pending`) reads it on the device: `patches` pairs the row with the request's row in
     that step's sampled tokens. With `load_flags` (the device pool's, when there is a host
     tier) the forward waits on the device for the batch's load-backs: the metadata carries the
-    flags and the newest ticket's sequence number (issuing any load still held back)."""
+    flags and `gate`, the sequence number they must reach (`TransferStep.start_loads`). No
+    transfer work happens here."""
     chunks = batch.chunks
     shape = grid.shape_for(batch.num_tokens, len(chunks), batch.is_decode)
     lengths = [c.length for c in chunks]
@@ -73,9 +74,8 @@ def model_inputs(batch: Batch, grid: ShapeGrid,
                               shape.tokens)
     last_index = np.zeros(shape.requests, np.int32)
     last_index[: len(chunks)] = np.cumsum(lengths) - 1
-    seq = max((t.gate_seq() for t in batch.tickets), default=0) if load_flags is not None else 0
     return _put(arrays, tokens, last_index, _patch_arrays(chunks, last_index, shape.tokens),
-                load_flags, seq, shape)
+                load_flags, gate, shape)
 
 
 def padding_inputs(shape: StepShape, grid: ShapeGrid, load_flags: jax.Array | None,

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.batch import Batch, Chunk, StepInputs, model_inputs, patch_tokens
+from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
 from jhicache.cache import (
     RESERVED_PAGES,
     DevicePool,
     HostPool,
     PoolLayout,
-    TieredCache,
+    PrefixCache,
+    TransferStep,
     make_copier,
 )
 from jhicache.cache.host_memory import available_bytes
@@ -73,7 +74,7 @@ class Engine:
             devices = self.device_pool.shard_devices
             copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
-        self.cache = TieredCache(config.page_size, self.device_pool, host_pool, config.write_policy,
+        self.cache = PrefixCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
@@ -162,12 +163,39 @@ class Engine:
         with self._lock:
             tokens = _token_array("prompt", prompt)
             self._validate("prompt", tokens, params)
-            if request_id is not None:
-                if not isinstance(request_id, str) or not request_id:
-                    raise ValueError(f"request_id={request_id!r}: expected a non-empty str")
-                if request_id in self._requests:
-                    raise ValueError(f"request_id={request_id!r} is already queued")
+            self._check_ids([request_id])
             return self._submit(tokens, params, request_id, time.perf_counter()).request_id
+
+    def add_requests(self, prompts: Sequence[Sequence[int] | np.ndarray],
+                     params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                     request_ids: Sequence[str] | None = None) -> list[str]:
+        """Queues every prompt, or none: each is validated (as `generate` does) before any is
+        queued, and a bad value raises `ValueError` naming its prompt. Returns their ids."""
+        with self._lock:
+            arrays = prompt_arrays(prompts)
+            per_prompt = self._per_prompt_params(arrays, params)
+            ids: list[str | None] = [None] * len(arrays)
+            if request_ids is not None:
+                if len(request_ids) != len(arrays):
+                    raise ValueError(f"got {len(request_ids)} request ids for {len(arrays)} "
+                                     "prompts")
+                ids = list(request_ids)
+            for i, (prompt, p) in enumerate(zip(arrays, per_prompt)):
+                self._validate(f"prompt {i}", prompt, p)
+            self._check_ids(ids)
+            now = time.perf_counter()
+            return [self._submit(prompt, p, rid, now).request_id
+                    for prompt, p, rid in zip(arrays, per_prompt, ids)]
+
+    def _check_ids(self, ids: Sequence[str | None]) -> None:
+        named = [rid for rid in ids if rid is not None]
+        for rid in named:
+            if not isinstance(rid, str) or not rid:
+                raise ValueError(f"request_id={rid!r}: expected a non-empty str")
+            if rid in self._requests:
+                raise ValueError(f"request_id={rid!r} is already queued")
+        if len(set(named)) != len(named):
+            raise ValueError("request ids repeat")
 
     def step(self) -> list[RequestOutput]:
         """One engine step; an output for every request that gained a token or finished in it.
@@ -237,7 +265,7 @@ class Engine:
             except BaseException:
                 self._abandon(requests)
                 raise
-            return [req.to_output(list(req.output)) for req in requests]
+            return [req.to_output(req.output) for req in requests]
 
     def stats(self) -> EngineStats:
         """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
@@ -254,9 +282,10 @@ class Engine:
             cache = self.cache
             return Occupancy(waiting_requests=len(self.scheduler.waiting),
                              running_requests=len(self.scheduler.running),
-                             device_pages=cache.device_capacity,
-                             device_free_pages=cache.device_free_pages,
-                             host_pages=cache.host_capacity, host_free_pages=cache.host_free_pages)
+                             device_pages=cache.device.capacity,
+                             device_free_pages=cache.device.num_free,
+                             host_pages=cache.host.capacity if cache.host else 0,
+                             host_free_pages=cache.host.num_free if cache.host else 0)
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
@@ -299,35 +328,15 @@ class Engine:
                                f"be compiled by warmup() (grid: {self.grid.describe()})")
 
     def _step(self) -> list[RequestOutput]:
-        """Retire finished copies, schedule, start the step's loads, forward (the loads' later
-        layers queued between its two programs), prefetch the next step's loads and launch the
-        queued transfers, end a step, commit."""
-        self.cache.poll()
-        in_flight = self._in_flight is not None
-        batch = self.scheduler.schedule(may_retract=not in_flight)
-        outputs: list[RequestOutput] = []
-        ended_early = batch is None and in_flight
-        if ended_early:
-            # The step in flight may finish requests and free their pages: commit it first.
-            ending = self._take_in_flight()
-            assert ending is not None  # `in_flight` said so
-            outputs = self._end(ending)
-            self.cache.poll()
-            batch = self.scheduler.schedule(may_retract=True)
-        # This step's loads start before the rest of the step's host work: a host hit waits for
-        # its last layer, so every host phase ahead of the copies adds to its TTFT when the
-        # load is the longer part. They run on the copier's own stream and the inputs' small
-        # copies on XLA's, so those do not queue behind the burst (BENCHMARKS.md, host-hit
-        # phases). Only the first program's layers are queued before it is dispatched, the
-        # rest right after, so the GPU starts before the host has queued every copy; the next
-        # step's prefetch and the write-backs follow the dispatch for the same reason.
-        self.cache.launch_loads(self.runner.first_layers)
-        launched = None
-        if batch is not None:
-            launched = self._launch(batch, model_inputs(batch, self.grid, self.load_flags))
-        self.cache.finish_loads()  # where no forward queued them
-        self.scheduler.prefetch()  # loads for the next step
-        self.cache.launch()  # write-backs and the prefetched load-backs start now
+        """One step, in the order its transfers need: retire finished copies, schedule, start
+        the batch's loads, dispatch its forward (the loads' later layers queued between the
+        forward's two programs), prefetch the next step's loads; on leaving `cache.step()`,
+        the queued write-backs and loads start; then end the step before (overlap) or this
+        one, and commit."""
+        with self.cache.step() as transfers:
+            batch, outputs, ended_early = self._schedule(transfers)
+            launched = None if batch is None else self._launch(batch, transfers)
+            self.scheduler.prefetch()  # loads for the next step, started on leaving the block
         if self.config.overlap_schedule:
             ending, self._in_flight = self._take_in_flight(), launched
         else:
@@ -339,16 +348,38 @@ class Engine:
         self._check_compiles("" if launched is None else f" in a {launched.shape} step")
         return outputs
 
-    def _launch(self, batch: Batch, inputs: StepInputs) -> _Launched:
-        """Dispatches the batch's forward and sampling; nothing here waits for the device."""
+    def _schedule(self, transfers: TransferStep) -> tuple[Batch | None, list[RequestOutput], bool]:
+        """The step's batch; where there is none while a step is in flight, that step is ended
+        first (it may finish requests and free their pages) and the schedule tried again.
+        Returns (batch, the ended step's outputs, whether it was ended here)."""
+        in_flight = self._in_flight is not None
+        batch = self.scheduler.schedule(may_retract=not in_flight)
+        if batch is not None or not in_flight:
+            return batch, [], False
+        ending = self._take_in_flight()
+        assert ending is not None  # `in_flight` said so
+        outputs = self._end(ending)
+        transfers.poll()
+        return self.scheduler.schedule(may_retract=True), outputs, True
+
+    def _launch(self, batch: Batch, transfers: TransferStep) -> _Launched:
+        """Starts the batch's loads and dispatches its forward and sampling. The loads start
+        before the rest of the step's host work: a host hit waits for its last layer, so every
+        host phase ahead of the copies adds to its TTFT when the load is the longer part. Only
+        the first program's layers are queued before it is dispatched, the rest right after,
+        so the GPU starts before the host has queued every copy. Waits for the device only
+        where `start_loads` must issue a load something held back."""
+        gate = transfers.start_loads(batch.tickets, self.runner.first_layers)
+        gated = any(not t.done() for t in batch.tickets)  # its loads had not all landed
+        inputs = model_inputs(batch, self.grid, self.load_flags, gate)
         tokens = inputs.tokens
         if inputs.patches is not None:  # decode tokens sampled by the step still in flight
             assert self._in_flight is not None
             tokens = patch_tokens(tokens, *inputs.patches, self._in_flight.sampled)
         start = time.perf_counter()
-        gated = any(not t.done() for t in batch.tickets)  # its loads had not all landed
-        logits = self.runner.run(tokens, inputs.meta, inputs.last_index,
-                                 between=self.cache.finish_loads)
+        hidden = self.runner.start(tokens, inputs.meta)
+        transfers.finish_loads()
+        logits = self.runner.finish(hidden, inputs.meta, inputs.last_index)
         sampled = self._sample(logits, batch.chunks)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
@@ -367,7 +398,7 @@ class Engine:
             self._requests.pop(req.request_id, None)
         if self.config.check_invariants_every_step:
             self.check_invariants()
-        return [r.to_output([r.output[-1]]) for r in gained]
+        return [r.to_output([r.tokens[-1]]) for r in gained]
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None
@@ -391,7 +422,7 @@ class Engine:
         backs to the host tier start under the write policy. With `wait`, returns once every
         copy has landed. Returns the pages freed."""
         with self._lock, self._serving():
-            count = self.cache.evictable_device_pages if pages is None else pages
+            count = self.cache.device.evictable_pages if pages is None else pages
             freed = self.cache.evict_device(count)
             if wait:
                 self.cache.flush()
@@ -409,7 +440,6 @@ class Engine:
         step = self._take_in_flight()
         outputs = self._end(step) if step is not None else []
         self.cache.flush()
-        self.cache.poll()
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
@@ -452,7 +482,7 @@ class Engine:
             # A fresh seed per submission (as vLLM does): unseeded output is random, yet the
             # request then samples the same way however it is batched or cached.
             params = dataclasses.replace(params, seed=int(self._seeds.integers(SEED_LIMIT)))
-        req = Request(request_id=request_id or uuid.uuid4().hex, prompt=prompt.tolist(),
+        req = Request(request_id=request_id or uuid.uuid4().hex, tokens=prompt.tolist(),
                       params=params, arrival_s=now)
         self._requests[req.request_id] = req
         self.scheduler.add(req)
@@ -471,7 +501,6 @@ class Engine:
             if self._requests.pop(req.request_id, None) is not None:
                 self.scheduler.abort(req, keep_computed=False)
         self.cache.flush()
-        self.cache.poll()
 
     def _sample(self, logits: jax.Array, rows: list[Chunk]) -> jax.Array:
         """Dispatches the sampling of one token per row: [grid.max_requests] int32 (rows past

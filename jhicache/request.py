@@ -42,19 +42,19 @@ class RequestOutput:
 class Request:
     """Mutable per-request state owned by the scheduler.
 
-    `device_pages[i]` holds tokens [i * page_size, (i + 1) * page_size) of `tokens`; the first
+    `tokens` is the one list of the request's tokens, matched against the tree as it is:
+    `device_pages[i]` holds tokens [i * page_size, (i + 1) * page_size) of it; the first
     `cached_len` tokens have KV in those pages, or will have once the steps already dispatched
     complete. `pending` counts tokens sampled by dispatched steps whose values the host has not
-    read yet: they follow `output`, and the step that reads them appends them in order.
+    read yet: they follow `tokens`, and the step that reads them appends them in order.
     `cache_handle` is the locked tree node that protects the prefix pages shared with the cache
     (None when nothing is locked).
     """
 
     request_id: str
-    prompt: list[int]
+    tokens: list[int]  # the prompt, then each generated token the host has read: grows in place
     params: SamplingParams
     arrival_s: float
-    output: list[int] = dataclasses.field(default_factory=list)
     pending: int = 0
     pending_row: int = -1  # the row of the newest pending token in its step's sampled tokens
     status: RequestStatus = RequestStatus.WAITING
@@ -67,28 +67,28 @@ class Request:
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
     prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
-    # prompt + output, kept as one list that grows with `add_output` (read often: each
-    # admission's and prefetch's radix match, each insert): not rebuilt per access
-    _tokens: list[int] = dataclasses.field(init=False, repr=False)
+    prompt_len: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self._tokens = self.prompt + self.output
+        self.prompt_len = len(self.tokens)
 
     @property
-    def tokens(self) -> list[int]:
-        """Prompt plus the generated tokens the host knows (the request's own list: read it,
-        do not change it)."""
-        return self._tokens
+    def output(self) -> list[int]:
+        """The generated tokens the host knows (a copy)."""
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
     def add_output(self, token: int) -> None:
         """Appends a generated token the host has read."""
-        self.output.append(token)
-        self._tokens.append(token)
+        self.tokens.append(token)
 
     @property
     def known_len(self) -> int:
         """len(tokens): the tokens whose values the host knows."""
-        return len(self.prompt) + len(self.output)
+        return len(self.tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -97,23 +97,16 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        return len(self.output) + self.pending
+        return self.num_output + self.pending
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """tokens[start:end] without concatenating prompt and output (a decode step reads one
-        token of a sequence thousands long); a pending token reads as 0 (see `Batch.patches`)."""
-        n, known = len(self.prompt), self.known_len
-        unknown = [0] * max(0, end - max(start, known))
-        end = min(end, known)
-        if end <= n:
-            return self.prompt[start:end] + unknown
-        if start >= n:
-            return self.output[start - n:end - n] + unknown
-        return self.prompt[start:] + self.output[:end - n] + unknown
+        """tokens[start:end]; a pending token reads as 0 (see `Batch.patches`)."""
+        known = self.known_len
+        return self.tokens[start:min(end, known)] + [0] * max(0, end - max(start, known))
 
     @property
     def pending_len(self) -> int:
@@ -123,10 +116,10 @@ class Request:
     def to_output(self, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
-            token_ids=list(self.output),
+            token_ids=self.output,
             new_token_ids=new_token_ids,
             finished=self.finished,
-            prompt_len=len(self.prompt),
+            prompt_len=self.prompt_len,
             device_hit_tokens=self.device_hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,

@@ -2,16 +2,14 @@
 
 A step whose pages are still being loaded back runs the same programs as any other: each layer's
 attention kernel waits on the device until that layer's load flag says its pages have landed
-(`AttentionMetadata.load_flags`, built by `jhicache.batch.model_inputs` from the step's load
-tickets), so the host dispatches the whole forward without waiting and the copy stream and the
-layers overlap on the GPU. The KV arrays are donated to the programs and the pool is given the
+(`AttentionMetadata.load_flags`; the gate comes from `TransferStep.start_loads`), so the host
+dispatches the whole forward without waiting and the copy stream and the layers overlap on the
+GPU. The KV arrays are donated to the programs and the pool is given the
 returned arrays at once, so the pool always holds the newest version (the transfer controller
-relies on that, see `jhicache.cache.transfer`).
+relies on that, see `jhicache.cache.transfers`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import jax
 
@@ -31,17 +29,32 @@ class ModelRunner:
 
     @property
     def first_layers(self) -> int:
-        """Layers of the forward's first program, dispatched before `run`'s `between` call."""
+        """Layers of the forward's first program (`start`)."""
         return self.programs.first_layers
 
-    def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array,
-            between: Callable[[], object] | None = None) -> jax.Array:
-        """Logits [B, vocab] float32 of the rows `last_index`; KV pages updated in the pool.
-        `between` runs once the first program is dispatched: where the engine queues the loads
-        of the later layers, so that the GPU starts before the host has queued them all."""
-        logits, new_k, new_v = self.programs.forward(tuple(self.pool.k), tuple(self.pool.v),
-                                                     tokens, meta, last_index, between)
-        for layer in range(self.num_layers):
+    def start(self, tokens: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        """Dispatches the forward's first program (its first `first_layers` layers); returns
+        its hidden state for `finish`. The caller queues the later layers' loads between the
+        two, so that the GPU starts before the host has queued them all."""
+        split = self.programs.first_layers
+        hidden, new_k, new_v = self.programs.forward_first(tuple(self.pool.k), tuple(self.pool.v),
+                                                           tokens, meta)
+        for layer in range(split):
             self.pool.set_layer(layer, new_k[layer], new_v[layer])
+        return hidden
+
+    def finish(self, hidden: jax.Array, meta: AttentionMetadata,
+               last_index: jax.Array) -> jax.Array:
+        """Dispatches the rest of the forward after `start`: logits [B, vocab] float32 of the
+        rows `last_index`; every layer's KV pages updated in the pool."""
+        split = self.programs.first_layers
+        logits, new_k, new_v = self.programs.forward_rest(tuple(self.pool.k), tuple(self.pool.v),
+                                                          hidden, meta, last_index)
+        for i, layer in enumerate(range(split, self.num_layers)):
+            self.pool.set_layer(layer, new_k[i], new_v[i])
         self.pool.last_compute = logits  # pages freed from now on are fenced on this forward
         return logits
+
+    def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
+        """`start` then `finish`, with nothing between them."""
+        return self.finish(self.start(tokens, meta), meta, last_index)

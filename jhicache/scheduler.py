@@ -13,7 +13,7 @@ import collections
 import numpy as np
 
 from jhicache.batch import Batch, Chunk
-from jhicache.cache import LoadTicket, MatchResult, TieredCache
+from jhicache.cache import LoadTicket, MatchResult, PrefixCache
 from jhicache.config import CacheMode, EngineConfig
 from jhicache.request import FinishReason, Request, RequestStatus
 
@@ -25,7 +25,7 @@ def _pages_for(tokens: int, page_size: int) -> int:
 class Scheduler:
     """Decides what each step computes and keeps page ownership straight while doing so."""
 
-    def __init__(self, config: EngineConfig, cache: TieredCache) -> None:
+    def __init__(self, config: EngineConfig, cache: PrefixCache) -> None:
         self.config = config
         self.cache = cache
         self.page_size = config.page_size
@@ -205,7 +205,7 @@ class Scheduler:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left
         to compute after it. Loaded pages replace pages the request would otherwise compute into,
         so only that chunk (and a decode page) must stay available."""
-        available = self.cache.available_device_pages()
+        available = self.cache.device.available
         cached = match.device_len + match.host_len
         first_chunk = min(req.num_tokens - cached, budget)
         return (available - (_pages_for(cached + first_chunk, self.page_size)
@@ -286,15 +286,15 @@ class Scheduler:
             req = chunk.request
             if not chunk.samples_token or req.finished:
                 continue
-            assert chunk.sample_index == len(req.output), "steps commit in order"
+            assert chunk.sample_index == req.num_output, "steps commit in order"
             req.add_output(int(sampled[row]))
             req.pending -= 1
             if req.first_token_s is None:
                 req.first_token_s = now
             gained.append(req)
-            if req.output[-1] in req.params.stop_token_ids:
+            if req.tokens[-1] in req.params.stop_token_ids:
                 self._finish(req, FinishReason.STOP)
-            elif len(req.output) >= req.params.max_new_tokens:
+            elif req.num_output >= req.params.max_new_tokens:
                 self._finish(req, FinishReason.LENGTH)
         return gained
 

@@ -44,7 +44,7 @@ from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sampling_arrays
 
 if TYPE_CHECKING:
-    from jhicache.cache import TransferController
+    from jhicache.cache.write_back import WriteBacks
     from jhicache.engine import Engine
 
 logger = logging.getLogger("jhicache.warmup")
@@ -101,9 +101,9 @@ def _step_programs(engine: Engine, shape: StepShape,
         _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
 
 
-def _gather_program(controller: TransferController, size: int,
+def _gather_program(writes: WriteBacks, size: int,
                     lock: contextlib.AbstractContextManager) -> None:
-    _compiled(controller.lower_gather(size), lock)
+    _compiled(writes.lower_gather(size), lock)
 
 
 def timing_shapes(shapes: tuple[StepShape, ...]) -> tuple[StepShape, ...]:
@@ -139,11 +139,11 @@ def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
     parallel: list[Task] = [
         (f"step {shape}", functools.partial(_step_programs, engine, shape))
         for shape in engine.grid.shapes() if shape not in timing]
-    controller = engine.cache.controller
-    if controller is not None:  # gathers have no matmuls
-        for size in controller.gather_sizes():
+    transfers = engine.cache.transfers
+    if transfers is not None:  # gathers have no matmuls
+        for size in transfers.writes.gather_sizes():
             parallel.append((f"gather {size} pages",
-                             functools.partial(_gather_program, controller, size)))
+                             functools.partial(_gather_program, transfers.writes, size)))
     return alone, parallel
 
 

@@ -177,20 +177,28 @@ class ModelPrograms:
         return first_program_layers(self.num_layers)
 
     def forward(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array, meta: AttentionMetadata,
-                rows: jax.Array, between: Callable[[], object] | None = None,
-                ) -> tuple[jax.Array, Pages, Pages]:
-        """The whole model, dispatched as its two programs: (logits [B, vocab] f32 of `rows`,
-        new k, new v per layer). `between` is called once the first program is dispatched."""
-        split = self.first_layers
-        hidden, k_first, v_first = self._jit.first(
-            self.embed_leaves, self.layer_leaves[:split], k_pages[:split], v_pages[:split],
-            tokens, meta)
-        if between is not None:
-            between()
-        logits, k_rest, v_rest = self._jit.rest(
-            self.layer_leaves[split:], self.head_leaves, k_pages[split:], v_pages[split:], hidden,
-            meta, rows, start=split)
+                rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
+        """The whole model, its two programs back to back: (logits [B, vocab] f32 of `rows`,
+        new k, new v per layer)."""
+        hidden, k_first, v_first = self.forward_first(k_pages, v_pages, tokens, meta)
+        logits, k_rest, v_rest = self.forward_rest(k_pages, v_pages, hidden, meta, rows)
         return logits, k_first + k_rest, v_first + v_rest
+
+    def forward_first(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array,
+                      meta: AttentionMetadata) -> tuple[jax.Array, Pages, Pages]:
+        """The first program (embedding and the first `first_layers` layers) over those layers'
+        pages: (hidden state, their new k, new v)."""
+        split = self.first_layers
+        return self._jit.first(self.embed_leaves, self.layer_leaves[:split], k_pages[:split],
+                               v_pages[:split], tokens, meta)
+
+    def forward_rest(self, k_pages: Pages, v_pages: Pages, hidden: jax.Array,
+                     meta: AttentionMetadata, rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
+        """The second program (the later layers and the head) over the later layers' pages:
+        (logits [B, vocab] f32 of `rows`, their new k, new v)."""
+        split = self.first_layers
+        return self._jit.rest(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
+                              v_pages[split:], hidden, meta, rows, start=split)
 
     def lower_first(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
                     meta: AttentionMetadata) -> jax.stages.Lowered:

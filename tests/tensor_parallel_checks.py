@@ -187,7 +187,7 @@ def check_deferred_copies_wait_on_every_shard() -> None:
     """Each device's copies run only when its own mark is waited for: the tokens are still one
     device's, so every shard's wait is made. With a forward that lands shard 0's copies only,
     the other shards' pages are read before they land and the tokens change: so it matters."""
-    from jhicache.cache.transfer import _Load
+    from jhicache.cache.load_back import Load
 
     copiers = _deferred_copiers(4)
     eng = hierarchical(tp_model(), 4)
@@ -195,13 +195,13 @@ def check_deferred_copies_wait_on_every_shard() -> None:
     assert_host_tier_used(eng)
     assert eng.stats().host_hit_tokens > 0 and all(c.copies > 0 for c in copiers)
 
-    def first_shard_only(load: _Load) -> int:  # lands shard 0's copies before the forward
+    def first_shard_only(load: Load) -> int:  # lands shard 0's copies before the forward
         landed = load.issue()
-        load.controller.copier.copiers[0].wait(landed.parts[0])
+        load.loads.copier.copiers[0].wait(landed.parts[0])
         return load.seq
 
     _deferred_copiers(4)
-    _Load.issued_seq = first_shard_only
+    Load.issued_seq = first_shard_only
     assert run_chats(hierarchical(tp_model(), 4)) != reference(tp_model())
 
 

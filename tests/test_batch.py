@@ -59,20 +59,25 @@ def test_put_int32_keeps_names_shapes_and_values() -> None:
         np.testing.assert_array_equal(np.asarray(put[name]), value)
 
 
-def test_token_slice_equals_slicing_tokens() -> None:
-    req = Request(request_id="a", prompt=list(range(10)), params=SamplingParams(), arrival_s=0.0,
-                  output=[50, 51, 52])
+def test_token_slice_equals_slicing_tokens_and_reads_pending_tokens_as_zero() -> None:
+    req = Request(request_id="a", tokens=list(range(10)), params=SamplingParams(), arrival_s=0.0)
+    for token in (50, 51, 52):
+        req.add_output(token)
+    assert (req.prompt_len, req.output, req.num_output) == (10, [50, 51, 52], 3)
+    req.pending = 2  # two sampled tokens the host has not read yet
     for start in range(req.num_tokens + 1):
         for end in range(start, req.num_tokens + 1):
-            assert req.token_slice(start, end) == req.tokens[start:end]
-    assert req.num_tokens == len(req.tokens)
+            want = req.tokens[start:end] + [0] * max(0, end - max(start, len(req.tokens)))
+            assert req.token_slice(start, end) == want
+    assert req.num_tokens == len(req.tokens) + 2 == 15
 
 
 def test_model_inputs_of_a_mixed_prefill() -> None:
-    a = Request(request_id="a", prompt=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0,
+    a = Request(request_id="a", tokens=[5, 6, 7, 8, 9], params=SamplingParams(), arrival_s=0.0,
                 device_pages=[3, 4])
-    b = Request(request_id="b", prompt=[1, 2], params=SamplingParams(), arrival_s=0.0, output=[3],
+    b = Request(request_id="b", tokens=[1, 2], params=SamplingParams(), arrival_s=0.0,
                 device_pages=[9])
+    b.add_output(3)
     grid = ShapeGrid.create(chunked_prefill_tokens=64, max_running_requests=8, page_size=4,
                             max_context_len=20)
     tokens, meta, last_index, patches, shape = model_inputs(

@@ -112,6 +112,29 @@ def test_generate_refuses_what_is_not_a_list_of_prompts(case: str) -> None:
     assert_serves_with_cache_intact(engine)
 
 
+def test_add_requests_queues_every_prompt_or_none() -> None:
+    """All or none: a bad prompt among good ones is named and nothing is queued; good ones are
+    queued under the ids given and step to the same tokens as `generate`."""
+    engine = warm_engine()
+    with pytest.raises(ValueError, match="prompt 1: token id out of range"):
+        engine.add_requests([[1, 2, 3], [1, 10**9]], GREEDY)
+    with pytest.raises(ValueError, match="request ids repeat"):
+        engine.add_requests([[1, 2], [3, 4]], GREEDY, request_ids=["x", "x"])
+    with pytest.raises(ValueError, match="2 request ids for 1 prompts"):
+        engine.add_requests([[1, 2]], GREEDY, request_ids=["x", "y"])
+    assert not engine.has_unfinished() and engine.occupancy().waiting_requests == 0
+    ids = engine.add_requests([[1, 2, 3], (4, 5, 6)], GREEDY, request_ids=["a", "b"])
+    assert ids == ["a", "b"]
+    with pytest.raises(ValueError, match="already queued"):
+        engine.add_requests([[7]], GREEDY, request_ids=["a"])
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert tokens == {"a": _fresh_output([1, 2, 3]), "b": _fresh_output([4, 5, 6])}
+    assert_serves_with_cache_intact(engine)
+
+
 def test_generate_takes_numpy_prompts_and_an_empty_list() -> None:
     engine = make_engine()
     assert engine.generate([], GREEDY) == []
@@ -156,7 +179,7 @@ def test_a_failed_call_drops_its_requests_and_keeps_the_cache(where: str, error:
     engine.generate([PREFIX], GREEDY)
     owner = {"runner": engine.runner, "scheduler": engine.scheduler,
              "commit": engine.scheduler}[where]
-    name = {"runner": "run", "scheduler": "schedule", "commit": "commit"}[where]
+    name = {"runner": "start", "scheduler": "schedule", "commit": "commit"}[where]
     setattr(owner, name, _FailOnce(getattr(owner, name), at=3, error=error))
     prompts = [PREFIX + [11, 12, 13], list(range(100, 150)), list(range(200, 230))]
     with pytest.raises(type(error)):

@@ -217,9 +217,9 @@ def test_gpu_abort_mid_load(overlap: bool) -> None:
 def _abort_mid_load(overlap: bool) -> None:
     engine, prefix = _host_hit_engine(overlap)
     rid = engine.add_request(prefix + [1, 2, 3], SamplingParams(max_new_tokens=20))
-    engine.cache.launch()
-    engine.scheduler.schedule(may_retract=True)  # admitted: its load queued ...
-    engine.cache.launch()  # ... and launched, no forward yet
+    with engine.cache.step():
+        engine.scheduler.schedule(may_retract=True)  # admitted: its load queued ...
+    # ... and launched on leaving the step, no forward yet
     assert engine.stats().load_back_ops >= 1 and engine.stats().loads_in_flight >= 1
     assert engine.abort(rid) is True
     engine.check_invariants()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jhicache.batch import Batch
-from jhicache.cache import TieredCache
+from jhicache.cache import PrefixCache
 from jhicache.config import EngineConfig
 from jhicache.request import FinishReason, Request, RequestStatus
 from jhicache.sampling import SamplingParams
@@ -17,7 +17,7 @@ PAGE = 4
 
 
 def make_scheduler(device_pages: int, budget: int,
-                   cache_mode: str = "device") -> tuple[Scheduler, TieredCache]:
+                   cache_mode: str = "device") -> tuple[Scheduler, PrefixCache]:
     config = EngineConfig(page_size=PAGE, cache_mode=cache_mode, chunked_prefill_tokens=budget)
     cache = make_cache(PAGE, device_pages=device_pages, host_pages=None)
     return Scheduler(config, cache), cache
@@ -36,7 +36,7 @@ def fake_forward(batch: Batch) -> np.ndarray:
     return np.array([c.start + c.length if c.samples_token else -1 for c in batch.chunks])
 
 
-def step(sched: Scheduler, cache: TieredCache) -> Batch | None:
+def step(sched: Scheduler, cache: PrefixCache) -> Batch | None:
     """One lock-step engine step without a model; checks the page accounting after it."""
     batch = sched.schedule()
     if batch is not None:
@@ -80,15 +80,15 @@ def test_chunked_prefill_then_decode_then_pages_to_the_cache() -> None:
 
     # Every page is back: free, or cached (a's 2 full pages of KV, b's 1, late's 1), none held.
     assert a.device_pages == b.device_pages == [] and sched.owned_device_pages() == []
-    assert cache.evictable_device_pages == 4
-    assert cache.device_free_pages + cache.evictable_device_pages == cache.device_capacity
+    assert cache.device.evictable_pages == 4
+    assert cache.device.num_free + cache.device.evictable_pages == cache.device.capacity
 
     again = request(1, 10, 1)  # the same prompt: its first 8 tokens are a device hit
     sched.add(again)
     hit = step(sched, cache)
     assert hit is not None and [(c.start, c.length) for c in hit.chunks] == [(8, 2)]
     assert again.device_hit_tokens == 8 and sched.counters["device_hit_tokens"] == 8
-    assert again.finished and cache.evictable_device_pages == 4
+    assert again.finished and cache.device.evictable_pages == 4
 
 
 def test_decode_short_of_pages_retracts_the_newest_and_recomputes_it() -> None:
@@ -113,4 +113,4 @@ def test_decode_short_of_pages_retracts_the_newest_and_recomputes_it() -> None:
     assert readmitted is not None and not readmitted.is_decode
     assert [(c.request, c.start, c.length) for c in readmitted.chunks] == [(b, 0, 9)]
     assert a.output == b.output == [6, 7, 8, 9] and not sched.has_work()
-    assert cache.device_free_pages == cache.device_capacity
+    assert cache.device.num_free == cache.device.capacity

@@ -48,14 +48,14 @@ def timed_load_alone(engine: Engine, prompt: list[int]) -> float:
     """Seconds for the load-back of `prompt`'s host run with no compute around it."""
     match = engine.cache.match(prompt, leave_last=True)
     start = time.perf_counter()
-    ticket = engine.cache.load_back(match)
-    if ticket is None:
-        return float("nan")
-    engine.cache.launch()
+    with engine.cache.step() as transfers:
+        ticket = engine.cache.load_back(match)
+        if ticket is None:
+            return float("nan")
+        transfers.start_loads([ticket])
     ticket.wait_all()
     seconds = time.perf_counter() - start
     engine.cache.flush()
-    engine.cache.poll()
     return seconds
 
 
@@ -145,14 +145,14 @@ def device_hit_beside_write_back(engine: Engine, prefix: list[int], other: list[
 def host_hit_engine(args: argparse.Namespace, **tuning: int) -> Engine:
     """The host-hit bench's engine: hierarchical, every host run loaded back, a device pool of
     four times (the prefix, its turn and two pages) tokens. `tuning`: `TransferTuning` fields
-    its transfer controller uses instead (a probe for the benchmark scripts)."""
+    its transfers use instead (a probe for the benchmark scripts)."""
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
     engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
                          load_back_threshold=1)
     if tuning:
-        controller = engine.cache.controller
-        assert controller is not None  # hierarchical
-        controller.tuning = dataclasses.replace(controller.tuning, **tuning)
+        transfers = engine.cache.transfers
+        assert transfers is not None  # hierarchical
+        transfers.tuning = dataclasses.replace(transfers.tuning, **tuning)
     return engine
 
 

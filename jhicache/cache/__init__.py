@@ -5,14 +5,17 @@ from jhicache.cache.device_pool import RESERVED_PAGES, DevicePool, PagePool, Poo
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.pages import PageAllocator
+from jhicache.cache.prefix_cache import PrefixCache
 from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
+from jhicache.cache.step import TransferStep
 from jhicache.cache.ticket import LoadTicket
-from jhicache.cache.tiered_cache import TieredCache
-from jhicache.cache.transfer import TransferController, TransferKind, TransferOp, TransferTuning
+from jhicache.cache.tiers import DeviceTier, HostTier, Tier
+from jhicache.cache.transfer_op import TransferKind, TransferOp, TransferTuning
+from jhicache.cache.transfers import Transfers
 
 __all__ = [
-    "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "HostCopier", "HostPool",
-    "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node", "PageAllocator",
-    "PagePool", "PoolLayout", "RadixTree", "TieredCache", "TransferController", "TransferKind",
-    "TransferOp", "TransferTuning", "check_invariants", "make_copier",
+    "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "DeviceTier", "HostCopier",
+    "HostPool", "HostTier", "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node",
+    "PageAllocator", "PagePool", "PoolLayout", "PrefixCache", "RadixTree", "Tier", "TransferKind",
+    "TransferOp", "TransferStep", "TransferTuning", "Transfers", "check_invariants", "make_copier",
 ]

@@ -2,7 +2,7 @@
 
 Every usable page id of a tier must be owned exactly once: by the free list, by one tree node,
 or by a caller-declared holder (pages of running requests). In-flight transfers own no page of
-their own: a copy's pages stay owned by the node they belong to (see transfer.py for why freeing
+their own: a copy's pages stay owned by the node they belong to (see transfers.py for why freeing
 them after dispatch is safe). Device accounting must satisfy
 `free + evictable + protected + held by requests == capacity`.
 """

@@ -222,7 +222,7 @@ class RadixTree:
             yield node
             node = node.parent
 
-    # -- residency changes (called by TieredCache) ---------------------------------------
+    # -- residency changes (called by PrefixCache) ---------------------------------------
     def attach_device_pages(self, node: Node, pages: list[int]) -> None:
         """Marks a host-only node on device again (load-back); the parent must be on device."""
         assert node.parent is not None and node.parent.device_pages is not None

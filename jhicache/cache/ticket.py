@@ -42,13 +42,14 @@ class LoadTicket:
         return self._copies is not None
 
     def bind(self, copies: LoadCopies) -> None:
-        """Called by the controller at launch."""
+        """Called by `LoadBacks.launch`."""
         self._copies = copies
 
     def _checked(self) -> LoadCopies:
         if self._copies is None:
-            raise RuntimeError(f"{self} was not launched: call TieredCache.launch() (or "
-                               "TransferController.launch()) before the forward that reads it")
+            raise RuntimeError(f"{self} was not launched: a step launches it (TransferStep."
+                               "start_loads, or on leaving PrefixCache.step()) before the "
+                               "forward that reads it")
         return self._copies
 
     def gate_seq(self) -> int:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache import Copier, DevicePool, HostPool, PoolLayout, TieredCache
+from jhicache.cache import Copier, DevicePool, HostPool, PoolLayout, PrefixCache
 from jhicache.cache.copier import Direction, Mark
 from jhicache.config import WritePolicy
 
@@ -67,13 +67,13 @@ class DeferredCopier(Copier):
 
 def make_cache(page_size: int, device_pages: int, host_pages: int | None,
                policy: WritePolicy = WritePolicy.WRITE_BACK, copier: Copier | None = None,
-               layers: int = LAYERS, **kwargs: object) -> TieredCache:
+               layers: int = LAYERS, **kwargs: object) -> PrefixCache:
     """A cache over real pools; device_pages/host_pages are usable pages (device page 0 extra);
     `copier` None copies at once (the CPU's HostCopier)."""
     layout = PoolLayout(layers, device_pages + 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host_layout = PoolLayout(layers, host_pages or 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host = HostPool(host_layout) if host_pages else None
-    return TieredCache(page_size, DevicePool(layout), host, policy, copier=copier, **kwargs)
+    return PrefixCache(page_size, DevicePool(layout), host, policy, copier=copier, **kwargs)
 
 
 def expected_kv(tokens: Sequence[int], layer: int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +86,7 @@ def expected_kv(tokens: Sequence[int], layer: int, page_size: int) -> tuple[np.n
     return k.reshape(shape), (-k).reshape(shape)
 
 
-def write_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int],
+def write_kv(cache: PrefixCache, tokens: Sequence[int], pages: Sequence[int],
              start: int = 0) -> None:
     """Simulates the forward: writes tokens[start:]'s KV into pages[start // page_size:]."""
     p, pool = cache.page_size, cache.device_pool
@@ -105,7 +105,7 @@ def _set_pages(k_pages, v_pages, ids, k, v):
     return k_pages.at[ids].set(k), v_pages.at[ids].set(v)
 
 
-def assert_device_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int]) -> None:
+def assert_device_kv(cache: PrefixCache, tokens: Sequence[int], pages: Sequence[int]) -> None:
     """The device pages hold exactly the KV of `tokens` (a wrong page shows as wrong data)."""
     assert len(pages) * cache.page_size == len(tokens)
     for layer in range(cache.device_pool.num_layers):
@@ -115,7 +115,7 @@ def assert_device_kv(cache: TieredCache, tokens: Sequence[int], pages: Sequence[
         np.testing.assert_array_equal(v, ev)
 
 
-def prefill(cache: TieredCache, tokens: Sequence[int]) -> int:
+def prefill(cache: PrefixCache, tokens: Sequence[int]) -> int:
     """One request end to end: match, lock, allocate, 'forward', insert, free duplicates, unlock.
 
     Returns the device prefix length that was reused. Raises if pages cannot be allocated."""

@@ -1,11 +1,11 @@
-"""TieredCache behaviours of spec §6.1 / §7.3 on real tiny pools, each write policy x page size."""
+"""PrefixCache behaviours of spec §6.1 / §7.3 on real tiny pools, each write policy x page size."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jhicache.cache import TieredCache
+from jhicache.cache import PrefixCache
 from jhicache.config import WritePolicy
 from tests.cache._helpers import assert_device_kv, expected_kv, make_cache, prefill, write_kv
 
@@ -17,11 +17,11 @@ def seq(tag: int, pages: int, page_size: int) -> list[int]:
     return [tag * 10_000 + i for i in range(pages * page_size)]
 
 
-def check(cache: TieredCache) -> None:
+def check(cache: PrefixCache) -> None:
     cache.check_invariants()
 
 
-def host_pages_of(cache: TieredCache, tokens: list[int]) -> list[int]:
+def host_pages_of(cache: PrefixCache, tokens: list[int]) -> list[int]:
     m = cache.match(tokens)
     run = cache._host_run(m.last_node)
     return [p for n in run for p in (n.host_pages or [])]
@@ -46,10 +46,13 @@ def test_round_trip_through_host(policy: WritePolicy, page: int) -> None:
     ticket = cache.load_back(m)
     assert ticket is not None and len(ticket.device_pages) == 2
     check(cache)
-    cache.launch()
+    with cache.step() as transfers:
+        assert transfers.start_loads([ticket]) == 1  # the first load's flag value
     ticket.wait_all()  # blocks until every layer has landed
     assert ticket.done()
-    assert cache.poll() >= 1 and cache.stats()["loads_in_flight"] == 0
+    with cache.step() as transfers:
+        assert transfers.poll() == 0  # retired on entering the step
+    assert cache.stats()["loads_in_flight"] == 0
     assert_device_kv(cache, a, list(ticket.device_pages))
     again = cache.match(a)
     assert (again.device_len, again.host_len) == (len(a), 0)
@@ -135,7 +138,7 @@ def test_host_eviction_only_removes_host_only_leaves(page: int) -> None:
     prefill(cache, a)
     prefill(cache, b)  # host: copies of a and b (both on device too)
     cache.flush()
-    assert cache.evict_host(4) == 0  # host copies of on-device nodes are never host-evicted
+    assert cache.host.evict(4) == 0  # host copies of on-device nodes are never host-evicted
     prefill(cache, c)  # device evicts a (host copy exists); c's write-through host-evicts a
     check(cache)
     assert cache.match(a).host_len == 0 and cache.stats()["evicted_host_tokens"] == len(a)
@@ -185,7 +188,7 @@ def test_dirty_node_without_host_room_is_dropped_with_its_host_only_descendants(
     assert stats["evicted_host_tokens"] == 2 * page  # C by host eviction, D with P
     assert list(cache.tree.nodes()) == []  # no orphans
     check(cache)
-    assert cache.host_alloc is not None and cache.host_alloc.num_free == 1
+    assert cache.host is not None and cache.host.pages.num_free == 1
 
 
 def test_bad_input_and_graceful_degradation() -> None:
@@ -208,14 +211,14 @@ def test_bad_input_and_graceful_degradation() -> None:
         cache.unlock(node)
     check(cache)
     with pytest.raises(ValueError, match="double free"):
-        cache.free_device([cache.device_alloc.free_pages().pop()])
+        cache.free_device([cache.device.pages.free_pages().pop()])
     check(cache)
 
 
 def test_page_counts_for_callers_outside_the_cache() -> None:
-    """available_device_pages = free + unlocked tree pages: exactly what alloc_device can get."""
+    """device.available = free + unlocked tree pages: exactly what alloc_device can get."""
     cache = make_cache(4, device_pages=6, host_pages=3)
-    assert (cache.device_capacity, cache.host_capacity) == (6, 3)
+    assert (cache.device.capacity, cache.host.capacity) == (6, 3)
     a, b = seq(1, 2, 4), seq(2, 1, 4)
     prefill(cache, a)
     prefill(cache, b)
@@ -223,16 +226,16 @@ def test_page_counts_for_callers_outside_the_cache() -> None:
     assert held is not None
     node = cache.match(a).last_node
     cache.lock(node)  # a's 2 pages are protected now
-    assert (cache.device_free_pages, cache.evictable_device_pages) == (2, 1)
-    assert cache.available_device_pages() == 3
+    assert (cache.device.num_free, cache.device.evictable_pages) == (2, 1)
+    assert cache.device.available == 3
     assert cache.alloc_device(4) is None
     got = cache.alloc_device(3)  # evicts b
-    assert got is not None and cache.available_device_pages() == 0
-    assert cache.host_free_pages == 2  # b's write-back took one host page
+    assert got is not None and cache.device.available == 0
+    assert cache.host is not None and cache.host.num_free == 2  # b's write-back took a page
     cache.free_device(got + held)
     cache.unlock(node)
     check(cache)
-    assert make_cache(4, device_pages=2, host_pages=None).host_free_pages == 0
+    assert make_cache(4, device_pages=2, host_pages=None).host is None
 
 
 def test_device_only_cache() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jhicache.cache import Node, TieredCache
+from jhicache.cache import Node, PrefixCache
 from jhicache.config import WritePolicy
 from tests.cache._helpers import DeferredCopier, assert_device_kv, expected_kv, make_cache, write_kv
 
@@ -39,7 +39,7 @@ class Held(NamedTuple):
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache: TieredCache
+        self.cache: PrefixCache
         # model: every page-aligned prefix ever inserted
         self.inserted: set[tuple[int, ...]] = set()
         self.held: list[Held] = []
@@ -75,7 +75,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.unlock(node)
             node = m.last_node
             self.cache.lock(node)
-            self.cache.launch()
+            with self.cache.step() as transfers:
+                transfers.start_loads([ticket])
             ticket.wait_all()  # as the forward does, layer by layer
             pages += ticket.device_pages
         new = self.cache.alloc_device(len(tokens) // self.page - len(pages))
@@ -129,16 +130,17 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 30), host=st.booleans())
     def evict(self, n: int, host: bool) -> None:
         if host:
-            self.cache.evict_host(n)
+            if self.cache.host is not None:
+                self.cache.host.evict(n)
             return
-        before = self.cache.device_alloc.num_free
+        before = self.cache.device.pages.num_free
         freed = self.cache.evict_device(n)
-        assert self.cache.device_alloc.num_free == before + freed
+        assert self.cache.device.pages.num_free == before + freed
 
     @rule()
     def step(self) -> None:  # what an engine step does with the cache's copies
-        self.cache.launch()
-        self.cache.poll()
+        with self.cache.step():
+            pass
 
     @rule()
     def flush_and_verify_all(self) -> None:

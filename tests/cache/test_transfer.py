@@ -1,5 +1,6 @@
-"""TransferController and LoadTicket: merged launches, per-layer landing, and the fences that
-order copies JAX does not see (HostCopier copies at once; DeferredCopier as late as it may)."""
+"""Transfers (write-backs, load-backs) and LoadTicket: merged launches, per-layer landing, and
+the fences that order copies JAX does not see (HostCopier copies at once; DeferredCopier as
+late as it may)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from jhicache.buckets import pow2_bucket
-from jhicache.cache import TransferController, make_copier, transfer
+from jhicache.cache import Transfers, make_copier, transfer_op, write_back
 from jhicache.cache.copier import CudaCopier, Direction, Mark
 from jhicache.cache.cuda_driver import CudaDriver
 from jhicache.config import WritePolicy
@@ -42,8 +43,8 @@ def _written_back(cache, tokens: list[int], host_pages: list[int]) -> list[int]:
     """Device pages holding `tokens`' KV, copied to `host_pages` and the copy finished."""
     pages = cache.alloc_device(len(host_pages))
     write_kv(cache, tokens, pages)
-    cache.controller.queue_write_back(pages, host_pages)
-    cache.controller.flush()
+    cache.transfers.queue_write_back(pages, host_pages)
+    cache.transfers.flush()
     return pages
 
 
@@ -54,8 +55,8 @@ def test_controller_merges_launches_and_reports_completion(copier) -> None:
 
 def _controller_round_trip(copier) -> None:
     cache = make_cache(4, device_pages=6, host_pages=6, copier=copier)
-    ctl = cache.controller
-    assert isinstance(ctl, TransferController)
+    ctl = cache.transfers
+    assert isinstance(ctl, Transfers)
     a, b = list(range(8)), list(range(100, 108))
     pages = cache.alloc_device(4)
     assert pages is not None
@@ -63,7 +64,7 @@ def _controller_round_trip(copier) -> None:
     write_kv(cache, b, pages[2:])
     ctl.queue_write_back(pages[:2], [4, 5])
     ctl.queue_write_back(pages[2:], [0, 1])
-    assert ctl.poll() == [] and ctl.num_queued() == 2
+    assert ctl.poll() == [] and (len(ctl.writes.queued) + len(ctl.loads.queued)) == 2
     ctl.launch()
     assert (ctl.counters["write_back_launches"] == 1
             and ctl.counters["write_back_ops"] == 2)  # merged
@@ -103,7 +104,7 @@ def _cache_round_trip(policy: WritePolicy, copier) -> None:
     assert m.host_len == 32
     ticket = cache.load_back(m)
     assert ticket is not None
-    cache.launch()
+    cache.transfers.launch()
     ticket.wait_all()
     assert_device_kv(cache, prompts[0], list(ticket.device_pages))
     cache.flush()
@@ -116,13 +117,13 @@ def _launched_load_of_host_only(cache, tokens: list[int]):
     prefill(cache, tokens)
     cache.evict_device(cache.tree.evictable_pages)
     cache.flush()
-    free = cache.device_alloc.num_free
+    free = cache.device.pages.num_free
     junk = cache.alloc_device(free)
     write_kv(cache, list(range(10_000, 10_000 + free * cache.page_size)), junk)
     cache.free_device(junk)
     ticket = cache.load_back(cache.match(tokens))
     assert ticket is not None
-    cache.launch()
+    cache.transfers.launch()
     return ticket
 
 
@@ -135,7 +136,7 @@ def test_each_layer_flag_is_set_only_after_that_layers_copies() -> None:
     a = list(range(8))
     ticket = _launched_load_of_host_only(cache, a)
     pages, pool = list(ticket.device_pages), cache.device_pool
-    copier = cache.controller.copier
+    copier = cache.transfers.copier
     queue = copier.queues[Direction.TO_DEVICE]
     flags = lambda: np.asarray(jnp.copy(pool.load_flags))  # noqa: E731
     seen = []
@@ -181,20 +182,20 @@ def test_a_load_launched_by_its_first_layers_queues_the_rest_at_finish() -> None
     queues the rest of one still part-queued: flags only grow, so layer 1 must not see the
     later load's number before its own pages landed."""
     cache, a, b = _two_loads_on_host()
-    ctl = cache.controller
+    ctl = cache.transfers
     ctl.tuning = dataclasses.replace(ctl.tuning, load_head_bytes=1)
-    queue = cache.controller.copier.queues[Direction.TO_DEVICE]
+    queue = cache.transfers.copier.queues[Direction.TO_DEVICE]
     signals = lambda: [item[2] for item in queue if item[0] == "signal"]  # noqa: E731
     first = cache.load_back(cache.match(a))
     assert first is not None
-    cache.launch_loads(first_layers=1)
+    cache.transfers.launch_loads(first_layers=1)
     assert [item[0] for item in queue].count("copy") == 1 and len(signals()) == 1
     assert first.gate_seq() == 1 and len(signals()) == 1 and not first.done()
     second = cache.load_back(cache.match(b))
     assert second is not None
-    cache.launch_loads(first_layers=1)
+    cache.transfers.launch_loads(first_layers=1)
     assert signals() == [1, 1, 1, 2]  # the first load's 3 layers first
-    cache.finish_loads()
+    cache.transfers.loads.finish()
     assert signals() == [1, 1, 1, 2, 2, 2]
     first.wait_all()
     second.wait_all()
@@ -209,7 +210,7 @@ def test_a_write_back_piece_is_one_batch_of_whole_layers() -> None:
     (every layer's K and V runs): with a piece budget of one layer's bytes, one batch per layer
     and poll; unbounded (flush), one batch for what is left. The host gets every page."""
     cache = make_cache(4, device_pages=4, host_pages=8, copier=DeferredCopier(), layers=4)
-    ctl = cache.controller
+    ctl = cache.transfers
     tokens = list(range(16))
     pages = cache.alloc_device(4)
     assert pages is not None
@@ -238,8 +239,8 @@ def test_a_load_under_the_head_bytes_is_queued_whole() -> None:
     cache, a, _ = _two_loads_on_host()
     ticket = cache.load_back(cache.match(a))
     assert ticket is not None
-    cache.launch_loads(first_layers=1)
-    queue = cache.controller.copier.queues[Direction.TO_DEVICE]
+    cache.transfers.launch_loads(first_layers=1)
+    queue = cache.transfers.copier.queues[Direction.TO_DEVICE]
     assert [item[2] for item in queue if item[0] == "signal"] == [1, 1, 1]
     assert queue[-1][0] == "mark"  # the landed mark: nothing left for finish_loads
 
@@ -268,7 +269,7 @@ class _Compute:
 @pytest.mark.parametrize("copier", COPIERS)
 def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
     cache = make_cache(4, device_pages=4, host_pages=4, copier=_copier(copier))
-    ctl = cache.controller
+    ctl = cache.transfers
     a = list(range(8))
     pages = _written_back(cache, a, [0, 1])
     compute = _Compute()
@@ -292,11 +293,11 @@ def test_a_load_into_a_fenced_page_waits_for_the_compute(copier) -> None:
 def test_a_fence_holds_only_loads_into_its_own_pages() -> None:
     """A compute fencing one page does not hold a load into another page back."""
     cache = make_cache(4, device_pages=4, host_pages=4)
-    ctl = cache.controller
+    ctl = cache.transfers
     pages = _written_back(cache, list(range(8)), [0, 1])
     running = _Compute()
     ctl.fence_device_pages(pages[:1], [running])
-    assert ctl.fences_on(pages[0]) == [running] and ctl.fences_on(pages[1]) == []
+    assert ctl.loads.fences_on(pages[0]) == [running] and ctl.loads.fences_on(pages[1]) == []
     other = ctl.queue_load_back([1], pages[1:])
     ctl.launch()
     assert other.launched and not running.ready
@@ -312,7 +313,7 @@ def test_fences_on_one_page_add_up() -> None:
     """A page freed twice keeps both fences: a later, finished compute does not lift an
     earlier one that is still running."""
     cache = make_cache(4, device_pages=4, host_pages=4)
-    ctl = cache.controller
+    ctl = cache.transfers
     pages = _written_back(cache, list(range(8)), [0, 1])
     running, finished = _Compute(), _Compute()
     finished.ready = True
@@ -331,7 +332,7 @@ def test_fences_on_one_page_add_up() -> None:
 def test_a_host_page_rewritten_after_a_load_is_read_by_the_load_first(copier) -> None:
     """A write-back into host pages an earlier load still reads runs after that load."""
     cache = make_cache(4, device_pages=6, host_pages=2, copier=_copier(copier))
-    ctl = cache.controller
+    ctl = cache.transfers
     a, b = list(range(8)), list(range(200, 208))
     src = _written_back(cache, a, [0, 1])
     dst = cache.alloc_device(2)
@@ -354,7 +355,7 @@ def test_loads_launched_alone_first_launch_a_write_they_read(copier) -> None:
     write-back fills launches that write first and reads what it wrote; a load of other pages
     leaves the writes queued."""
     cache = make_cache(4, device_pages=6, host_pages=4, copier=_copier(copier))
-    ctl = cache.controller
+    ctl = cache.transfers
     a, b = list(range(8)), list(range(300, 308))
     src = _written_back(cache, a, [0, 1])
     other = cache.alloc_device(2)
@@ -363,12 +364,13 @@ def test_loads_launched_alone_first_launch_a_write_they_read(copier) -> None:
     dst = cache.alloc_device(2)
     ticket = ctl.queue_load_back([0, 1], dst)
     ctl.launch_loads()
-    assert ticket.launched and ctl.num_queued() == 1  # the write into 2, 3 still queued
+    # the write into 2, 3 still queued
+    assert ticket.launched and (len(ctl.writes.queued) + len(ctl.loads.queued)) == 1
     ticket.wait_all()
     assert_device_kv(cache, a, dst)
     ticket = ctl.queue_load_back([2, 3], src)  # pages 2, 3 are what the queued write fills
     ctl.launch_loads()
-    assert ctl.num_queued() == 0
+    assert (len(ctl.writes.queued) + len(ctl.loads.queued)) == 0
     ticket.wait_all()
     ctl.flush()
     assert_device_kv(cache, b, src)
@@ -392,27 +394,27 @@ def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
 def test_fences_do_not_pile_up_on_finished_computes() -> None:
     """A page freed again and again keeps no more than the computes still running."""
     cache = make_cache(4, device_pages=4, host_pages=4)
-    ctl = cache.controller
+    ctl = cache.transfers
     finished = []
     for _ in range(20):
         compute = _Compute()
         ctl.fence_device_pages([1, 2], [compute])
         compute.ready = True  # the step ended
         finished.append(compute)
-    assert len(ctl.fences_on(1)) == 1  # each new fence let the finished ones go
+    assert len(ctl.loads.fences_on(1)) == 1  # each new fence let the finished ones go
     ctl.poll()
-    assert not ctl.fences_on(1) and not ctl.fences_on(2)  # a poll lets go of the rest
+    assert not ctl.loads.fences_on(1) and not ctl.loads.fences_on(2)  # a poll lets go of the rest
     running = _Compute()
     ctl.fence_device_pages([1], [running])
     ctl.fence_device_pages([1], [finished[0]])
-    assert ctl.fences_on(1) == [running]
+    assert ctl.loads.fences_on(1) == [running]
 
 
 def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
-    assert transfer.gather_pieces(129) == [(0, 128), (128, 1)]  # 144 pages gathered, not 256
-    assert transfer.gather_pieces(17) == [(0, 17)]  # 16 + 16 would gather no fewer than 32
+    assert write_back.gather_pieces(129) == [(0, 128), (128, 1)]  # 144 pages gathered, not 256
+    assert write_back.gather_pieces(17) == [(0, 17)]  # 16 + 16 would gather no fewer than 32
     for pages in range(1, 2100):
-        pieces = transfer.gather_pieces(pages)
+        pieces = write_back.gather_pieces(pages)
         starts = [start for start, _ in pieces]
         assert starts == list(np.cumsum([0] + [size for _, size in pieces[:-1]]))
         assert sum(size for _, size in pieces) == pages and all(size > 0 for _, size in pieces)
@@ -425,30 +427,30 @@ def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
 def test_transfer_tuning_refuses_sizes_that_are_not_positive_ints() -> None:
     for bad in (0, -1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="TransferTuning.write_piece_bytes"):
-            transfer.TransferTuning(write_piece_bytes=bad)
+            transfer_op.TransferTuning(write_piece_bytes=bad)
 
 
 def test_gather_pieces_start_with_the_head_then_double() -> None:
-    assert transfer.gather_pieces(513, head=64) == [(0, 64), (64, 128), (192, 256), (448, 64),
+    assert write_back.gather_pieces(513, head=64) == [(0, 64), (64, 128), (192, 256), (448, 64),
                                                     (512, 1)]
-    assert transfer.gather_pieces(64, head=64) == [(0, 64)]
+    assert write_back.gather_pieces(64, head=64) == [(0, 64)]
     for head in (16, 32, 64):
         for pages in range(1, 1200):
-            pieces = transfer.gather_pieces(pages, head=head)
+            pieces = write_back.gather_pieces(pages, head=head)
             starts = [start for start, _ in pieces]
             assert starts == list(np.cumsum([0] + [size for _, size in pieces[:-1]]))
             assert sum(size for _, size in pieces) == pages
             if pages <= head:
-                assert pieces == transfer.gather_pieces(pages)
+                assert pieces == write_back.gather_pieces(pages)
                 continue
             assert pieces[0] == (0, head)
             for (_, before), (_, size) in zip(pieces, pieces[1:]):
                 assert pow2_bucket(size) <= 2 * before  # its gather hides under those copies
     # a head in pages is rounded down to a power of two, and to the smallest piece at least
-    assert transfer.gather_pieces(100, head=48) == transfer.gather_pieces(100, head=32)
-    assert transfer.gather_pieces(100, head=3) == transfer.gather_pieces(100, head=16)
+    assert write_back.gather_pieces(100, head=48) == write_back.gather_pieces(100, head=32)
+    assert write_back.gather_pieces(100, head=3) == write_back.gather_pieces(100, head=16)
     with pytest.raises(ValueError, match="at least one page"):
-        transfer.gather_pieces(100, head=0)
+        write_back.gather_pieces(100, head=0)
 
 
 def _assert_host_holds(cache, tokens: list[int], host: list[int]) -> None:
@@ -461,13 +463,13 @@ def _assert_host_holds(cache, tokens: list[int], host: list[int]) -> None:
 
 
 @pytest.mark.parametrize("copier", COPIERS)
-def test_a_write_back_piece_is_copied_while_the_next_gathers(copier) -> None:
+def test_a_write_back_piece_is_copied_while_the_next_gathers(copier, monkeypatch) -> None:
     """A write-back larger than GATHER_PIECE_BYTES gathers in pieces; the copies of a piece
     already gathered are queued when the next piece is dispatched, not after the last. Every
     page lands and the op is reported once."""
     cache = make_cache(1, device_pages=50, host_pages=50, copier=_copier(copier))
-    ctl = cache.controller
-    page_bytes = 2 * cache.device_pool.num_layers * ctl.layer_bytes
+    ctl = cache.transfers
+    page_bytes = 2 * cache.device_pool.num_layers * ctl.writes.layer_bytes
     ctl.tuning = dataclasses.replace(ctl.tuning, gather_head_bytes=16 * page_bytes)  # 16, 24
     tokens = list(range(700, 740))
     pages = cache.alloc_device(40)
@@ -475,18 +477,20 @@ def test_a_write_back_piece_is_copied_while_the_next_gathers(copier) -> None:
     write_kv(cache, tokens, pages)
     host = list(range(49, 9, -1))
     ctl.queue_write_back(pages, host)
-    started, real = [], ctl._gather  # per gather: its size, and the pieces with copies queued
-    # Each gather is waited for as it is dispatched, so that whether a piece is gathered when
-    # the controller next looks does not depend on the device's speed: what is checked is the
-    # order, that a gathered piece's copies are queued before the next piece's gather.
-    ctl._gather = lambda ks, vs, ids: started.append(
-        (len(ids), sum(w.rows is not None for w in ctl._writes))) or jax.block_until_ready(
-        real(ks, vs, ids))
+    # Each gather is waited for as it is dispatched, and reads as finished from then on
+    # whatever the runtime's readiness query says, so that nothing depends on the device's
+    # speed: what is checked is the order, that a gathered piece's copies are queued before
+    # the next piece's gather is dispatched.
+    monkeypatch.setattr(write_back, "is_ready", lambda array: True)
+    started, real = [], ctl.writes._gather  # per gather: its size, the pieces with copies queued
+    ctl.writes._gather = lambda ks, vs, ids: started.append(
+        (len(ids), sum(w.rows is not None for w in ctl.writes.launched))) or (
+        jax.block_until_ready(real(ks, vs, ids)))
     ctl.launch()
     # the head's copies queued before the next gather (24 pages: padded to 32 gathers fewer)
     assert started == [(16, 0), (32, 1)]
     done = ctl.flush()
-    assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
+    assert [op.kind.value for op in done] == ["write_back"] and not ctl.writes.launched
     _assert_host_holds(cache, tokens, host)
 
 
@@ -495,24 +499,24 @@ def test_a_write_back_gathered_in_pieces_lands_whole_and_reports_once(copier) ->
     """33 pages: gathered as 32 + 1 (two staging arrays, two pieces of copies); the op is
     reported once, after both, and every page lands where it belongs."""
     cache = make_cache(1, device_pages=40, host_pages=40, copier=_copier(copier))
-    ctl = cache.controller
+    ctl = cache.transfers
     tokens = list(range(500, 533))
     pages = cache.alloc_device(33)
     assert pages is not None
     write_kv(cache, tokens, pages)
     host = list(range(39, 6, -1))  # reversed: no run to coalesce across the pieces' seam
     ctl.queue_write_back(pages, host)
-    gathered, real = [], ctl._gather
-    ctl._gather = lambda ks, vs, ids: gathered.append(len(ids)) or real(ks, vs, ids)
+    gathered, real = [], ctl.writes._gather
+    ctl.writes._gather = lambda ks, vs, ids: gathered.append(len(ids)) or real(ks, vs, ids)
     ctl.launch()
     assert gathered == [32, 16]  # the second piece, one page, padded to the smallest bucket
     done = ctl.flush()
-    assert [op.kind.value for op in done] == ["write_back"] and not ctl._writes
+    assert [op.kind.value for op in done] == ["write_back"] and not ctl.writes.launched
     _assert_host_holds(cache, tokens, host)
 
 
 def test_coalesced_runs() -> None:
-    from jhicache.cache.transfer import runs
+    from jhicache.cache.transfer_op import runs
 
     src, dst, n = runs(np.array([3, 4, 5, 9, 10, 2]), np.array([7, 8, 9, 1, 2, 3]))
     assert src.tolist() == [3, 9, 2] and dst.tolist() == [7, 1, 3] and n.tolist() == [3, 2, 1]
@@ -578,7 +582,7 @@ def test_controller_refuses_mismatched_shards() -> None:
 
     layout = PoolLayout(1, 3, 4, 2, 2, jnp.float32)
     with pytest.raises(ValueError, match="host pool has 2 shards"):
-        TransferController(DevicePool(layout), HostPool(layout, shards=2), HostCopier())
+        Transfers(DevicePool(layout), HostPool(layout, shards=2), HostCopier())
 
 
 def _gpu_copier():
@@ -611,7 +615,7 @@ def test_gpu_random_pages_round_trip_bit_exact() -> None:
     for layer in range(3):
         k, v = (jnp.asarray(rng.standard_normal(layout.page_shape), jnp.bfloat16) for _ in range(2))
         device.set_layer(layer, jax.device_put(k), jax.device_put(v))
-    ctl = TransferController(device, host, _gpu_copier())
+    ctl = Transfers(device, host, _gpu_copier())
     src, hosts, dst = rng.permutation(64)[:24] + 1, rng.permutation(40)[:24], None
     ctl.queue_write_back(src.tolist(), hosts.tolist())
     ctl.flush()
@@ -647,7 +651,7 @@ def test_gpu_kernels_wait_on_the_device_for_layers_still_landing() -> None:
     for layer in range(layers):
         k, v = (jnp.asarray(rng.standard_normal(layout.page_shape), jnp.bfloat16) for _ in "kv")
         device.set_layer(layer, k, v)
-    ctl = TransferController(device, host, _gpu_copier())
+    ctl = Transfers(device, host, _gpu_copier())
     ids = list(range(1, pages + 1))
     ctl.queue_write_back(ids, list(range(pages)))
     ctl.flush()

@@ -13,13 +13,14 @@ import numpy as np
 import jhicache.pallas_kernels as pk
 from jhicache.bench.kernels.shapes import DT, PAGE, random_array
 from jhicache.bench.kernels.timing import GB, safe, timeit
-from jhicache.cache import DevicePool, HostPool, PoolLayout, TransferController, make_copier
+from jhicache.cache import DevicePool, HostPool, PoolLayout, Transfers, make_copier
+from jhicache.cache.write_back import gather_kv
 from jhicache.pallas_kernels.kv_write import write_kv_reference
 
 
 def transfers(res: dict, layers: int = 24, kv_heads: int = 2, dim: int = 64, n: int = 512,
               host_pages: int = 2048, dev_pages: int = 1024) -> None:
-    """The host tier's own copies (TransferController over the platform's copier): write-back
+    """The host tier's own copies (`Transfers` over the platform's copier): write-back
     (gather + device->host) and load-back (host->device, layer by layer) of `n` scattered pages."""
     layout = PoolLayout(layers, dev_pages + 1, PAGE, kv_heads, dim, DT)
     device = DevicePool(layout)
@@ -28,7 +29,7 @@ def transfers(res: dict, layers: int = 24, kv_heads: int = 2, dim: int = 64, n: 
                          random_array(100 + l, layout.page_shape))
     copier, drivers = make_copier(jax.default_backend())
     host = HostPool(dataclasses.replace(layout, num_pages=host_pages), drivers)
-    ctl = TransferController(device, host, copier)
+    ctl = Transfers(device, host, copier)
     rng = np.random.default_rng(0)
     hid = rng.permutation(host_pages)[:n].tolist()
     did = (rng.permutation(dev_pages)[:n] + 1).tolist()
@@ -123,19 +124,17 @@ def gathers(res: dict, name: str, layers: int, kv_heads: int, dim: int, pages: i
     """A write-back's staging gather as the engine runs it (XLA gathers into one
     [layers, 2, n, S, H, D] array) of `pages` scattered pages of every layer (8192 tokens at
     page 64). Bytes moved count a read and a write of each page; compare hbm_copy_gbps."""
-    from jhicache.cache import transfer  # the engine's gather, a private program of its controller
-
     shape = (pool_pages, PAGE, kv_heads, dim)
     ks = tuple(random_array(200 + i, shape) for i in range(layers))
     vs = tuple(random_array(300 + i, shape) for i in range(layers))
     ids = jnp.asarray(np.random.default_rng(2).permutation(pool_pages)[:pages].astype(np.int32))
-    staging = transfer._gather_kv(ks, vs, ids)
+    staging = gather_kv(ks, vs, ids)
     same = all(bool((s[0] == k[ids]).all() and (s[1] == v[ids]).all())
                for s, k, v in zip(staging, ks, vs))
     moved = 2 * 2 * layers * pages * PAGE * kv_heads * dim * 2  # K and V, read + write, bf16
     r: dict[str, object] = {"pages": pages, "layers": layers, "bytes_read_and_written": moved,
          "staging_is_the_pages": same}
-    seconds = safe(lambda: timeit(lambda: transfer._gather_kv(ks, vs, ids)))
+    seconds = safe(lambda: timeit(lambda: gather_kv(ks, vs, ids)))
     r["xla_gather_ms"] = seconds * 1e3 if isinstance(seconds, float) else seconds
     if isinstance(seconds, float):
         r["xla_gather_gbps"] = moved / seconds / GB

@@ -1,0 +1,144 @@
+"""Tier: one level of the cache's memory (device, host), an allocator plus its eviction order.
+
+The radix tree says which node holds which pages of each tier; a tier hands its pages out, takes
+them back, and names the tree's leaves it may give up, least recently used first. What happens
+to an evicted leaf (written back, dropped) is the prefix cache's policy, not the tier's. A further
+tier (storage) is one more `Tier` and its transfer.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Iterator
+
+from jhicache.cache.device_pool import RESERVED_PAGES
+from jhicache.cache.pages import PageAllocator
+from jhicache.cache.radix_tree import Node, RadixTree
+
+
+class Tier:
+    """Pages of one tier: the free list, and the tree's leaves on this tier in LRU order."""
+
+    name = "tier"
+
+    def __init__(self, tree: RadixTree, num_pages: int, first_page: int = 0) -> None:
+        self.tree = tree
+        self.pages = PageAllocator(num_pages, first_page)
+
+    @property
+    def capacity(self) -> int:
+        """Pages this tier can hand out."""
+        return self.pages.capacity
+
+    @property
+    def num_free(self) -> int:
+        """Pages on the free list now."""
+        return self.pages.num_free
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages of the leaves `lru_leaves` may yield, and of what they uncover."""
+        raise NotImplementedError
+
+    def alloc(self, n_pages: int) -> list[int] | None:
+        """`n_pages` free pages, or None (nothing taken); never evicts."""
+        if n_pages < 0:
+            raise ValueError(f"cannot allocate {n_pages} pages")
+        return self.pages.alloc(n_pages)
+
+    def free(self, pages: list[int]) -> None:
+        """Returns pages to the free list."""
+        if pages:
+            self.pages.free(pages)
+
+    def lru_leaves(self) -> Iterator[Node]:
+        """This tier's evictable leaves, least recently used first. A parent that the caller's
+        eviction of a leaf turned into a leaf is yielded in its turn."""
+        heap = [(n.last_access, n.node_id, n) for n in self._candidates()]
+        heapq.heapify(heap)
+        while heap:
+            node = heapq.heappop(heap)[2]
+            if not self._is_evictable_leaf(node):
+                continue  # stale: evicted, locked or grown since
+            parent = node.parent
+            yield node
+            if parent is not None and self._is_evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+
+    def _candidates(self) -> Iterable[Node]:
+        raise NotImplementedError
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        raise NotImplementedError
+
+
+class DeviceTier(Tier):
+    """Device (HBM) pages; page 0 is the reserved padding sink and is never handed out. Its
+    evictable leaves are the unlocked nodes with no child on device."""
+
+    name = "device"
+
+    def __init__(self, tree: RadixTree, num_pages: int) -> None:
+        super().__init__(tree, num_pages, RESERVED_PAGES)
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can get now: free plus evictable (locked nodes' and requests'
+        pages do not count)."""
+        return self.num_free + self.evictable_pages
+
+    def _candidates(self) -> Iterable[Node]:
+        return self.tree.device_eviction_candidates()
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node.parent is not None and node.lock_count == 0 and self.tree.is_device_leaf(node)
+
+
+class HostTier(Tier):
+    """Pinned host pages. Its evictable leaves are host-only nodes with no children, except
+    those `pinned` (a load-back is about to read them); evicting one deletes it from the tree."""
+
+    name = "host"
+
+    def __init__(self, tree: RadixTree, num_pages: int) -> None:
+        super().__init__(tree, num_pages)
+        self.pinned: set[Node] = set()
+        self.evicted_tokens = 0
+
+    @property
+    def evictable_pages(self) -> int:
+        pinned = sum(len(n.host_pages or ()) for n in self.pinned)
+        return self.tree.host_only_pages() - pinned
+
+    def alloc_evicting(self, n_pages: int) -> list[int] | None:
+        """`n_pages` host pages, evicting host-only leaves if the free list is short; None
+        (nothing evicted) when that cannot cover them."""
+        short = n_pages - self.num_free
+        if short > 0:
+            if short > self.evictable_pages:
+                return None
+            self.evict(short)
+        return self.alloc(n_pages)
+
+    def evict(self, n_pages: int) -> int:
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns the pages
+        freed. Their writes were dispatched when their device pages left the tree."""
+        freed: list[int] = []
+        for node in self.lru_leaves():
+            if len(freed) >= n_pages:
+                break
+            _, host, tokens = self.tree.remove_subtree(node)
+            freed += host
+            self.evicted_tokens += tokens
+        self.free(freed)
+        return len(freed)
+
+    def _candidates(self) -> Iterable[Node]:
+        return self.tree.host_eviction_candidates()
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node not in self.pinned and self.tree.is_host_leaf(node)
