@@ -578,7 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli = parser.parse_args(argv)
     page, rows = load_manifest()
     if cli.uncited:
-        print("\n".join(uncited(rows)))
+        for name in uncited(rows):
+            print(name)
         return 0
     if cli.check:
         if check():
