@@ -1,0 +1,97 @@
+"""BENCHMARKS.md is what scripts/benchmarks_page.py writes from its manifest and result files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks_page.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("benchmarks_page", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bp = _load()
+
+
+def test_page_is_what_the_generator_writes():
+    page, rows = bp.load_manifest()
+    assert bp.PAGE.read_text() == bp.render(page, rows), (
+        "BENCHMARKS.md is out of date: run python scripts/benchmarks_page.py")
+    assert bp.check()
+    assert bp.main(["--check"]) == 0
+
+
+def _trial(ttft_ms: float, device_ms: float) -> dict:
+    return {"host_hit_ttft_s": ttft_ms / 1e3, "device_hit_ttft_s": device_ms / 1e3,
+            "host_hit_ratio": ttft_ms / device_ms, "pcie_s": 0.009, "pcie_gbps": 50.0}
+
+
+def test_host_hit_takes_the_median_ratio_trial_and_the_range_over_all():
+    trials = [_trial(13.0, 10.0), _trial(11.0, 10.0), _trial(12.0, 10.0)]  # ratios 1.3, 1.1, 1.2
+    data = {"host_hit": {"trials": trials}}
+    fig = bp.host_hit([data], {})
+    assert fig.result == "12.0 ms (11.0-13.0), 1.20 (1.10-1.30)"
+    assert fig.ceiling == "PCIe copy 9.00 ms (50.0 GB/s); prefix on device 10.0 ms (10.0)"
+    # the bench's own pick, where it records one, wins
+    data["host_hit"]["median_trial"] = 0
+    assert bp.host_hit([data], {}).result.startswith("13.0 ms (11.0-13.0), 1.30")
+    rule = bp.Rule(metric="ratio", name="ratio", at_most=1.15)
+    assert bp.verdict([rule], fig.checks, "trials") == "partly (in 1 of 3 trials)"
+    assert bp.verdict([bp.Rule("ratio", "ratio", at_most=2)], fig.checks, "trials") == "yes"
+    assert bp.verdict([bp.Rule("ratio", "ratio", at_most=1)], fig.checks, "trials") == "no"
+
+
+def _manifest(tmp_path: Path, files: list[str], date: str = "2026-12-03") -> Path:
+    path = tmp_path / "page.toml"
+    path.write_text(f"""
+[page]
+intro = "# B"
+table_intro = "t"
+how = "h"
+limits = "l"
+groups = {{ A = "A" }}
+
+[[row]]
+group = "A"
+label = "a host hit"
+kind = "host_hit"
+files = {json.dumps(files)}
+command = "`bench`"
+date = "{date}"
+commit = "abc1234"
+target = {{ text = "1.1", rules = [{{ metric = "ratio", at_most = 1.1 }}] }}
+""")
+    return path
+
+
+def test_a_row_naming_a_missing_file_raises_a_clear_error(tmp_path):
+    page, rows = bp.load_manifest(_manifest(tmp_path, ["nope.json"]))
+    with pytest.raises(bp.ManifestError, match=r"'a host hit': result file .*nope.json does not"):
+        bp.render(page, rows, tmp_path)
+
+
+def test_a_result_file_dated_otherwise_than_its_row_raises(tmp_path):
+    data = {"date": "2026-12-01", "host_hit": {"trials": [_trial(11.0, 10.0)]}}
+    (tmp_path / "hit.json").write_text(json.dumps(data))
+    page, rows = bp.load_manifest(_manifest(tmp_path, ["hit.json"]))
+    with pytest.raises(bp.ManifestError, match="records the date 2026-12-01, the manifest"):
+        bp.render(page, rows, tmp_path)
+    page, rows = bp.load_manifest(_manifest(tmp_path, ["hit.json"], date="2026-12-01"))
+    assert "| a host hit | `bench` | 2026-12-01 | abc1234 | 11.0 ms (11.0), 1.10 (1.10)" in (
+        bp.render(page, rows, tmp_path))
+
+
+def test_citations_expand_braces_and_globs():
+    assert bp.cited_patterns(["`results/a_{7b,0.5b}_h200.json` and `..._x.json`, `p_*`"]) == {
+        "a_7b_h200.json", "a_0.5b_h200.json", "*_x.json", "p_*"}
