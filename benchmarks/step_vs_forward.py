@@ -23,6 +23,7 @@ import numpy as np
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
 from jhicache.bench.command import save_json
+from jhicache.sampling import greedy
 
 
 def forward_alone_ms(engine: Engine, n: int) -> float:
@@ -84,7 +85,7 @@ def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
     marks.append(time.perf_counter())
     logits = engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
     marks.append(time.perf_counter())
-    sampled = engine._sample(logits, batch.chunks)
+    sampled = greedy(logits, rows=engine.grid.max_requests)  # the request is greedy
     marks.append(time.perf_counter())
     np.asarray(sampled)
     marks.append(time.perf_counter())
