@@ -85,7 +85,7 @@ def run_decode(seed, seq_lens, page_size, dtype, *, heads=4, kv_heads=2, dim=16,
 lens = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 24)), min_size=0, max_size=3)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(pairs=lens, page_size=st.sampled_from([1, 16, 64]),
        dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([None, 1, 2, 5]),
        seed=st.integers(0, 2**31 - 1))
@@ -93,7 +93,7 @@ def test_extend_matches_reference(pairs, page_size, dtype, splits, seed):
     run_extend(seed, pairs, page_size, dtype, block_q=16, block_k=16, splits=splits)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(pairs=lens, page_size=st.sampled_from([1, 16, 64]),
        dtype=st.sampled_from([np.float32, jnp.bfloat16]), splits=st.sampled_from([None, 1, 2, 5]),
        seed=st.integers(0, 2**31 - 1))
@@ -230,7 +230,7 @@ def test_merge_rows_spread_the_partials_over_the_sms():
     assert ea.merge_rows(3, 16, 132) == 32
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(seq_lens=st.lists(st.integers(0, 70), min_size=0, max_size=4),
        page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from([np.float32, jnp.bfloat16]),
        splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1))
@@ -238,7 +238,7 @@ def test_decode_matches_reference(seq_lens, page_size, dtype, splits, seed):
     run_decode(seed, seq_lens, page_size, dtype, block_k=16, splits=splits)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(seq_lens=st.lists(st.integers(0, 90), min_size=1, max_size=3),
        extra=st.integers(1, 12), splits=st.sampled_from([2, 5]),
        seed=st.integers(0, 2**31 - 1))
