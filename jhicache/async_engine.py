@@ -1,4 +1,5 @@
-"""AsyncEngine: an asyncio face on `Engine`, whose loop runs in one background thread it owns."""
+"""AsyncEngine: an asyncio face on `Engine`, whose loop runs in a background thread it owns or
+in a child process (`jhicache.engine_process`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,34 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import multiprocessing.process
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
+from typing import Any
 
+import msgspec
 import numpy as np
 
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
+from jhicache.engine_process import (
+    Abort,
+    Add,
+    Call,
+    Cancel,
+    EngineProcess,
+    EngineProcessError,
+    EngineSpec,
+    Hold,
+    Outputs,
+    Reply,
+    Started,
+    ToParent,
+)
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
+from jhicache.stats import EngineStats, Occupancy, StartupTimes
 
 
 class EngineDeadError(RuntimeError):
@@ -77,7 +96,15 @@ class _Warmup:
     progress: bool
 
 
-_Command = _Add | _Abort | _Cancel | _Warmup
+@dataclasses.dataclass(eq=False)
+class _Query:
+    """An engine call whose result a caller waits for (stats, occupancy, ...)."""
+
+    name: str
+    future: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _Cancel | _Warmup | _Query
 
 
 class AsyncEngine:
@@ -103,41 +130,80 @@ class AsyncEngine:
     `EngineClosedError` (a `RuntimeError`, "AsyncEngine closed").
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, engine: Engine | EngineSpec) -> None:
+        """Over an `Engine` (its loop in a thread of this process), or over an `EngineSpec`
+        (the engine built and stepped in a child process: `jhicache.engine_process`)."""
         self._cond = threading.Condition()
         self._commands: collections.deque[_Command] = collections.deque()  # under _cond
         self._closing = False  # under _cond
         self._holds = 0  # under _cond: open together() blocks; the thread waits while > 0
         self._error: BaseException | None = None  # set (under _cond) once the thread stops
-        self._sinks: dict[str, _Sink] = {}  # the loop thread's: unfinished requests by id
+        # The loop thread's (the receiver thread's with a process): unfinished requests by id
+        self._sinks: dict[str, _Sink] = {}
         self._stepped = False  # the loop thread's: a step ran since the last `Engine.drain`
         self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._ready = threading.Event()  # cleared while a warm-up runs
         self._ready.set()
+        self._engine: Engine | None = None
+        self._process: EngineProcess | None = None
+        self._calls: dict[int, _Command] = {}  # with a process, under _cond: awaiting replies
+        self._next_call = 0
+        if isinstance(engine, EngineSpec):
+            self._process = EngineProcess(engine, self._on_message, self._on_exit)
+            self._info = self._process.started
+            return
+        self._engine = engine
+        self._info = _info_of(engine)
         self._thread = threading.Thread(target=self._run, name="jhicache-async-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> AsyncEngine:
-        """Over `Engine.from_pretrained(path, config)` (built here, synchronously)."""
+    def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig(),
+                        process: bool = False) -> AsyncEngine:
+        """Over `Engine.from_pretrained(path, config)`: built here, synchronously, or with
+        `process` in a child process that steps it."""
+        if process:
+            return cls(EngineSpec(config, path=path))
         return cls(Engine.from_pretrained(path, config))
 
     @classmethod
-    def from_preset(cls, name: str, config: EngineConfig = EngineConfig(),
-                    seed: int = 0) -> AsyncEngine:
-        """Over `Engine.from_preset(name, config, seed)` (built here, synchronously)."""
+    def from_preset(cls, name: str, config: EngineConfig = EngineConfig(), seed: int = 0,
+                    process: bool = False) -> AsyncEngine:
+        """Over `Engine.from_preset(name, config, seed)`, here or (`process`) in a child."""
+        if process:
+            return cls(EngineSpec(config, preset=name, seed=seed))
         return cls(Engine.from_preset(name, config, seed))
 
     @property
     def engine(self) -> Engine:
-        """The engine; its loop thread owns it: read it (stats), do not drive it."""
+        """The engine, when its loop is a thread of this process; its loop thread owns it:
+        read it, do not drive it. With an engine process there is none here (ValueError)."""
+        if self._engine is None:
+            raise ValueError("the engine runs in a child process: use AsyncEngine's own calls "
+                             "(info, stats, occupancy, ...)")
         return self._engine
+
+    @property
+    def in_process(self) -> bool:
+        """True when the engine is stepped in a thread of this process, False in a child."""
+        return self._process is None
+
+    @property
+    def info(self) -> Started:
+        """What a server says of the engine: vocabulary, context limits, pool, grid, config."""
+        return self._info
 
     @property
     def thread(self) -> threading.Thread:
         """The loop thread; it ends once the engine is closed or has failed."""
+        if self._process is not None:
+            return self._process.receiver
         return self._thread
+
+    @property
+    def process(self) -> multiprocessing.process.BaseProcess | None:
+        """The engine's child process, or None when it runs in a thread here."""
+        return self._process.process if self._process is not None else None
 
     @property
     def is_ready(self) -> bool:
@@ -156,6 +222,39 @@ class AsyncEngine:
         """False once closed or failed."""
         with self._cond:
             return not self._closing and self._error is None
+
+    # ---- engine calls (blocking; from any thread but the loop's) ----------------------------
+
+    def stats(self) -> EngineStats:
+        """`Engine.stats()`, wherever the engine runs."""
+        return self._call("stats", EngineStats)
+
+    def occupancy(self) -> Occupancy:
+        """`Engine.occupancy()`, wherever the engine runs."""
+        return self._call("occupancy", Occupancy)
+
+    def startup(self) -> StartupTimes:
+        """`Engine.startup`: where the start went (the warm-up's report once it ran)."""
+        return self._call("startup", StartupTimes)
+
+    def compile_counts(self) -> dict[str, int]:
+        """Programs compiled (or read back) by phase, "warmup" and "serving"."""
+        return self._call("compiles", dict[str, int])
+
+    def flush_cache(self) -> bool:
+        """`Engine.flush_cache()`: empties both tiers; False while requests are unfinished."""
+        return self._call("flush_cache", bool)
+
+    def _call(self, name: str, kind: Any) -> Any:
+        if self._engine is not None:
+            engine = self._engine
+            return {"stats": engine.stats, "occupancy": engine.occupancy,
+                    "startup": lambda: engine.startup,
+                    "compiles": lambda: {p.value: n for p, n in engine.compiles.counts.items()},
+                    "flush_cache": engine.flush_cache}[name]()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._enqueue(_Query(name, future), raise_if_stopped=True)
+        return msgspec.convert(future.result(), kind)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -215,6 +314,8 @@ class AsyncEngine:
         scheduled as one batch, whatever the thread was doing). The loop thread takes no step
         while the block is open. A stream submits at its first iteration: let each reach it
         (create its task, then `await asyncio.sleep(0)`) before the block ends."""
+        if self._process is not None:
+            self._process.send(Hold(1))
         with self._cond:
             self._holds += 1
         try:
@@ -223,16 +324,24 @@ class AsyncEngine:
             with self._cond:
                 self._holds -= 1
                 self._cond.notify()
+            if self._process is not None and self.is_running:
+                self._process.send(Hold(-1))
 
     def close(self, timeout: float | None = None) -> None:
         """Stops the loop thread (waiting for the step that runs to end), aborting the requests
         still in flight: their callers get `EngineClosedError`. Idempotent; works after a
-        failure too."""
+        failure too. An engine process is asked to end, then killed after `timeout`."""
+        if self._process is not None:
+            self._process.close(timeout)
+            return
         self._request_close()
         self._thread.join(timeout)
 
     async def aclose(self) -> None:
         """`close()` without blocking the event loop."""
+        if self._process is not None:
+            await asyncio.to_thread(self._process.close)
+            return
         self._request_close()
         await asyncio.wrap_future(self._stopped)
         self._thread.join()
@@ -285,9 +394,24 @@ class AsyncEngine:
                 if raise_if_stopped:
                     raise self._stopped_error()
                 return False
-            self._commands.append(command)
-            self._cond.notify()
-            return True
+            if self._process is None:
+                self._commands.append(command)
+                self._cond.notify()
+                return True
+            call = self._next_call
+            self._next_call += 1
+            if isinstance(command, _Cancel):
+                if self._sinks.get(command.sink.request_id) is command.sink:
+                    del self._sinks[command.sink.request_id]
+            else:
+                self._calls[call] = command
+        try:
+            self._process.send(_wire(command, call))
+        except (TypeError, msgspec.EncodeError) as e:  # what no engine could take as a prompt
+            with self._cond:
+                self._calls.pop(call, None)
+            raise ValueError(f"prompts must be lists of integer token ids: {e}") from None
+        return True
 
     def _request_close(self) -> None:
         with self._cond:
@@ -330,17 +454,17 @@ class AsyncEngine:
             return commands
 
     def _engine_busy(self) -> bool:
-        return self._engine.has_unfinished() or self._stepped
+        return self.engine.has_unfinished() or self._stepped
 
     def _advance(self) -> None:
         """One step while there is work; once there is none, one `Engine.drain` that ends the
         step and copies in flight (and delivers that step's outputs)."""
-        if self._engine.has_unfinished():
+        if self.engine.has_unfinished():
             self._stepped = True
-            outputs = self._engine.step()
+            outputs = self.engine.step()
         elif self._stepped:
             self._stepped = False
-            outputs = self._engine.drain()
+            outputs = self.engine.drain()
         else:
             return
         for out in outputs:
@@ -348,13 +472,13 @@ class AsyncEngine:
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Warmup):
-            self._engine.warmup(command.progress)
+            self.engine.warmup(command.progress)
             self._ready.set()
         elif isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
             command.future.set_result(self._abort(command.request_id))
-        else:
+        elif isinstance(command, _Cancel):
             sink = command.sink
             if self._sinks.get(sink.request_id) is sink:
                 self._drop(sink)
@@ -366,9 +490,9 @@ class AsyncEngine:
         ids = [sink.request_id for sink in command.sinks]
         try:
             if len(ids) == 1:  # its errors name "prompt", as Engine.add_request's do
-                added = [self._engine.add_request(command.prompts[0], command.params[0], ids[0])]
+                added = [self.engine.add_request(command.prompts[0], command.params[0], ids[0])]
             else:
-                added = self._engine.add_requests(command.prompts, command.params, ids)
+                added = self.engine.add_requests(command.prompts, command.params, ids)
         except Exception as e:  # noqa: BLE001 (the caller's: it raises there; none was queued)
             command.future.set_exception(e)
             return
@@ -380,14 +504,17 @@ class AsyncEngine:
         sink = self._sinks.pop(request_id, None)
         if sink is None:
             return False  # not ours, or already finished
-        self._engine.abort(request_id)
+        self.engine.abort(request_id)
         self._post(sink, _abort_output(sink))
         return True
 
     def _drop(self, sink: _Sink) -> None:
         """Aborts `sink`'s request; its consumer is gone."""
         del self._sinks[sink.request_id]
-        self._engine.abort(sink.request_id)
+        if self._process is not None:
+            self._process.send(Cancel(sink.request_id))
+        else:
+            self.engine.abort(sink.request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
@@ -417,7 +544,7 @@ class AsyncEngine:
             self._drop(sink)
         if self._stepped:
             self._stepped = False
-            self._engine.drain()
+            self.engine.drain()
 
     def _stop(self) -> None:
         """Last act of the loop thread: every caller still waiting gets the error."""
@@ -437,7 +564,7 @@ class AsyncEngine:
         """After a failure: best effort to leave the engine with nothing of ours queued."""
         for rid in list(self._sinks):
             try:
-                self._engine.abort(rid)
+                self.engine.abort(rid)
             except Exception:  # noqa: BLE001 (the engine already failed; its error is reported)
                 pass
 
@@ -447,6 +574,97 @@ class AsyncEngine:
                 command.future.set_exception(self._stopped_error())
         elif isinstance(command, _Abort):
             command.future.set_result(False)
+        elif isinstance(command, _Query):
+            command.future.set_exception(self._stopped_error())
+
+    # ---- the receiver thread (an engine process) -----------------------------------------
+
+    def _on_message(self, message: ToParent) -> None:
+        """A message from the engine process, in the order it sent them."""
+        with self._cond:  # with a process, the sinks and the calls are under the lock
+            if isinstance(message, Outputs):
+                for out in message.items:
+                    self._deliver(out)
+            elif isinstance(message, Reply):
+                self._settle(self._calls.pop(message.call), message)
+
+    def _settle(self, command: _Command, reply: Reply) -> None:
+        if isinstance(command, _Add):
+            ids = [sink.request_id for sink in command.sinks]
+            if not command.future.set_running_or_notify_cancel():
+                if reply.error is None:  # added, but its caller is gone
+                    for rid in ids:
+                        self._process_send(Cancel(rid))
+            elif reply.error is not None:
+                command.future.set_exception(ValueError(reply.error))
+            else:
+                for sink in command.sinks:
+                    self._sinks[sink.request_id] = sink
+                command.future.set_result(ids)
+        elif isinstance(command, _Abort):
+            aborted = self._sinks.pop(command.request_id, None) if reply.value else None
+            if aborted is not None:
+                self._post(aborted, _abort_output(aborted))
+            command.future.set_result(aborted is not None)
+        elif isinstance(command, _Warmup):
+            self._ready.set()
+        elif isinstance(command, _Query):
+            if reply.error is not None:
+                command.future.set_exception(ValueError(reply.error))
+            else:
+                command.future.set_result(reply.value)
+
+    def _process_send(self, message: Any) -> None:
+        assert self._process is not None
+        self._process.send(message)
+
+    def _on_exit(self, reason: EngineProcessError | None) -> None:
+        """The engine process is gone: every caller still waiting gets the error."""
+        with self._cond:
+            self._closing = True
+            if reason is not None:
+                self._error = reason
+            sinks, self._sinks = list(self._sinks.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for sink in sinks:
+            self._post(sink, self._stopped_error())
+        for command in calls:
+            self._refuse(command)
+        self._stopped.set_result(None)
+
+
+def _wire(command: _Command, call: int) -> Any:
+    """`command` as the message the engine process takes."""
+    if isinstance(command, _Add):
+        return Add(call, [sink.request_id for sink in command.sinks],
+                   [_plain_prompt(p) for p in command.prompts], command.params,
+                   command.sinks[0].final_only)
+    if isinstance(command, _Abort):
+        return Abort(call, command.request_id)
+    if isinstance(command, _Cancel):
+        return Cancel(command.sink.request_id)
+    if isinstance(command, _Warmup):
+        return Call(call, "warmup", command.progress)
+    return Call(call, command.name)
+
+
+def _plain_prompt(prompt: object) -> object:
+    """A prompt as msgpack carries it (numpy arrays and ints as Python ones); the engine
+    process checks it."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        return [t.item() if isinstance(t, np.generic) else t for t in prompt]
+    return prompt
+
+
+def _info_of(engine: Engine) -> Started:
+    model, grid = engine.model_config, engine.grid
+    return Started(vocab_size=model.vocab_size,
+                   max_position_embeddings=model.max_position_embeddings,
+                   max_context_len=grid.max_context_len,
+                   device_pages=engine.occupancy().device_pages, grid=grid.describe(),
+                   config=msgspec.to_builtins(engine.config))
 
 
 def _prompt_list(prompts: object) -> list:

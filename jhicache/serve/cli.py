@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "then skip those compiles (default: %(default)s)")
     cache.add_argument("--no-compilation-cache", action="store_true",
                        help="compile every program at each start")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="step the engine in a child process of its own, so that HTTP and "
+                             "text work never hold up a step (--no-engine-process: in a thread "
+                             "of the server's process)")
     add_engine_flags(parser)
     return parser
 
@@ -114,16 +118,6 @@ def default_compilation_cache() -> str:
     """A per-user cache directory (XDG's), as JAX engines keep theirs."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jhicache", "jax-compilation")
-
-
-def use_compilation_cache(directory: str) -> None:
-    """Points JAX's persistent compilation cache at `directory` (before the first compile),
-    for every program however quickly it compiled: the warm-up's small programs add up too."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _tokenizer_dir(args: argparse.Namespace) -> str | None:
@@ -146,19 +140,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from jhicache.async_engine import AsyncEngine
+    from jhicache.engine_process import EngineSpec
     from jhicache.serve.app import build_app
     from jhicache.serve.context import ServerContext
     from jhicache.serve.tokenizer import Tokenizer
 
-    if not args.no_compilation_cache:
-        use_compilation_cache(args.compilation_cache)
+    cache_dir = None if args.no_compilation_cache else args.compilation_cache
     tokenizer_dir = _tokenizer_dir(args)
     tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
+    spec = EngineSpec(config, path=args.model, preset=None if args.model else args.preset,
+                      seed=args.seed, compilation_cache=cache_dir, log_level=args.log_level)
+    # the engine (and JAX's compilation cache) set up in a child process, or here
+    engine = AsyncEngine(spec if args.engine_process else spec.build())
     if args.model:
-        engine = AsyncEngine.from_pretrained(args.model, config)
         name, path = Path(args.model).resolve().name, args.model
     else:
-        engine = AsyncEngine.from_preset(args.preset, config, seed=args.seed)
         name, path = args.preset, f"preset:{args.preset}"
     ctx = ServerContext.create(engine, tokenizer, args.served_model_name or name, path)
     logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s; /health answers 503 until "

@@ -54,17 +54,17 @@ class ServerContext:
                model_path: str) -> ServerContext:
         """The context of a server over `engine`; refuses a tokenizer whose ids the model
         cannot embed."""
-        core = engine.engine
-        vocab = core.model_config.vocab_size
+        core = engine.info
+        vocab = core.vocab_size
         if tokenizer is not None and tokenizer.vocab_size > vocab:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model "
                              f"embeds {vocab}: they do not belong together")
         info = ModelInfo(name=name, model_path=model_path,
                          tokenizer_path=tokenizer.path if tokenizer else None,
-                         context_len=core.model_config.max_position_embeddings,
-                         pool_tokens=core.occupancy().device_pages * core.config.page_size,
-                         vocab_size=vocab, max_total_tokens=core.grid.max_context_len)
-        return cls(engine, tokenizer, ServerMetrics(core), info)
+                         context_len=core.max_position_embeddings,
+                         pool_tokens=core.device_pages * core.config["page_size"],
+                         vocab_size=vocab, max_total_tokens=core.max_context_len)
+        return cls(engine, tokenizer, ServerMetrics(engine), info)
 
     def require_tokenizer(self, what: str, param: str) -> Tokenizer:
         if self.tokenizer is None:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jhicache.engine import Engine
+from jhicache.async_engine import AsyncEngine
 
 PREFIX = "jhicache:"  # the `sglang:` / `vllm:` convention of those servers' metric names
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -36,10 +36,10 @@ _ENGINE_COUNTERS = (
 
 
 class EngineCollector(Collector):
-    """Reads `Engine.stats()` and `Engine.occupancy()` at each scrape (they take the engine's
-    lock, so a scrape waits for the step that runs: render it off the event loop)."""
+    """Reads the engine's stats and occupancy at each scrape (they wait for the step that runs,
+    in this process or the engine's: render it off the event loop)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -47,8 +47,8 @@ class EngineCollector(Collector):
             PREFIX + "compiles", "Programs JAX compiled or read back from its persistent cache, "
             "in the warm-up and while serving (0 once the warm-up covered the grid).",
             labels=["phase"])
-        for phase, count in self._engine.compiles.counts.items():  # no lock: a warm-up's too
-            compiles.add_metric([phase.value], count)
+        for phase, count in self._engine.compile_counts().items():
+            compiles.add_metric([phase], count)
         yield compiles
         stats, occ = self._engine.stats(), self._engine.occupancy()
         hits = CounterMetricFamily(PREFIX + "cache_hit_tokens",
@@ -89,7 +89,7 @@ class ServerMetrics:
     """One server's metrics. A registry per instance (none at module level), so that several
     servers in one process, as in the tests, keep separate figures."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Request arrival to its first token, seconds.",

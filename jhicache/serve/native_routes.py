@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,15 +60,11 @@ def _payload(rid: str, update: Update) -> dict[str, Any]:
 def _limits(ctx: ServerContext) -> dict[str, Any]:
     """What a request may ask for: prompt + new tokens, requests at once, prompt tokens a step
     computes (longer prompts are chunked), and the page size."""
-    config = ctx.engine.engine.config
+    config = ctx.engine.info.config
     return {"max_total_tokens": ctx.model.max_total_tokens,
-            "max_running_requests": config.max_running_requests,
-            "chunked_prefill_size": config.chunked_prefill_tokens,
-            "page_size": config.page_size}
-
-
-def _plain(value: object) -> object:
-    return value.value if isinstance(value, enum.Enum) else value
+            "max_running_requests": config["max_running_requests"],
+            "chunked_prefill_size": config["chunked_prefill_tokens"],
+            "page_size": config["page_size"]}
 
 
 def native_router(ctx: ServerContext) -> APIRouter:
@@ -100,8 +95,9 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # Engine.flush_cache takes the engine's lock (held during a step): off the event loop
-        if await asyncio.to_thread(ctx.engine.engine.flush_cache):
+        # It waits for the step that runs (a lock, or the engine process's reply): off the
+        # event loop
+        if await asyncio.to_thread(ctx.engine.flush_cache):
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n",
                                  status_code=400)
@@ -126,13 +122,11 @@ def native_router(ctx: ServerContext) -> APIRouter:
     async def server_info() -> dict[str, Any]:
         """The engine's settings (as SGLang's server_args), its limits and step grid, and where
         its start went."""
-        engine = ctx.engine.engine
-        config = {f.name: _plain(getattr(engine.config, f.name))
-                  for f in dataclasses.fields(engine.config)}
-        startup = engine.startup
+        info = ctx.engine.info
+        startup = await asyncio.to_thread(ctx.engine.startup)
         warm = startup.warmup
-        return {**config, **_limits(ctx), "served_model_name": ctx.model.name,
-                "model_path": ctx.model.model_path, "grid": engine.grid.describe(),
+        return {**info.config, **_limits(ctx), "served_model_name": ctx.model.name,
+                "model_path": ctx.model.model_path, "grid": info.grid,
                 "ready": ctx.engine.is_ready,
                 "startup": {"weights_s": startup.weights_s, "pools_s": startup.pools_s,
                             "warmup": None if warm is None else {**dataclasses.asdict(warm),
