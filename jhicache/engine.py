@@ -91,6 +91,7 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
         self._idle_steps = 0
+        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, not yet given
         self._seeds = np.random.default_rng()  # seeds for unseeded sampled requests
         self._lock = threading.RLock()  # the engine is single-threaded: calls take turns
 
@@ -204,7 +205,8 @@ class Engine:
         the one before, so the outputs a step returns are those of the batch dispatched by the
         previous call."""
         with self._lock, self._serving():
-            return self._step()
+            aborted, self._aborted = self._aborted, []
+            return aborted + self._step()
 
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
@@ -229,11 +231,15 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Drops a request at any stage: its computed full pages go to the cache, the rest back
-        to the pool; copies in flight complete. False (nothing done) for an unknown or finished
+        to the pool; copies in flight complete. The next `step()` (or `drain()`) returns its
+        final output, finish reason "abort". False (nothing done) for an unknown or finished
         id."""
         with self._lock, self._serving():
             req = self._requests.pop(request_id, None)
-            return req is not None and self.scheduler.abort(req)
+            if req is None or not self.scheduler.abort(req):
+                return False
+            self._aborted.append(req.to_output([]))
+            return True
 
     def has_unfinished(self) -> bool:
         """True while a submitted request has not finished or been aborted."""
@@ -438,7 +444,9 @@ class Engine:
 
     def _drain(self) -> list[RequestOutput]:
         step = self._take_in_flight()
-        outputs = self._end(step) if step is not None else []
+        outputs, self._aborted = self._aborted, []
+        if step is not None:
+            outputs += self._end(step)
         self.cache.flush()
         return outputs
 

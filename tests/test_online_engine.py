@@ -191,8 +191,8 @@ def test_abort_at_every_stage_leaks_nothing_and_the_engine_serves_on(stage: str,
     engine.check_invariants()
     assert engine.abort(rid) is False  # already gone
     outs = {o.request_id: o for o in settle(engine) if o.finished}
-    assert rid not in outs and (outs[other].token_ids
-                                == make_engine().generate([[7, 8, 9, 10]], GREEDY)[0].token_ids)
+    assert outs[rid].finish_reason == "abort" and (
+        outs[other].token_ids == make_engine().generate([[7, 8, 9, 10]], GREEDY)[0].token_ids)
     assert_idle_and_consistent(engine)
     after = engine.generate([list(range(10, 60))], GREEDY)[0]
     assert after.token_ids == make_engine().generate([list(range(10, 60))], GREEDY)[0].token_ids
@@ -236,6 +236,30 @@ def test_abort_of_unknown_or_finished_ids_says_so() -> None:
     rid = engine.add_request([1, 2, 3], GREEDY)
     settle(engine)
     assert engine.abort(rid) is False
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_request_ends_with_a_final_abort_output_in_the_next_step(
+        overlap: bool) -> None:
+    """As AsyncEngine's streams end: the next step gives the aborted request's final output,
+    with the tokens it had, once; nothing of it follows."""
+    engine = make_engine(overlap_schedule=overlap)
+    rid = engine.add_request(list(range(10, 40)), SamplingParams(max_new_tokens=30))
+    other = engine.add_request(list(range(50, 70)), GREEDY)
+    seen: list[int] = []
+    while len(seen) < 3:
+        seen += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    assert engine.abort(rid) is True
+    first = engine.step()
+    [final] = [o for o in first if o.request_id == rid]
+    assert (final.finished, final.finish_reason, final.new_token_ids) == (True, "abort", [])
+    assert final.token_ids == seen
+    assert all(o.request_id == other for o in settle(engine))
+    waiting = engine.add_request([1, 2, 3], GREEDY)  # aborted before any step: no tokens
+    assert engine.abort(waiting) is True
+    [ended] = engine.drain()
+    assert (ended.request_id, ended.token_ids, ended.finish_reason) == (waiting, [], "abort")
+    assert_idle_and_consistent(engine)
 
 
 def test_aborted_decode_keeps_its_computed_pages_in_the_cache() -> None:
