@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from jhicache.models import init_random, preset_config, save_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -58,11 +59,15 @@ def write_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def start_server(checkpoint: Path | None, tokenizer: bool = True) -> ServerThread:
-    """A server over the checkpoint (with its tokenizer, or none), or the tiny preset."""
+def start_server(checkpoint: Path | None, tokenizer: bool = True,
+                 **server: Any) -> ServerThread:
+    """A server over the checkpoint (with its tokenizer, or none), or the tiny preset;
+    `server`: ServerThread's options."""
     if checkpoint is None:
         engine = AsyncEngine(Engine.from_preset("tiny", ENGINE_CONFIG))
-        return ServerThread(ServerContext.create(engine, None, "tiny", "preset:tiny")).start()
+        ctx = ServerContext.create(engine, None, "tiny", "preset:tiny")
+        return ServerThread(ctx, **server).start()
     engine = AsyncEngine(Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG))
     tok = serve_tokenizer.Tokenizer.from_dir(checkpoint) if tokenizer else None
-    return ServerThread(ServerContext.create(engine, tok, "tiny-test", str(checkpoint))).start()
+    ctx = ServerContext.create(engine, tok, "tiny-test", str(checkpoint))
+    return ServerThread(ctx, **server).start()

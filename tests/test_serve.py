@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -440,5 +441,54 @@ def test_server_without_tokenizer_takes_token_ids_only(checkpoint: Path):
                 assert "token-id prompts only" in response.json()["error"]["message"]
             got = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}).json()
             assert len(got["choices"][0]["token_ids"]) == 3 and got["choices"][0]["text"] == ""
+    finally:
+        srv.stop()
+
+
+def test_a_text_that_is_not_unicode_gets_a_400_with_the_json_error_body(
+        server: ServerThread) -> None:
+    """A lone surrogate, which JSON's escapes carry, is refused by name, not a 500."""
+    for path, body in (("/v1/completions", {"prompt": "t5 \ud800", "max_tokens": 2}),
+                       ("/generate", {"text": "t5 \ud800"}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "t5 \ud800"}]})):
+        r = httpx.post(server.url + path, content=json.dumps(body),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "not valid Unicode" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_text_is_tokenized_off_the_event_loop(server: ServerThread,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = server.ctx.tokenizer
+    assert tokenizer is not None
+    threads: list[threading.Thread] = []
+    encode = tokenizer.encode
+
+    def recorded(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", recorded)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200 and threads
+    assert all(t is not server.thread for t in threads)  # the event loop runs on server.thread
+
+
+def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) -> None:
+    srv = start_server(checkpoint, max_request_bytes=1000)
+    try:
+        big = {"prompt": "hello " * 400, "max_tokens": 1}
+        r = httpx.post(srv.url + "/v1/completions", json=big, timeout=60)  # Content-Length
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        chunks = iter([json.dumps(big).encode()[i:i + 300] for i in range(0, 2500, 300)])
+        r = httpx.post(srv.url + "/v1/completions", content=chunks,  # chunked: no length
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413
+        small = httpx.post(srv.url + "/v1/completions",
+                           json={"prompt": "hello", "max_tokens": 1}, timeout=60)
+        assert small.status_code == 200
     finally:
         srv.stop()

@@ -8,15 +8,20 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from jhicache.serve.body_limit import BodyLimit
 from jhicache.serve.context import ServerContext
 from jhicache.serve.errors import install_error_handlers
 from jhicache.serve.native_routes import native_router
 from jhicache.serve.openai_routes import openai_router
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt the context holds, as JSON
 
-def build_app(ctx: ServerContext, warmup: bool = False) -> FastAPI:
+
+def build_app(ctx: ServerContext, warmup: bool = False,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app; with `warmup`, the engine compiles its programs once the server listens
-    (`/health` answers 503 until then, and generation requests are refused with 503)."""
+    (`/health` answers 503 until then, and generation requests are refused with 503). A
+    request body over `max_request_bytes` is refused with 413 before it is read whole."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if warmup:
@@ -29,4 +34,5 @@ def build_app(ctx: ServerContext, warmup: bool = False) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_router(ctx))
     app.include_router(native_router(ctx))
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "then skip those compiles (default: %(default)s)")
     cache.add_argument("--no-compilation-cache", action="store_true",
                        help="compile every program at each start")
+    # app.DEFAULT_MAX_REQUEST_BYTES, spelt out: importing the app loads FastAPI, which --help avoids
+    parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                        help="request bodies larger than this are refused with 413, before "
+                             "they are read whole (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds a shutdown (Ctrl-C, SIGTERM) waits for requests in "
+                             "flight before it ends them with an error (default: %(default)s)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="step the engine in a child process of its own, so that HTTP and "
                              "text work never hold up a step (--no-engine-process: in a thread "
@@ -160,5 +167,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s; /health answers 503 until "
                 "the warm-up has compiled every program", ctx.model.name, path, args.host,
                 args.port, tokenizer_dir or "none (token-id prompts only)")
-    uvicorn.run(build_app(ctx, warmup=True), host=args.host, port=args.port,
-                log_level=args.log_level)
+    uvicorn.run(build_app(ctx, warmup=True, max_request_bytes=args.max_request_bytes),
+                host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)

@@ -3,6 +3,7 @@ the checks that turn a request's prompt and sampling fields into a Generation.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Sequence
@@ -74,15 +75,25 @@ class ServerContext:
                                 f"ints (OpenAI) or `input_ids` (/generate)", param)
         return self.tokenizer
 
-    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids of a text (special tokens added, as Hugging Face's encode does) or as given."""
         if isinstance(prompt, str):
-            ids = self.require_tokenizer("a text prompt", param).encode(prompt)
+            ids = await self.encode(self.require_tokenizer("a text prompt", param), prompt, param)
         else:
             ids = list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
         return ids
+
+    @staticmethod
+    async def encode(tokenizer: Tokenizer, text: str, param: str,
+                     add_special_tokens: bool = True) -> list[int]:
+        """`tokenizer.encode` off the event loop (a long text takes seconds, and every other
+        request would wait); 400 for text it cannot take."""
+        try:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), param) from None
 
     def room(self, prompt_len: int) -> int:
         """New tokens a prompt leaves room for (context and device pool); 400 if none."""

@@ -22,7 +22,7 @@ from jhicache.serve.responses import event_stream, first_update, last_update
 _CLIENT_GONE = 499
 
 
-def _prompt(ctx: ServerContext, body: GenerateRequest) -> list[int]:
+async def _prompt(ctx: ServerContext, body: GenerateRequest) -> list[int]:
     """The one prompt: `text` (tokenized here) or `input_ids`, not both; a list of one counts."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "send exactly one of `text` and `input_ids`", "text")
@@ -33,7 +33,7 @@ def _prompt(ctx: ServerContext, body: GenerateRequest) -> list[int]:
             raise ApiError(400, f"{param}: got {len(prompt)} prompts; this server takes one per "
                                 f"request", param)
         prompt = prompt[0]
-    return ctx.prompt_ids(prompt, param)
+    return await ctx.prompt_ids(prompt, param)
 
 
 def _finish_reason(update: Update) -> dict[str, Any] | None:
@@ -77,7 +77,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
                                 top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
                                 stop=sp.stop, stop_token_ids=sp.stop_token_ids,
                                 ignore_eos=sp.ignore_eos)
-        gen = ctx.generation(_prompt(ctx, body), fields, body.rid)
+        gen = ctx.generation(await _prompt(ctx, body), fields, body.rid)
         rid = gen.spec.request_id
         updates = gen.updates()
         first = await first_update(request, updates)

@@ -71,7 +71,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = ctx.prompt_ids(_single_prompt(body.prompt), "prompt")
+        prompt_ids = await ctx.prompt_ids(_single_prompt(body.prompt), "prompt")
         gen = ctx.generation(prompt_ids, _fields(body, body.max_tokens))
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         updates = gen.updates()
@@ -105,7 +105,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         # the template writes the special tokens itself: none are added around it
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await ctx.encode(tokenizer, text, "messages", add_special_tokens=False)
         limit = body.max_completion_tokens or body.max_tokens or ctx.room(len(prompt_ids))
         gen = ctx.generation(prompt_ids, _fields(body, limit))
         reply = _Reply("chatcmpl", "chat.completion", ctx.model.name)

@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from jhicache.serve.app import build_app
+from jhicache.serve.app import DEFAULT_MAX_REQUEST_BYTES, build_app
 from jhicache.serve.context import ServerContext
 
 
@@ -24,15 +24,22 @@ class ServerThread:
     """uvicorn serving `ctx` on a free port of 127.0.0.1 from a thread; `stop()` shuts it down
     (which closes the engine, as the command's server does)."""
 
-    def __init__(self, ctx: ServerContext, log_level: str = "warning") -> None:
+    def __init__(self, ctx: ServerContext, log_level: str = "warning",
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.ctx = ctx
         self._sock = free_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(ctx), log_level=log_level, lifespan="on")
+        config = uvicorn.Config(build_app(ctx, max_request_bytes=max_request_bytes),
+                                log_level=log_level, lifespan="on")
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         daemon=True)
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread uvicorn and its event loop run on."""
+        return self._thread
 
     def start(self, timeout_s: float = 60.0) -> ServerThread:
         self._thread.start()
