@@ -32,6 +32,7 @@ from jhicache.engine_process import (
     Reply,
     Started,
     ToParent,
+    step_or_drain,
 )
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
@@ -459,15 +460,8 @@ class AsyncEngine:
     def _advance(self) -> None:
         """One step while there is work; once there is none, one `Engine.drain` that ends the
         step and copies in flight (and delivers that step's outputs)."""
-        if self.engine.has_unfinished():
-            self._stepped = True
-            outputs = self.engine.step()
-        elif self._stepped:
-            self._stepped = False
-            outputs = self.engine.drain()
-        else:
-            return
-        for out in outputs:
+        outputs, self._stepped = step_or_drain(self.engine, self._stepped)
+        for out in outputs or ():
             self._deliver(out)
 
     def _apply(self, command: _Command) -> None:

@@ -154,6 +154,17 @@ class Closed(msgspec.Struct, tag=True):
 ToParent = Started | Reply | Outputs | Failed | Closed
 
 
+def step_or_drain(engine: Any, stepped: bool) -> tuple[list[RequestOutput] | None, bool]:
+    """What a loop over `engine` does next: a step while it has work; once it has none, one
+    `drain` that ends the step and copies in flight. Returns (their outputs, or None with
+    nothing to do; whether a step ran since the last drain)."""
+    if engine.has_unfinished():
+        return engine.step(), True
+    if stepped:
+        return engine.drain(), False
+    return None, False
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed, exited or could not start."""
 
@@ -406,13 +417,8 @@ class _ChildLoop:
     def _advance(self) -> None:
         """One step while there is work; then one drain that ends the step and copies in
         flight; the step's outputs for followed requests go up in one message."""
-        if self.engine.has_unfinished():
-            self.stepped = True
-            outputs = self.engine.step()
-        elif self.stepped:
-            self.stepped = False
-            outputs = self.engine.drain()
-        else:
+        outputs, self.stepped = step_or_drain(self.engine, self.stepped)
+        if outputs is None:
             return
         items = []
         for out in outputs:
