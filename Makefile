@@ -8,7 +8,6 @@ PY := $(VENV)/bin/python
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,plot,serve]'
 	@touch $(STAMP)
 

@@ -11,7 +11,7 @@ import dataclasses
 import multiprocessing.process
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -217,6 +217,16 @@ class AsyncEngine:
         failed step does."""
         self._ready.clear()
         self._enqueue(_Warmup(progress), raise_if_stopped=True)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped serving, once its loop (or process) failed; None otherwise."""
+        with self._cond:
+            return self._error
+
+    def when_stopped(self, callback: Callable[[], object]) -> None:
+        """Calls `callback` (on some thread) once the engine has stopped: closed or failed."""
+        self._stopped.add_done_callback(lambda _: callback())
 
     @property
     def is_running(self) -> bool:

@@ -34,7 +34,7 @@ def _metric(url: str, line_start: str) -> float:
 
 
 def _serve(tmp_path: Path, cache: Path, check, extra: tuple[str, ...] = (),
-           stop: signal.Signals = signal.SIGINT) -> str:
+           stop: signal.Signals = signal.SIGINT, expect: int = 0) -> str:
     """Starts the server (with `extra` flags), waits for /health 200 (noting each status met on
     the way), runs `check(url, statuses)`, stops it with `stop` (Ctrl-C); returns its log."""
     sock = free_socket()
@@ -69,18 +69,32 @@ def _serve(tmp_path: Path, cache: Path, check, extra: tuple[str, ...] = (),
             time.sleep(0.05)
         check(url, statuses)
     finally:
-        proc.send_signal(stop)
-        out, _ = proc.communicate(timeout=60)
+        if expect == 0:
+            proc.send_signal(stop)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # it should have ended: end it, and fail below
+            proc.kill()
+            out, _ = proc.communicate()
+    if expect:
+        assert proc.returncode == expect, out
+        return out
     # uvicorn shuts down, then raises the signal it caught again: SIGTERM's status is its own
     assert proc.returncode in ((0, -signal.SIGTERM) if stop is signal.SIGTERM else (0,)), out
     assert "shutdown complete" in out.lower() or "Finished server process" in out, out
     return out
 
 
-def test_serve_preset_from_the_command_line(tmp_path: Path):
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compilation cache the servers of this module's tests share: a later start reads back."""
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+def test_serve_preset_from_the_command_line(tmp_path: Path, programs: Path):
     """It listens at once, warms up (503) and then serves (200) without compiling; a restart
     reads its programs back from the compilation cache."""
-    cache = tmp_path / "xla-cache"
+    cache = programs
 
     def check(url: str, statuses: list[tuple[int, str]]) -> None:
         assert statuses[0] == (503, "warming up") and statuses[-1][0] == 200
@@ -111,7 +125,8 @@ def test_serve_preset_from_the_command_line(tmp_path: Path):
     assert read_back and int(read_back.group(2)) == int(read_back.group(1)) > 0, restart
 
 
-def test_sigterm_with_a_stream_open_ends_it_within_the_shutdown_timeout(tmp_path: Path):
+def test_sigterm_with_a_stream_open_ends_it_within_the_shutdown_timeout(tmp_path: Path,
+                                                                          programs: Path):
     """The stream in flight ends (cut, or done) rather than holding the shutdown, and the
     server and its engine process exit cleanly."""
     ended: list[str] = []
@@ -137,6 +152,27 @@ def test_sigterm_with_a_stream_open_ends_it_within_the_shutdown_timeout(tmp_path
         reader.start()
         assert streaming.wait(60)
 
-    _serve(tmp_path, tmp_path / "xla-cache", check, ("--shutdown-timeout", "1"), signal.SIGTERM)
+    _serve(tmp_path, programs, check, ("--shutdown-timeout", "1"), signal.SIGTERM)
     reader.join(60)
     assert ended, "the stream never ended"
+
+
+def test_a_dead_engine_process_turns_health_503_and_ends_the_server_non_zero(tmp_path: Path,
+                                                                            programs: Path):
+    """Killing the engine process: /health says why, and the server exits with status 1 so
+    that a supervisor restarts it."""
+    def check(url: str, statuses: list[tuple[int, str]]) -> None:
+        pid = httpx.get(url + "/server_info", timeout=10).json()["engine_pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=1.0)
+            except httpx.TransportError:
+                break  # the server has already gone
+            if health.status_code == 503:
+                assert "engine stopped" in health.text and "exited" in health.text
+                break
+            time.sleep(0.1)
+
+    _serve(tmp_path, programs, check, expect=1)

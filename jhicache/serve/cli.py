@@ -4,11 +4,13 @@ fields and docstring), building the engine and tokenizer, and running uvicorn.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import logging
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -167,6 +169,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info("serving %s (%s) on http://%s:%d; tokenizer: %s; /health answers 503 until "
                 "the warm-up has compiled every program", ctx.model.name, path, args.host,
                 args.port, tokenizer_dir or "none (token-id prompts only)")
-    uvicorn.run(build_app(ctx, warmup=True, max_request_bytes=args.max_request_bytes),
-                host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(ctx, warmup=True, max_request_bytes=args.max_request_bytes), host=args.host,
+        port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout))
+
+    def stopped() -> None:  # a failed engine ends the server, which exits non-zero
+        if engine.error is not None:
+            server.should_exit = True
+
+    engine.when_stopped(stopped)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends a clean shutdown, as uvicorn.run
+        server.run()
+    if engine.error is not None:
+        logger.error("the engine stopped: %s", engine.error.__cause__ or engine.error)
+        sys.exit(1)

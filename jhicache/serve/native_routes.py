@@ -105,7 +105,10 @@ def native_router(ctx: ServerContext) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_running:
-            return PlainTextResponse("engine stopped\n", status_code=503)
+            error = ctx.engine.error
+            cause = error.__cause__ or error if error is not None else None
+            reason = "closed" if cause is None else str(cause).splitlines()[0]
+            return PlainTextResponse(f"engine stopped: {reason}\n", status_code=503)
         if not ctx.engine.is_ready:
             return PlainTextResponse("warming up\n", status_code=503)
         return Response(status_code=200)
@@ -128,6 +131,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
         return {**info.config, **_limits(ctx), "served_model_name": ctx.model.name,
                 "model_path": ctx.model.model_path, "grid": info.grid,
                 "ready": ctx.engine.is_ready,
+                "engine_pid": None if ctx.engine.process is None else ctx.engine.process.pid,
                 "startup": {"weights_s": startup.weights_s, "pools_s": startup.pools_s,
                             "warmup": None if warm is None else {**dataclasses.asdict(warm),
                                                                  "seconds": warm.seconds}}}
