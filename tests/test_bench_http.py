@@ -167,7 +167,7 @@ def test_a_base_url_loses_its_trailing_slash() -> None:
 
 # ---- serve-overhead ------------------------------------------------------------------------
 
-def test_serve_overhead_reports_both_paths_and_their_difference(tmp_path, capsys) -> None:
+def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -> None:
     out = tmp_path / "overhead.json"
     assert command.main(["serve-overhead", *WORKLOAD, *ENGINE, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -175,8 +175,8 @@ def test_serve_overhead_reports_both_paths_and_their_difference(tmp_path, capsys
     assert set(result["modes"]) == {"hierarchical"}  # its default
     mode = result["modes"]["hierarchical"]
     assert mode["same_tokens"] is True
-    here, http = mode["in_process"], mode["http"]
-    for run in (here, http):
+    here, http, proc = mode["in_process"], mode["http"], mode["http_process"]
+    for run in (here, http, proc):
         assert run["requests"] == 6 and run["ttft"]["mean_s"] > 0 and run["itl"]["p50_s"] > 0
         assert run["stats"]["decode_tokens"] > 0 and run["device_kv_tokens"] == 512
         assert run["rounds"][1]["device_hit_rate"] > 0
@@ -186,8 +186,14 @@ def test_serve_overhead_reports_both_paths_and_their_difference(tmp_path, capsys
     assert gap["mean_ttft_s"] == pytest.approx(http["ttft"]["mean_s"] - here["ttft"]["mean_s"])
     assert gap["throughput_ratio"] == pytest.approx(
         http["throughput_tokens_per_s"] / here["throughput_tokens_per_s"])
+    gap = mode["overhead_process"]
+    assert gap["p50_itl_s"] == pytest.approx(proc["itl"]["p50_s"] - here["itl"]["p50_s"])
+    assert gap["throughput_ratio"] == pytest.approx(
+        proc["throughput_tokens_per_s"] / here["throughput_tokens_per_s"])
+    assert proc["warmup"]["shapes"] > 0 and proc["compiles_during_run"]["count"] == 0
     assert "uvicorn" in result["how"] and "HTTP - in process" in printed
-    assert "tokens identical in process and over HTTP" in printed
+    assert "tokens identical in process and over HTTP (both ways)" in printed
+    assert "HTTP+proc - in" in printed
     assert "XLA compiles during the measured run" in printed
 
 

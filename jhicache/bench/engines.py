@@ -6,6 +6,7 @@ import argparse
 
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
+from jhicache.engine_process import EngineSpec
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -14,11 +15,16 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
                         chunked_prefill_tokens=args.chunked_prefill_tokens, **overrides)
 
 
-def make_engine(args: argparse.Namespace, **overrides) -> Engine:
+def engine_spec(args: argparse.Namespace, **overrides) -> EngineSpec:
+    """How to build the bench's engine, here or in an engine process."""
     if overrides.get("device_kv_tokens"):  # pools hold whole pages: round a derived size up
         tokens, page = overrides["device_kv_tokens"], args.page_size
         overrides["device_kv_tokens"] = -(-tokens // page) * page
     config = engine_config(args, **overrides)
     if args.weights:
-        return Engine.from_pretrained(args.weights, config)
-    return Engine.from_preset(args.preset, config, seed=args.seed)
+        return EngineSpec(config, path=args.weights)
+    return EngineSpec(config, preset=args.preset, seed=args.seed)
+
+
+def make_engine(args: argparse.Namespace, **overrides) -> Engine:
+    return engine_spec(args, **overrides).build()

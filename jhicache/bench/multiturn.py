@@ -63,23 +63,29 @@ def mode_engine(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> tup
     return cache_mode, device_tokens
 
 
+def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> dict:
+    """A bench mode's engine settings: cache mode, device pool, and requests no longer than the
+    workload's (the page tables, and the grid, fit it)."""
+    cache_mode, device_tokens = mode_engine(args, spec, mode)
+    longest = -(-spec.final_context_tokens // args.page_size) * args.page_size
+    return {"cache_mode": cache_mode, "device_kv_tokens": device_tokens,
+            "max_context_len": longest}
+
+
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
                  drive: Drive | None = None) -> MeasuredRun:
     """Runs the workload once through `drive` (in process by default) on a fresh engine that
     `Engine.warmup()` compiled, as a server does before it serves; counts the compiles the run
     made (0 when the grid covers every step)."""
-    cache_mode, device_tokens = mode_engine(args, spec, mode)
-    # Requests no longer than the workload's: the page tables (and the grid) fit it
-    longest = -(-spec.final_context_tokens // args.page_size) * args.page_size
-    engine = make_engine(args, cache_mode=cache_mode, device_kv_tokens=device_tokens,
-                         max_context_len=longest)
+    overrides = mode_overrides(args, spec, mode)
+    engine = make_engine(args, **overrides)
     engine.warmup(progress=False)
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
     with CompileCounter() as compiles:
         run = (drive or drive_in_process)(engine, run_spec, clients_config(args, args.seed),
                                           progress)
     engine.check_invariants()
-    return MeasuredRun(run, engine, device_tokens, compiles.count, compiles.seconds,
+    return MeasuredRun(run, engine, overrides["device_kv_tokens"], compiles.count, compiles.seconds,
                        tuple(compiles.programs))
 
 

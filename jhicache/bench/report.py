@@ -108,32 +108,37 @@ def latency_text(ttft: dict, itl: dict) -> str:
 
 
 def serve_overhead_table(result: dict) -> str:
-    """Per mode: TTFT, end-to-end latency, ITL and throughput in process and over HTTP, and
-    their difference (HTTP minus in process: what the server adds per request)."""
+    """Per mode: TTFT, end-to-end latency, ITL and throughput in process, over HTTP with the
+    engine in a thread, and over HTTP with an engine process, and each HTTP path's difference
+    from in process (what the server adds per request)."""
     spec = result["spec"]
     lines = [f"serve-overhead: {spec['num_clients']} clients x {spec['num_rounds']} rounds, "
              f"+{spec['request_length']} tokens/turn, {spec['output_length']} out; "
              f"{result['how']}"]
     for mode, m in result["modes"].items():
         lines += [f"{mode}: tokens {'identical' if m['same_tokens'] else 'DIFFER'} in process "
-                  f"and over HTTP",
-                  f"  {'':<22}{'in process':>12}{'HTTP':>12}{'HTTP - in process':>20}"]
+                  f"and over HTTP (both ways)",
+                  f"  {'':<18}{'in process':>11}{'HTTP':>10}{'HTTP+proc':>10}"
+                  f"{'HTTP - in process':>18}{'HTTP+proc - in':>16}"]
         lines += [_overhead_row(label, m, keys) for label, keys in _OVERHEAD_ROWS]
-        ratio = m["overhead"]["throughput_ratio"]
-        lines.append(f"  {'throughput tok/s':<22}"
-                     f"{m['in_process']['throughput_tokens_per_s']:>12,.0f}"
-                     f"{m['http']['throughput_tokens_per_s']:>12,.0f}{f'x {ratio:.3f}':>20}")
+        tok_s = [m[path]["throughput_tokens_per_s"] for path in _PATHS]
+        ratios = [f"x {m[k]['throughput_ratio']:.3f}" for k in ("overhead", "overhead_process")]
+        lines.append(f"  {'throughput tok/s':<18}{tok_s[0]:>11,.0f}{tok_s[1]:>10,.0f}"
+                     f"{tok_s[2]:>10,.0f}{ratios[0]:>18}{ratios[1]:>16}")
         lines.append("  XLA compiles during the measured run (their seconds count as latency): "
-                     + ", ".join(_compiles(path, m[path]) for path in ("in_process", "http")))
+                     + ", ".join(_compiles(path, m[path]) for path in _PATHS))
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines)
 
 
 def _compiles(path: str, summary: dict) -> str:
     c = summary["compiles_during_run"]
-    return f"{_PATH_NAMES[path]} {c['count']} ({c['seconds']:.2f} s)"
+    seconds = "" if c["seconds"] is None else f" ({c['seconds']:.2f} s)"
+    return f"{_PATH_NAMES[path]} {c['count']}{seconds}"
 
 
-_PATH_NAMES = {"in_process": "in process", "http": "HTTP"}
+_PATHS = ("in_process", "http", "http_process")
+_PATH_NAMES = {"in_process": "in process", "http": "HTTP",
+               "http_process": "HTTP + engine process (counted in the child)"}
 
 
 # (label, (summary section, statistic)) of serve_overhead_table's latency rows, in ms
@@ -144,10 +149,11 @@ _OVERHEAD_ROWS = (("TTFT mean ms", ("ttft", "mean_s")), ("TTFT p50 ms", ("ttft",
 
 def _overhead_row(label: str, m: dict, keys: tuple[str, str]) -> str:
     section, stat = keys
-    here, http = m["in_process"][section][stat], m["http"][section][stat]
-    if here is None or http is None:
-        return f"  {label:<22}{'-':>12}{'-':>12}{'-':>20}"
-    return f"  {label:<22}{here * 1e3:>12.2f}{http * 1e3:>12.2f}{(http - here) * 1e3:>+20.2f}"
+    here, http, proc = (m[path][section][stat] for path in _PATHS)
+    if here is None or http is None or proc is None:
+        return f"  {label:<18}{'-':>11}{'-':>10}{'-':>10}{'-':>18}{'-':>16}"
+    return (f"  {label:<18}{here * 1e3:>11.2f}{http * 1e3:>10.2f}{proc * 1e3:>10.2f}"
+            f"{(http - here) * 1e3:>+18.2f}{(proc - here) * 1e3:>+16.2f}")
 
 
 def host_hit_table(result: dict) -> str:

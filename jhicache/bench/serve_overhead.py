@@ -7,12 +7,14 @@ import argparse
 import asyncio
 import dataclasses
 import sys
+import time
 from collections.abc import Callable
 
 from tqdm import tqdm
 
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients, multiturn
+from jhicache.bench.engines import engine_spec
 from jhicache.bench.remote_run import drive_url
 from jhicache.bench.workload import MultiTurnSpec
 from jhicache.engine import Engine
@@ -20,10 +22,11 @@ from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
 
 HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
-       "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine; each path a "
-       "warm-up run on the measured run's prompts (so that it compiles the batch shapes the "
-       "measured run meets), then the measured run, each run on a fresh engine of the same "
-       "config, weights seed and prompts; HTTP - in process = what the server adds")
+       "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine, its engine "
+       "stepped in a thread of this process; HTTP + engine process: the same, the engine built "
+       "and stepped in a child process; each path on a fresh engine of the same config, "
+       "weights seed and prompts, warmed up before its run; HTTP - in process = what the "
+       "server adds")
 
 
 def drive_over_http(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
@@ -32,6 +35,36 @@ def drive_over_http(engine: Engine, spec: MultiTurnSpec, config: clients.Clients
     ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
     with ServerThread(ctx) as server:
         return asyncio.run(drive_url(server.url, spec, config, progress))
+
+
+def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
+                progress: tqdm) -> dict:
+    """One mode's measured run through a server whose engine is built, warmed up and stepped
+    in an engine process; its summary, as `multiturn.measured_summary`'s."""
+    overrides = multiturn.mode_overrides(args, spec, mode)
+    engine = AsyncEngine(engine_spec(args, **overrides))
+    try:
+        engine.start_warmup(progress=False)
+        while not engine.is_ready:
+            if not engine.is_running:
+                raise RuntimeError(f"the engine process stopped: {engine.error}")
+            time.sleep(0.05)
+        run_spec = dataclasses.replace(spec, vocab_size=engine.info.vocab_size)
+        before = engine.compile_counts()["serving"]
+        ctx = ServerContext.create(engine, None, "bench", "bench")
+        with ServerThread(ctx) as server:  # closes the engine at its end
+            run = asyncio.run(drive_url(server.url, run_spec,
+                                        multiturn.clients_config(args, args.seed), progress))
+            compiles = engine.compile_counts()["serving"] - before
+            stats, startup = engine.stats(), engine.startup()
+    finally:
+        engine.close()
+    warmup = startup.warmup
+    return {**multiturn.run_summary(run, spec), "stats": stats.as_dict(),
+            "device_kv_tokens": overrides["device_kv_tokens"],
+            "warmup": None if warmup is None else dataclasses.asdict(warmup),
+            "compiles_during_run": {"count": compiles, "seconds": None, "programs": []},
+            "histories": run.histories}
 
 
 def overhead(here: dict, http: dict) -> dict:
@@ -48,16 +81,20 @@ def overhead(here: dict, http: dict) -> dict:
 
 def compare_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                  progress: tqdm) -> dict:
-    """One mode in process, then over HTTP; the engines go once summarised (one at a time)."""
-    runs, summaries = {}, {}
+    """One mode in process, over HTTP, and over HTTP with an engine process; the engines go
+    once summarised (one at a time)."""
+    histories, summaries = {}, {}
     for path, drive in (("in_process", multiturn.drive_in_process), ("http", drive_over_http)):
         measured = multiturn.measured_run(args, spec, mode, progress, drive)
-        runs[path] = measured.run
+        histories[path] = measured.run.histories
         summaries[path] = multiturn.measured_summary(measured, spec)
         del measured
-    same = runs["in_process"].histories == runs["http"].histories
-    return {**summaries, "same_tokens": same,
-            "overhead": overhead(summaries["in_process"], summaries["http"])}
+    summaries["http_process"] = process_run(args, spec, mode, progress)
+    histories["http_process"] = summaries["http_process"].pop("histories")
+    same = histories["in_process"] == histories["http"] == histories["http_process"]
+    here = summaries["in_process"]
+    return {**summaries, "same_tokens": same, "overhead": overhead(here, summaries["http"]),
+            "overhead_process": overhead(here, summaries["http_process"])}
 
 
 def bench_serve_overhead(args: argparse.Namespace, vocab: int,
@@ -69,7 +106,7 @@ def bench_serve_overhead(args: argparse.Namespace, vocab: int,
     args._device_tokens = multiturn.device_tokens_for(args, spec)
     result: dict = {"spec": {**dataclasses.asdict(spec), **multiturn.sending(args)}, "how": HOW,
                     "modes": {}}
-    total = 4 * len(modes) * spec.num_clients * spec.num_rounds  # 2 paths x (warm-up, measured)
+    total = 3 * len(modes) * spec.num_clients * spec.num_rounds  # a run per path
     with tqdm(total=total, desc="serve-overhead", unit="request", file=sys.stderr,
               disable=None) as progress:
         for mode in modes:

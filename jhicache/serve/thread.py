@@ -30,8 +30,10 @@ class ServerThread:
         self._sock = free_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        # log_config=None: a server inside another program leaves that program's logging as it
+        # is (uvicorn's own config would close every handler the process has)
         config = uvicorn.Config(build_app(ctx, max_request_bytes=max_request_bytes),
-                                log_level=log_level, lifespan="on")
+                                log_level=log_level, lifespan="on", log_config=None)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         daemon=True)
