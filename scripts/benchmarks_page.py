@@ -232,6 +232,22 @@ def serve_overhead(files: list[Json], args: Json) -> Figures:
     return Figures(text)
 
 
+def serve_paths(files: list[Json], args: Json) -> Figures:
+    """Each HTTP path against in process: the engine in a thread of the server's process, or in
+    an engine process; its throughput ratio is checked."""
+    run = files[0]["serve_overhead"]["modes"]["hierarchical"]
+    parts = []
+    for name, key in (("engine in a thread", "overhead"), ("engine process", "overhead_process")):
+        o = run[key]
+        parts.append(f"{name}: TTFT p50 {o['p50_ttft_s'] * 1e3:+.1f} ms, ITL p50 "
+                     f"{o['p50_itl_s'] * 1e3:+.2f} ms, throughput x {o['throughput_ratio']:.3f}")
+    compiles = sum(run[p]["compiles_during_run"]["count"]
+                   for p in ("in_process", "http", "http_process"))
+    tokens = "the same tokens" if run["same_tokens"] else "tokens differ (batching)"
+    return Figures("; ".join(parts) + f"; {compiles} compiles; {tokens}",
+                   checks={"process_ratio": [run["overhead_process"]["throughput_ratio"]]})
+
+
 def _trials(data: Json) -> list[Json]:
     return list(data["host_hit"]["trials"])
 
@@ -416,7 +432,7 @@ def note(files: list[Json], args: Json) -> Figures:
 EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_modes,
-        multiturn_stream, serve_overhead, host_hit, load_back, write_back_host_hit,
+        multiturn_stream, serve_overhead, serve_paths, host_hit, load_back, write_back_host_hit,
         write_back_head, device_hit_beside, step_vs_forward, attention, forward_floor,
         fresh_vs_hf, gather, programs_ab, note)
 }
