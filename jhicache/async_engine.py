@@ -422,6 +422,12 @@ class AsyncEngine:
             with self._cond:
                 self._calls.pop(call, None)
             raise ValueError(f"prompts must be lists of integer token ids: {e}") from None
+        except EngineProcessError:  # it has just gone: `_on_exit` has told every caller
+            with self._cond:
+                self._calls.pop(call, None)
+            if raise_if_stopped:
+                raise self._stopped_error() from None
+            return False
         return True
 
     def _request_close(self) -> None:

@@ -222,7 +222,10 @@ class EngineProcess:
     def send(self, message: ToChild) -> None:
         data = self._encoder.encode(message)
         with self._send_lock:
-            self._down.send(data)
+            try:
+                self._down.send(data)
+            except zmq.ZMQError as e:  # its sockets closed: the child has gone
+                raise EngineProcessError(f"the engine process is gone ({e})") from None
 
     def close(self, timeout: float | None = None) -> None:
         """Asks the child to end (it aborts what runs) and waits for it and the receiver."""
@@ -230,7 +233,7 @@ class EngineProcess:
         if self.process.is_alive():
             try:
                 self.send(Close())
-            except zmq.ZMQError:
+            except EngineProcessError:
                 pass
         self.process.join(timeout)
         if self.process.is_alive():
@@ -258,8 +261,9 @@ class EngineProcess:
                                                     f"{self.process.exitcode})")
                     break
         finally:
-            self._shutdown()
-            self._on_exit(reason)
+            self._on_exit(reason)  # callers learn first, so that none sends to a closed socket
+            with self._send_lock:
+                self._shutdown()
 
     def _shutdown(self) -> None:
         self._down.close(linger=0)
