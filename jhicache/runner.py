@@ -5,8 +5,8 @@ attention kernel waits on the device until that layer's load flag says its pages
 (`AttentionMetadata.load_flags`; the gate comes from `TransferStep.start_loads`), so the host
 dispatches the whole forward without waiting and the copy stream and the layers overlap on the
 GPU. The KV arrays are donated to the programs and the pool is given the
-returned arrays at once, so the pool always holds the newest version (the transfer controller
-relies on that, see `jhicache.cache.transfers`).
+returned arrays at once, so the pool always holds the newest version (the transfers rely on
+that, see `jhicache.cache.transfers`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ each shard's copies on its own device's queues.
 
 A copy is given addresses (`jax.Array.unsafe_buffer_pointer()` for device buffers), so nothing
 here knows JAX's ordering: the caller fences every copy against the computations that touch the
-same bytes (`jhicache.cache.transfer` says how).
+same bytes (`jhicache.cache.transfers` says how).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Why the driver and not XLA: a pinned_host-to-device `device_put` waits for the c
 before it and spreads whole-array copies over four streams, so layer copies land out of order
 and late; copies issued here run on a stream of our own, in the order issued, beside XLA's
 compute. The price is that JAX does not see them: the caller must fence every page it copies
-into or out of (see `jhicache.cache.transfer`).
+into or out of (see `jhicache.cache.transfers`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 sink.
 
 Also defines `PoolLayout`, the page geometry both tiers share. The pool only holds arrays:
-kernels and the transfer controller read the current arrays, return new ones (donation) and
+kernels and the transfers read the current arrays, return new ones (donation) and
 put them back with `set_layer`, so the pool always holds the newest version of each layer.
 """
 

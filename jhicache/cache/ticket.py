@@ -1,7 +1,7 @@
 """LoadTicket: the one object through which a forward learns that a load-back's layer is on device.
 
-A ticket is created when a load-back is queued and bound, when the transfer controller launches
-it, to the launch's copies (several tickets may share one launch). A forward that reads its
+A ticket is created when a load-back is queued and bound, when `LoadBacks.launch` starts it,
+to the launch's copies (several tickets may share one launch). A forward that reads its
 pages takes `gate_seq()`, the number its layers' device flags reach once each layer has landed,
 and its attention kernels wait on the device for it (`AttentionMetadata.load_flags`); the host
 does not wait. The host learns only of the whole load's landing: `wait_all()` blocks until it

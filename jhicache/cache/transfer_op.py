@@ -16,12 +16,12 @@ from jhicache.cache.ticket import LoadTicket
 
 @dataclasses.dataclass(frozen=True)
 class TransferTuning:
-    """How much the controller queues at a time (bytes of one device shard).
+    """How much the transfers queue at a time (bytes of one device shard).
 
     Attributes:
       write_piece_bytes: host copies of write-backs queued per poll (and per `launch_writes`):
         small against a whole write-back, because a forward's own small device->host copy
-        (its sampled tokens) waits behind copies queued before it (`_issue_write`).
+        (its sampled tokens) waits behind copies queued before it (`WriteBacks._issue`).
       gather_head_bytes: a write-back larger than this gathers this many bytes first (whole
         pages, a power of two of them), then pieces that double (`gather_pieces`): the first
         piece's copies start once it has gathered, while the rest gathers, instead of after
