@@ -32,6 +32,7 @@ from jhicache.engine_process import (
     Reply,
     Started,
     ToParent,
+    engine_info,
     step_or_drain,
 )
 from jhicache.request import RequestOutput
@@ -154,7 +155,7 @@ class AsyncEngine:
             self._info = self._process.started
             return
         self._engine = engine
-        self._info = _info_of(engine)
+        self._info = engine_info(engine)
         self._thread = threading.Thread(target=self._run, name="jhicache-async-engine", daemon=True)
         self._thread.start()
 
@@ -666,15 +667,6 @@ def _plain_prompt(prompt: object) -> object:
     if isinstance(prompt, (list, tuple)):
         return [t.item() if isinstance(t, np.generic) else t for t in prompt]
     return prompt
-
-
-def _info_of(engine: Engine) -> Started:
-    model, grid = engine.model_config, engine.grid
-    return Started(vocab_size=model.vocab_size,
-                   max_position_embeddings=model.max_position_embeddings,
-                   max_context_len=grid.max_context_len,
-                   device_pages=engine.occupancy().device_pages, grid=grid.describe(),
-                   config=msgspec.to_builtins(engine.config))
 
 
 def _prompt_list(prompts: object) -> list:

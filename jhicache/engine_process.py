@@ -154,6 +154,16 @@ class Closed(msgspec.Struct, tag=True):
 ToParent = Started | Reply | Outputs | Failed | Closed
 
 
+def engine_info(engine: Any) -> Started:
+    """What a server says of `engine` (wherever it runs)."""
+    model, grid = engine.model_config, engine.grid
+    return Started(vocab_size=model.vocab_size,
+                   max_position_embeddings=model.max_position_embeddings,
+                   max_context_len=grid.max_context_len,
+                   device_pages=engine.occupancy().device_pages, grid=grid.describe(),
+                   config=msgspec.to_builtins(engine.config))
+
+
 def step_or_drain(engine: Any, stepped: bool) -> tuple[list[RequestOutput] | None, bool]:
     """What a loop over `engine` does next: a step while it has work; once it has none, one
     `drain` that ends the step and copies in flight. Returns (their outputs, or None with
@@ -292,11 +302,7 @@ def _child_main(spec: EngineSpec, directory: str, parent_pid: int) -> None:
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = spec.build()
-        model, grid = engine.model_config, engine.grid
-        up.send(encoder.encode(Started(
-            vocab_size=model.vocab_size, max_position_embeddings=model.max_position_embeddings,
-            max_context_len=grid.max_context_len, device_pages=engine.occupancy().device_pages,
-            grid=grid.describe(), config=msgspec.to_builtins(engine.config))))
+        up.send(encoder.encode(engine_info(engine)))
         _ChildLoop(engine, down, up, parent_pid).run()
         up.send(encoder.encode(Closed()))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, then the child exits)
