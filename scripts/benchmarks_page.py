@@ -234,18 +234,30 @@ def serve_overhead(files: list[Json], args: Json) -> Figures:
 
 def serve_paths(files: list[Json], args: Json) -> Figures:
     """Each HTTP path against in process: the engine in a thread of the server's process, or in
-    an engine process; its throughput ratio is checked."""
+    an engine process; the engine process's throughput ratio, ITL p50 and device-hit TTFT p50
+    differences are checked."""
     run = files[0]["serve_overhead"]["modes"]["hierarchical"]
     parts = []
     for name, key in (("engine in a thread", "overhead"), ("engine process", "overhead_process")):
         o = run[key]
+        hit = o.get("p50_device_hit_ttft_s")
         parts.append(f"{name}: TTFT p50 {o['p50_ttft_s'] * 1e3:+.1f} ms, ITL p50 "
-                     f"{o['p50_itl_s'] * 1e3:+.2f} ms, throughput x {o['throughput_ratio']:.3f}")
+                     f"{o['p50_itl_s'] * 1e3:+.2f} ms, throughput x {o['throughput_ratio']:.3f}"
+                     + ("" if hit is None else f", device-hit TTFT p50 {hit * 1e3:+.1f} ms"))
     compiles = sum(run[p]["compiles_during_run"]["count"]
                    for p in ("in_process", "http", "http_process"))
     tokens = "the same tokens" if run["same_tokens"] else "tokens differ (batching)"
-    return Figures("; ".join(parts) + f"; {compiles} compiles; {tokens}",
-                   checks={"process_ratio": [run["overhead_process"]["throughput_ratio"]]})
+    process = run["overhead_process"]
+    checks = {"process_ratio": [process["throughput_ratio"]],
+              "process_itl_ms": [process["p50_itl_s"] * 1e3]}
+    if process.get("p50_device_hit_ttft_s") is not None:
+        checks["process_hit_ttft_ms"] = [process["p50_device_hit_ttft_s"] * 1e3]
+    here = run["in_process"]
+    ceiling = (f"in process {here['throughput_tokens_per_s']:,.0f} tok/s, ITL p50 "
+               f"{here['itl']['p50_s'] * 1e3:.2f} ms"
+               + (f", device-hit TTFT p50 {here['device_hit']['ttft']['p50_s'] * 1e3:.1f} ms"
+                  if "device_hit" in here else ""))
+    return Figures("; ".join(parts) + f"; {compiles} compiles; {tokens}", ceiling, checks=checks)
 
 
 def _trials(data: Json) -> list[Json]:

@@ -180,7 +180,9 @@ def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -
         assert run["requests"] == 6 and run["ttft"]["mean_s"] > 0 and run["itl"]["p50_s"] > 0
         assert run["stats"]["decode_tokens"] > 0 and run["device_kv_tokens"] == 512
         assert run["rounds"][1]["device_hit_rate"] > 0
-        assert run["compiles_during_run"]["count"] >= 0
+        assert run["compiles_during_run"]["count"] == 0
+        hit = run["device_hit"]  # the probe: 3 turns, the last two hitting the device
+        assert hit["turns"] == 2 and hit["device_hit_rate"] > 0 and hit["ttft"]["p50_s"] > 0
     gap = mode["overhead"]
     assert gap["mean_e2e_s"] == pytest.approx(http["e2e"]["mean_s"] - here["e2e"]["mean_s"])
     assert gap["mean_ttft_s"] == pytest.approx(http["ttft"]["mean_s"] - here["ttft"]["mean_s"])
@@ -188,12 +190,14 @@ def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -
         http["throughput_tokens_per_s"] / here["throughput_tokens_per_s"])
     gap = mode["overhead_process"]
     assert gap["p50_itl_s"] == pytest.approx(proc["itl"]["p50_s"] - here["itl"]["p50_s"])
+    assert gap["p50_device_hit_ttft_s"] == pytest.approx(
+        proc["device_hit"]["ttft"]["p50_s"] - here["device_hit"]["ttft"]["p50_s"])
     assert gap["throughput_ratio"] == pytest.approx(
         proc["throughput_tokens_per_s"] / here["throughput_tokens_per_s"])
     assert proc["warmup"]["shapes"] > 0 and proc["compiles_during_run"]["count"] == 0
     assert "uvicorn" in result["how"] and "HTTP - in process" in printed
     assert "tokens identical in process and over HTTP (both ways)" in printed
-    assert "HTTP+proc - in" in printed
+    assert "HTTP+proc - in" in printed and "device hit TTFT p50" in printed
     assert "XLA compiles during the measured run" in printed
 
 

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: new prompt tokens per turn")
     p.add_argument("--output-length", **count, default=16 if gpu else 4,
                    help="multiturn: generated tokens per turn")
+    p.add_argument("--device-hit-turns", **count, default=16 if gpu else 3,
+                   help="serve-overhead: turns of the device-hit probe after the workload (one "
+                        "conversation, one request at a time)")
     p.add_argument("--range-ratio", type=range_ratio, metavar="R", default=1.0,
                    help="multiturn: each turn's request and output lengths drawn uniformly "
                         "from [R x length, length] (SGLang's --range-ratio); 1: fixed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from pathlib import Path
 
@@ -141,15 +142,15 @@ _PATH_NAMES = {"in_process": "in process", "http": "HTTP",
                "http_process": "HTTP + engine process (counted in the child)"}
 
 
-# (label, (summary section, statistic)) of serve_overhead_table's latency rows, in ms
+# (label, the keys of a figure in a path's summary) of serve_overhead_table's rows, in ms
 _OVERHEAD_ROWS = (("TTFT mean ms", ("ttft", "mean_s")), ("TTFT p50 ms", ("ttft", "p50_s")),
                   ("TTFT p99 ms", ("ttft", "p99_s")), ("e2e mean ms", ("e2e", "mean_s")),
-                  ("e2e p50 ms", ("e2e", "p50_s")), ("ITL p50 ms", ("itl", "p50_s")))
+                  ("e2e p50 ms", ("e2e", "p50_s")), ("ITL p50 ms", ("itl", "p50_s")),
+                  ("device hit TTFT p50", ("device_hit", "ttft", "p50_s")))
 
 
-def _overhead_row(label: str, m: dict, keys: tuple[str, str]) -> str:
-    section, stat = keys
-    here, http, proc = (m[path][section][stat] for path in _PATHS)
+def _overhead_row(label: str, m: dict, keys: tuple[str, ...]) -> str:
+    here, http, proc = (functools.reduce(dict.__getitem__, keys, m[path]) for path in _PATHS)
     if here is None or http is None or proc is None:
         return f"  {label:<18}{'-':>11}{'-':>10}{'-':>10}{'-':>18}{'-':>16}"
     return (f"  {label:<18}{here * 1e3:>11.2f}{http * 1e3:>10.2f}{proc * 1e3:>10.2f}"

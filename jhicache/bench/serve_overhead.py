@@ -6,41 +6,100 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from tqdm import tqdm
 
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients, multiturn
-from jhicache.bench.engines import engine_spec
+from jhicache.bench.compile_counter import CompileCounter
+from jhicache.bench.engines import engine_spec, make_engine
 from jhicache.bench.remote_run import drive_url
 from jhicache.bench.workload import MultiTurnSpec
-from jhicache.engine import Engine
 from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
 
 HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
        "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine, its engine "
        "stepped in a thread of this process; HTTP + engine process: the same, the engine built "
-       "and stepped in a child process; each path on a fresh engine of the same config, "
-       "weights seed and prompts, warmed up before its run; HTTP - in process = what the "
-       "server adds")
+       "and stepped in a child process (run first, while this process holds no GPU memory; "
+       "JAX's preallocation off in both); each path on a fresh engine of the same config, "
+       "weights seed and prompts, warmed up before its run, then the device-hit probe on it; "
+       "HTTP - in process = what the server adds")
 
 
-def drive_over_http(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                    progress: tqdm) -> clients.ClientsRun:
-    """multiturn.Drive through a server over `engine` (closed, with the server, at the end)."""
-    ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
-    with ServerThread(ctx) as server:
-        return asyncio.run(drive_url(server.url, spec, config, progress))
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """A path's two runs on one engine: the workload, then the device-hit probe."""
+
+    workload: clients.ClientsRun
+    probe: clients.ClientsRun
+
+
+def probe_spec(args: argparse.Namespace, spec: MultiTurnSpec) -> MultiTurnSpec:
+    """One conversation of short turns, sent one at a time after the workload: each turn after
+    the first finds its history on the device, so its TTFT is a one-page prefill plus what the
+    path adds."""
+    return dataclasses.replace(spec, num_clients=1, num_rounds=args.device_hit_turns,
+                               request_length=args.page_size, output_length=4,
+                               seed=spec.seed + 1, range_ratio=1.0)
+
+
+def probe_summary(run: clients.ClientsRun) -> dict:
+    """TTFT of the probe's device hits (every turn but the first) and how much of their
+    prompts the device held."""
+    hits = [t for t in run.turns if t.round > 0]
+    prompt = sum(t.prompt_len for t in hits)
+    return {"turns": len(hits), "ttft": clients.percentiles([t.ttft_s for t in hits], (50, 90)),
+            "device_hit_rate": sum(t.device_hit_tokens for t in hits) / prompt if prompt else 0.0}
+
+
+async def drive_both(drive: Callable[[MultiTurnSpec, clients.ClientsConfig], Awaitable[
+        clients.ClientsRun]], args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
+    """The workload, then the probe, through one path."""
+    workload = await drive(spec, multiturn.clients_config(args, args.seed))
+    return Runs(workload, await drive(probe_spec(args, spec),
+                                      multiturn.clients_config(args, args.seed + 1)))
+
+
+def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
+               over_http: bool) -> dict:
+    """One mode's runs on a fresh engine stepped in a thread of this process: driven in
+    process, or through a server in a thread here; its summary, as
+    `multiturn.measured_summary`'s, with the probe's."""
+    overrides = multiturn.mode_overrides(args, spec, mode)
+    engine = make_engine(args, **overrides)
+    engine.warmup(progress=False)
+    run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
+
+    async def in_process(turns: MultiTurnSpec, config: clients.ClientsConfig
+                         ) -> clients.ClientsRun:
+        return await multiturn.drive_clients(engine, turns, config, progress)
+
+    with CompileCounter() as compiles:
+        if over_http:
+            ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
+            with ServerThread(ctx) as server:
+                runs = asyncio.run(drive_both(
+                    lambda turns, config: drive_url(server.url, turns, config, progress),
+                    args, run_spec))
+        else:
+            runs = asyncio.run(drive_both(in_process, args, run_spec))
+    engine.check_invariants()
+    measured = multiturn.MeasuredRun(runs.workload, engine, overrides["device_kv_tokens"],
+                                     compiles.count, compiles.seconds, tuple(compiles.programs))
+    return {**multiturn.measured_summary(measured, spec), "device_hit": probe_summary(runs.probe),
+            "histories": runs.workload.histories}
 
 
 def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                 progress: tqdm) -> dict:
-    """One mode's measured run through a server whose engine is built, warmed up and stepped
-    in an engine process; its summary, as `multiturn.measured_summary`'s."""
+    """One mode's runs through a server whose engine is built, warmed up and stepped in an
+    engine process; its summary, as `thread_run`'s."""
     overrides = multiturn.mode_overrides(args, spec, mode)
     engine = AsyncEngine(engine_spec(args, **overrides))
     try:
@@ -53,44 +112,43 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
         before = engine.compile_counts()["serving"]
         ctx = ServerContext.create(engine, None, "bench", "bench")
         with ServerThread(ctx) as server:  # closes the engine at its end
-            run = asyncio.run(drive_url(server.url, run_spec,
-                                        multiturn.clients_config(args, args.seed), progress))
+            runs = asyncio.run(drive_both(
+                lambda turns, config: drive_url(server.url, turns, config, progress),
+                args, run_spec))
             compiles = engine.compile_counts()["serving"] - before
             stats, startup = engine.stats(), engine.startup()
     finally:
         engine.close()
     warmup = startup.warmup
-    return {**multiturn.run_summary(run, spec), "stats": stats.as_dict(),
+    return {**multiturn.run_summary(runs.workload, spec), "stats": stats.as_dict(),
             "device_kv_tokens": overrides["device_kv_tokens"],
             "warmup": None if warmup is None else dataclasses.asdict(warmup),
             "compiles_during_run": {"count": compiles, "seconds": None, "programs": []},
-            "histories": run.histories}
+            "device_hit": probe_summary(runs.probe), "histories": runs.workload.histories}
 
 
 def overhead(here: dict, http: dict) -> dict:
     """HTTP minus in process: per request (mean end-to-end latency), and of TTFT and ITL."""
-    def minus(section: str, stat: str) -> float | None:
-        a, b = here[section][stat], http[section][stat]
+    def minus(*keys: str) -> float | None:
+        a: Any = functools.reduce(dict.__getitem__, keys, here)
+        b: Any = functools.reduce(dict.__getitem__, keys, http)
         return None if a is None or b is None else b - a
 
     return {"mean_e2e_s": minus("e2e", "mean_s"), "p50_e2e_s": minus("e2e", "p50_s"),
             "mean_ttft_s": minus("ttft", "mean_s"), "p50_ttft_s": minus("ttft", "p50_s"),
             "p50_itl_s": minus("itl", "p50_s"),
+            "p50_device_hit_ttft_s": minus("device_hit", "ttft", "p50_s"),
             "throughput_ratio": http["throughput_tokens_per_s"] / here["throughput_tokens_per_s"]}
 
 
 def compare_mode(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                  progress: tqdm) -> dict:
-    """One mode in process, over HTTP, and over HTTP with an engine process; the engines go
-    once summarised (one at a time)."""
-    histories, summaries = {}, {}
-    for path, drive in (("in_process", multiturn.drive_in_process), ("http", drive_over_http)):
-        measured = multiturn.measured_run(args, spec, mode, progress, drive)
-        histories[path] = measured.run.histories
-        summaries[path] = multiturn.measured_summary(measured, spec)
-        del measured
-    summaries["http_process"] = process_run(args, spec, mode, progress)
-    histories["http_process"] = summaries["http_process"].pop("histories")
+    """One mode over HTTP with an engine process, in process, and over HTTP with the engine in
+    a thread; the engines go once summarised (one at a time)."""
+    summaries = {"http_process": process_run(args, spec, mode, progress),
+                 "in_process": thread_run(args, spec, mode, progress, over_http=False),
+                 "http": thread_run(args, spec, mode, progress, over_http=True)}
+    histories = {path: summary.pop("histories") for path, summary in summaries.items()}
     same = histories["in_process"] == histories["http"] == histories["http_process"]
     here = summaries["in_process"]
     return {**summaries, "same_tokens": same, "overhead": overhead(here, summaries["http"]),
@@ -106,7 +164,8 @@ def bench_serve_overhead(args: argparse.Namespace, vocab: int,
     args._device_tokens = multiturn.device_tokens_for(args, spec)
     result: dict = {"spec": {**dataclasses.asdict(spec), **multiturn.sending(args)}, "how": HOW,
                     "modes": {}}
-    total = 3 * len(modes) * spec.num_clients * spec.num_rounds  # a run per path
+    # a run and a probe per path
+    total = 3 * len(modes) * (spec.num_clients * spec.num_rounds + args.device_hit_turns)
     with tqdm(total=total, desc="serve-overhead", unit="request", file=sys.stderr,
               disable=None) as progress:
         for mode in modes:
