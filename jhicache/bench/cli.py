@@ -35,8 +35,9 @@ DESCRIPTION = """\
 With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
 minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench.kernels`) instead.
 `multiturn --url URL` drives a running server's POST /generate instead of an engine in this
-process; `serve-overhead` runs the multi-turn workload through the server (uvicorn in this
-process) and in process, on identically configured engines, and reports the difference.
+process; `serve-overhead` runs the multi-turn workload in process and through the server
+(uvicorn in this process, its engine in a thread or an engine process, the clients in a process
+of their own), on identically configured engines, and reports the differences.
 """
 
 

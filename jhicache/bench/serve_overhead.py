@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
+import multiprocessing
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -23,13 +25,13 @@ from jhicache.bench.workload import MultiTurnSpec
 from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
 
-HOW = ("in process: clients -> AsyncEngine; HTTP: clients -> httpx -> 127.0.0.1 -> uvicorn (a "
-       "thread of this process, sharing its GIL) -> POST /generate -> AsyncEngine, its engine "
-       "stepped in a thread of this process; HTTP + engine process: the same, the engine built "
-       "and stepped in a child process (run first, while this process holds no GPU memory; "
-       "JAX's preallocation off in both); each path on a fresh engine of the same config, "
-       "weights seed and prompts, warmed up before its run, then the device-hit probe on it; "
-       "HTTP - in process = what the server adds")
+HOW = ("in process: clients -> AsyncEngine, in this process; HTTP: clients (a process of "
+       "their own) -> httpx -> 127.0.0.1 -> uvicorn (a thread of this process) -> POST /generate "
+       "-> AsyncEngine, its engine stepped in a thread of this process; HTTP + engine process: "
+       "the same, the engine built and stepped in a child process (run first, while this process "
+       "holds no GPU memory; JAX's preallocation off in both); each path on a fresh engine of the "
+       "same config, weights seed and prompts, warmed up before its run, then the device-hit "
+       "probe on it; HTTP - in process = what the server adds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,23 @@ async def drive_both(drive: Callable[[MultiTurnSpec, clients.ClientsConfig], Awa
                                       multiturn.clients_config(args, args.seed + 1)))
 
 
+def drive_url_elsewhere(url: str, args: argparse.Namespace, spec: MultiTurnSpec,
+                        progress: tqdm) -> Runs:
+    """`drive_both` through the server at `url` from a process of its own, as a deployment's
+    clients are: the clients' HTTP and JSON work then shares no interpreter with the server."""
+    context = multiprocessing.get_context("spawn")  # no copy of this process's JAX state
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        runs = pool.submit(_drive_url, url, args, spec).result()
+    progress.update(len(runs.workload.turns) + len(runs.probe.turns))
+    return runs
+
+
+def _drive_url(url: str, args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
+    with tqdm(disable=True) as progress:
+        return asyncio.run(drive_both(
+            lambda turns, config: drive_url(url, turns, config, progress), args, spec))
+
+
 def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
                over_http: bool) -> dict:
     """One mode's runs on a fresh engine stepped in a thread of this process: driven in
@@ -84,9 +103,7 @@ def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progres
         if over_http:
             ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
             with ServerThread(ctx) as server:
-                runs = asyncio.run(drive_both(
-                    lambda turns, config: drive_url(server.url, turns, config, progress),
-                    args, run_spec))
+                runs = drive_url_elsewhere(server.url, args, run_spec, progress)
         else:
             runs = asyncio.run(drive_both(in_process, args, run_spec))
     engine.check_invariants()
@@ -112,9 +129,7 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
         before = engine.compile_counts()["serving"]
         ctx = ServerContext.create(engine, None, "bench", "bench")
         with ServerThread(ctx) as server:  # closes the engine at its end
-            runs = asyncio.run(drive_both(
-                lambda turns, config: drive_url(server.url, turns, config, progress),
-                args, run_spec))
+            runs = drive_url_elsewhere(server.url, args, run_spec, progress)
             compiles = engine.compile_counts()["serving"] - before
             stats, startup = engine.stats(), engine.startup()
     finally:
