@@ -217,21 +217,6 @@ def multiturn_stream(files: list[Json], args: Json) -> Figures:
     return Figures("; ".join(parts))
 
 
-def serve_overhead(files: list[Json], args: Json) -> Figures:
-    """HTTP (server thread) minus in process; a second file: a server in its own process."""
-    run = files[0]["serve_overhead"]["modes"]["hierarchical"]
-    over = run["overhead"]
-    http, inproc = (run[k]["compiles_during_run"] for k in ("http", "in_process"))
-    text = (f"TTFT p50 +{ms(over['p50_ttft_s'])} ms, ITL p50 +{ms(over['p50_itl_s'], 2)} ms, "
-            f"throughput x {over['throughput_ratio']:.3f} (compiles {http['count']}, "
-            f"{http['seconds']:.2f} s, against {inproc['count']}, {inproc['seconds']:.2f} s)")
-    if len(files) > 1:
-        mode = files[1]["modes"]["server"]
-        text += (f"; own process: TTFT p50 / p99 {ms(mode['ttft']['p50_s'])} / "
-                 f"{ms(mode['ttft']['p99_s'])} ms, {ktok(mode['throughput_tokens_per_s'])} tok/s")
-    return Figures(text)
-
-
 def serve_paths(files: list[Json], args: Json) -> Figures:
     """Each HTTP path against in process: the engine in a thread of the server's process, or in
     an engine process; the engine process's throughput ratio, ITL p50 and device-hit TTFT p50
@@ -444,7 +429,7 @@ def note(files: list[Json], args: Json) -> Figures:
 EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_modes,
-        multiturn_stream, serve_overhead, serve_paths, host_hit, load_back, write_back_host_hit,
+        multiturn_stream, serve_paths, host_hit, load_back, write_back_host_hit,
         write_back_head, device_hit_beside, step_vs_forward, attention, forward_floor,
         fresh_vs_hf, gather, programs_ab, note)
 }
