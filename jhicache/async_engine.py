@@ -11,7 +11,7 @@ import dataclasses
 import multiprocessing.process
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -63,6 +63,13 @@ class _Sink:
     final_only: bool  # generate(): only the finished output is posted
     last: RequestOutput | None = None
     done: bool = False
+    error: BaseException | None = None  # the caller's: taken from the queue, not yet raised
+
+
+def _put_all(items: list[tuple[_Sink, RequestOutput]]) -> None:
+    """On a caller's event loop: one step's outputs into their queues."""
+    for sink, out in items:
+        sink.queue.put_nowait(out)
 
 
 @dataclasses.dataclass(eq=False)
@@ -273,7 +280,8 @@ class AsyncEngine:
     async def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                      request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Submits one prompt and yields its outputs as tokens appear (`new_token_ids` each
-        time, `token_ids` so far); the last has `finished=True`. The request is submitted at
+        time, `token_ids` so far; a consumer that lags gets the outputs waiting for it merged
+        into one); the last has `finished=True`. The request is submitted at
         the first iteration; leaving the loop early, or cancelling the consuming task, aborts it.
         Raises `ValueError` for bad input (at the first iteration), `EngineDeadError` or
         `EngineClosedError` as described above."""
@@ -386,7 +394,19 @@ class AsyncEngine:
 
     @staticmethod
     async def _next(sink: _Sink) -> RequestOutput:
-        item = await sink.queue.get()
+        """The next output; outputs already queued behind it (a consumer that lags the steps)
+        come merged into one, so that a slow consumer catches up in one iteration."""
+        if sink.error is not None:
+            item: RequestOutput | BaseException = sink.error
+        else:
+            item = await sink.queue.get()
+            while isinstance(item, RequestOutput) and not item.finished and not sink.queue.empty():
+                later = sink.queue.get_nowait()
+                if isinstance(later, BaseException):
+                    sink.error = later  # raised at the next call, after these tokens
+                    break
+                item = dataclasses.replace(
+                    later, new_token_ids=item.new_token_ids + later.new_token_ids)
         if isinstance(item, BaseException):
             sink.done = True
             raise item
@@ -478,8 +498,7 @@ class AsyncEngine:
         """One step while there is work; once there is none, one `Engine.drain` that ends the
         step and copies in flight (and delivers that step's outputs)."""
         outputs, self._stepped = step_or_drain(self.engine, self._stepped)
-        for out in outputs or ():
-            self._deliver(out)
+        self._deliver(outputs or ())
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Warmup):
@@ -527,16 +546,27 @@ class AsyncEngine:
         else:
             self.engine.abort(sink.request_id)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.get(out.request_id)
-        if sink is None:
-            return  # not ours, or its consumer is gone
-        sink.last = out
-        if out.finished:
-            del self._sinks[out.request_id]
-        if (out.finished or not sink.final_only) and not self._post(sink, out):
-            if not out.finished:  # its event loop is closed: nobody will read it
-                self._drop(sink)
+    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        """Posts a step's outputs to their callers: one wake-up per event loop, not per output
+        (each `call_soon_threadsafe` writes the loop's wake-up pipe and takes the lock the
+        loop's thread wants)."""
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # not ours, or its consumer is gone
+            sink.last = out
+            if out.finished:
+                del self._sinks[out.request_id]
+            if out.finished or not sink.final_only:
+                posts.setdefault(sink.loop, []).append((sink, out))
+        for loop, items in posts.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # "Event loop is closed": nobody will read them
+                for sink, out in items:
+                    if not out.finished:
+                        self._drop(sink)
 
     @staticmethod
     def _post(sink: _Sink, item: RequestOutput | BaseException) -> bool:
@@ -594,8 +624,7 @@ class AsyncEngine:
         """A message from the engine process, in the order it sent them."""
         with self._cond:  # with a process, the sinks and the calls are under the lock
             if isinstance(message, Outputs):
-                for out in message.items:
-                    self._deliver(out)
+                self._deliver(message.items)
             elif isinstance(message, Reply):
                 self._settle(self._calls.pop(message.call), message)
 

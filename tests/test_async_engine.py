@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
@@ -139,6 +140,24 @@ def test_many_coroutines_submitting_at_once(aengine: AsyncEngine) -> None:
 
 
 # ---- a consumer that leaves aborts its request --------------------------------------------
+
+def test_a_lagging_consumer_gets_the_waiting_outputs_merged(aengine: AsyncEngine) -> None:
+    """A consumer that blocks while the engine runs on takes the outputs queued meanwhile as
+    one: every token once, in order."""
+    async def consume() -> list[RequestOutput]:
+        outs = []
+        async for out in aengine.stream(PROMPTS[1], SamplingParams(max_new_tokens=12), "lag"):
+            outs.append(out)
+            if len(outs) == 1:
+                while "lag" in aengine._sinks:  # blocks this loop: the outputs queue up
+                    time.sleep(0.01)
+        return outs
+
+    outs = run(consume)
+    assert outs[-1].finished and len(outs[-1].token_ids) == 12
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
+    assert len(outs) <= 3 and max(len(o.new_token_ids) for o in outs) >= 2
+
 
 def test_leaving_a_stream_early_aborts_its_request(aengine: AsyncEngine) -> None:
     aborts = record_aborts(aengine)
