@@ -252,8 +252,10 @@ def test_abort_by_id_ends_the_stream_with_an_abort_output(aengine: AsyncEngine) 
 
     got, aborted, again, unknown = run(main)
     assert aborted and not again and not unknown
-    assert got[-1].finished and got[-1].finish_reason == "abort" and got[-1].new_token_ids == []
-    assert len(got[-1].token_ids) >= 2 and got[-1].token_ids == got[-2].token_ids
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    # every token once, in order (outputs that queued behind the abort's arrive merged in it)
+    assert [t for o in got for t in o.new_token_ids] == got[-1].token_ids
+    assert len(got[-1].token_ids) >= 2
 
 
 # ---- bad input ----------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def test_generate_and_stream_equal_the_engine_in_process(shared: AsyncEngine) ->
 
     assert tuple(map(tuple, run(streamed))) == expected()
     stats = shared.stats()
-    assert stats.finished_requests >= 2 * len(PROMPTS) and stats.compiles_serving >= 0
+    assert stats.finished_requests >= 2 * len(PROMPTS)
+    assert stats.compiles_serving == shared.compile_counts()["serving"] > 0  # not warmed up
     occupancy = shared.occupancy()
     assert occupancy.running_requests == occupancy.waiting_requests == 0
     assert shared.compile_counts().keys() == {"warmup", "serving"}
@@ -82,7 +83,9 @@ def test_abort_by_id_ends_the_stream_with_an_abort_output(shared: AsyncEngine) -
 
     outs = run(aborted)
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
-    assert outs[-1].token_ids == outs[-2].token_ids and len(outs[-1].token_ids) >= 2
+    # every token once, in order (outputs that queued behind the abort's arrive merged in it)
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
+    assert len(outs[-1].token_ids) >= 2
     assert shared.occupancy().running_requests == 0
 
 

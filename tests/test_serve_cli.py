@@ -3,6 +3,7 @@ seconds on the CPU, serves token-id prompts, refuses text (no tokenizer), logs e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,9 +35,10 @@ def _metric(url: str, line_start: str) -> float:
 
 
 def _serve(tmp_path: Path, cache: Path, check, extra: tuple[str, ...] = (),
-           stop: signal.Signals = signal.SIGINT, expect: int = 0) -> str:
+           stop: signal.Signals = signal.SIGINT, expect: int = 0, stops: int = 1) -> str:
     """Starts the server (with `extra` flags), waits for /health 200 (noting each status met on
-    the way), runs `check(url, statuses)`, stops it with `stop` (Ctrl-C); returns its log."""
+    the way), runs `check(url, statuses)`, stops it with `stop` (Ctrl-C; `stops` times, 0.3 s
+    apart); returns its log."""
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()  # the server binds it again (SO_REUSEADDR); the window is short
@@ -69,7 +71,8 @@ def _serve(tmp_path: Path, cache: Path, check, extra: tuple[str, ...] = (),
             time.sleep(0.05)
         check(url, statuses)
     finally:
-        if expect == 0:
+        for i in range(stops if expect == 0 else 0):
+            time.sleep(0.3 if i else 0.0)
             proc.send_signal(stop)
         try:
             out, _ = proc.communicate(timeout=60)
@@ -155,6 +158,50 @@ def test_sigterm_with_a_stream_open_ends_it_within_the_shutdown_timeout(tmp_path
     _serve(tmp_path, programs, check, ("--shutdown-timeout", "1"), signal.SIGTERM)
     reader.join(60)
     assert ended, "the stream never ended"
+
+
+def test_a_second_ctrl_c_during_the_drain_exits_promptly_and_cleanly(tmp_path: Path,
+                                                                     programs: Path):
+    """Ctrl-C starts a drain that would wait up to a minute for the open streams (more than
+    the engine runs at once, each to the context's end); a second Ctrl-C ends it at once: the
+    streams are cut, the server exits 0 (no C++ abort, status 134) and its engine process is
+    gone."""
+    reasons: list[str | None] = []  # each stream's last finish_reason (None: cut)
+    streaming = threading.Event()
+    engine_pid: list[int] = []
+
+    def stream(url: str) -> None:
+        last = None
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                              json={"prompt": [1, 2, 3], "max_tokens": 509, "stream": True,
+                                    "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    streaming.set()
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])["choices"][0].get("finish_reason") or last
+        except httpx.HTTPError:
+            pass
+        finally:
+            reasons.append(last)
+            streaming.set()
+
+    def check(url: str, statuses: list[tuple[int, str]]) -> None:
+        engine_pid.append(httpx.get(url + "/server_info", timeout=10).json()["engine_pid"])
+        for _ in range(40):
+            threading.Thread(target=stream, args=(url,), daemon=True).start()
+        assert streaming.wait(60)
+
+    # _serve fails unless the server exits 0 within a minute of the signals
+    out = _serve(tmp_path, programs, check, ("--shutdown-timeout", "60"), stops=2)
+    assert "terminate called" not in out, out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(reasons) < 40:
+        time.sleep(0.1)
+    assert len(reasons) == 40 and reasons.count("length") < 40, "the drain waited for all"
+    while time.monotonic() < deadline and Path(f"/proc/{engine_pid[0]}").exists():
+        time.sleep(0.1)
+    assert not Path(f"/proc/{engine_pid[0]}").exists(), "the engine process outlived the server"
 
 
 def test_a_dead_engine_process_turns_health_503_and_ends_the_server_non_zero(tmp_path: Path,
