@@ -36,10 +36,6 @@ def device_tokens_for(args: argparse.Namespace, spec: MultiTurnSpec) -> int:
     return max(by_ratio, floor)
 
 
-# How a run's clients reach a fresh engine: in process (drive_in_process) or through a server.
-Drive = Callable[[Engine, MultiTurnSpec, clients.ClientsConfig, tqdm], clients.ClientsRun]
-
-
 @dataclasses.dataclass(frozen=True)
 class MeasuredRun:
     """The measured (second) run of a mode, the engine it ran on, and the XLA compiles this
@@ -72,9 +68,9 @@ def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> 
             "max_context_len": longest}
 
 
-def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
-                 drive: Drive | None = None) -> MeasuredRun:
-    """Runs the workload once through `drive` (in process by default) on a fresh engine that
+def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
+                 progress: tqdm) -> MeasuredRun:
+    """Runs the workload once, in process, on a fresh engine that
     `Engine.warmup()` compiled, as a server does before it serves; counts the compiles the run
     made (0 when the grid covers every step)."""
     overrides = mode_overrides(args, spec, mode)
@@ -82,8 +78,7 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progr
     engine.warmup(progress=False)
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
     with CompileCounter() as compiles:
-        run = (drive or drive_in_process)(engine, run_spec, clients_config(args, args.seed),
-                                          progress)
+        run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress)
     engine.check_invariants()
     return MeasuredRun(run, engine, overrides["device_kv_tokens"], compiles.count, compiles.seconds,
                        tuple(compiles.programs))
