@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jhicache.cache.invariants import InvariantError
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
 from jhicache.engine_process import (
@@ -263,6 +264,17 @@ class AsyncEngine:
     def flush_cache(self) -> bool:
         """`Engine.flush_cache()`: empties both tiers; False while requests are unfinished."""
         return self._call("flush_cache", bool)
+
+    def check_invariants(self) -> None:
+        """`Engine.check_invariants()` between two steps, wherever the engine runs; with an
+        engine process, also that every request it follows for this one is unfinished there.
+        Raises `InvariantError`."""
+        if self._engine is not None:
+            self._engine.check_invariants()  # under the engine's lock: between two steps
+            return
+        problem = self._call("check_invariants", str | None)
+        if problem is not None:
+            raise InvariantError(problem)
 
     def _call(self, name: str, kind: Any) -> Any:
         if self._engine is not None:

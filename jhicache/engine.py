@@ -245,6 +245,10 @@ class Engine:
         """True while a submitted request has not finished or been aborted."""
         return bool(self._requests)
 
+    def is_unfinished(self, request_id: str) -> bool:
+        """True while the request `request_id` has not finished or been aborted."""
+        return request_id in self._requests
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  ) -> list[RequestOutput]:

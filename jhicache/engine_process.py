@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from jhicache.cache.invariants import InvariantError
 from jhicache.config import EngineConfig
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
@@ -407,6 +408,16 @@ class _ChildLoop:
         self.final_only.update(dict.fromkeys(message.ids, message.final_only))
         self._reply(message.call, message.ids)
 
+    def _check(self) -> str | None:
+        """What is wrong with the engine's page accounting, or with the requests this process
+        follows for the parent (each must be unfinished in the engine); None when sound."""
+        try:
+            self.engine.check_invariants()
+        except InvariantError as e:
+            return str(e)
+        lost = [rid for rid in self.final_only if not self.engine.is_unfinished(rid)]
+        return f"followed requests the engine does not run: {lost}" if lost else None
+
     def _call(self, message: Call) -> Any:
         engine = self.engine
         if message.name == "stats":
@@ -419,6 +430,8 @@ class _ChildLoop:
             return {phase.value: n for phase, n in engine.compiles.counts.items()}
         if message.name == "flush_cache":
             return engine.flush_cache()
+        if message.name == "check_invariants":
+            return self._check()
         raise ValueError(f"unknown engine call {message.name!r}")
 
     def _reply(self, call: int, value: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from jhicache.models import init_random, preset_config, save_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jhicache import AsyncEngine, Engine, EngineConfig
+from jhicache import AsyncEngine, EngineConfig
 from jhicache.serve import tokenizer as serve_tokenizer
 from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
@@ -59,15 +59,16 @@ def write_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def start_server(checkpoint: Path | None, tokenizer: bool = True,
+def start_server(checkpoint: Path | None, tokenizer: bool = True, process: bool = False,
                  **server: Any) -> ServerThread:
-    """A server over the checkpoint (with its tokenizer, or none), or the tiny preset;
+    """A server over the checkpoint (with its tokenizer, or none), or the tiny preset, its engine
+    in a thread here or (`process`, as `python -m jhicache.serve` runs it) in a child process;
     `server`: ServerThread's options."""
     if checkpoint is None:
-        engine = AsyncEngine(Engine.from_preset("tiny", ENGINE_CONFIG))
+        engine = AsyncEngine.from_preset("tiny", ENGINE_CONFIG, process=process)
         ctx = ServerContext.create(engine, None, "tiny", "preset:tiny")
         return ServerThread(ctx, **server).start()
-    engine = AsyncEngine(Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG))
+    engine = AsyncEngine.from_pretrained(str(checkpoint), ENGINE_CONFIG, process=process)
     tok = serve_tokenizer.Tokenizer.from_dir(checkpoint) if tokenizer else None
     ctx = ServerContext.create(engine, tok, "tiny-test", str(checkpoint))
     return ServerThread(ctx, **server).start()

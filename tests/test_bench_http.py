@@ -78,7 +78,8 @@ def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread) -> No
                                                                   twin.host_hit_tokens)
         assert len(turn.token_ids) == 3 and turn.engine_ttft_s is None
         assert 0 < turn.ttft_s <= turn.e2e_s
-        assert len(turn.itl_s) >= 1 and all(gap > 0 for gap in turn.itl_s)
+        # a gap per later output; a client that lags the steps gets outputs merged: fewer
+        assert len(turn.itl_s) <= 2 and all(gap > 0 for gap in turn.itl_s)
     assert all(t.device_hit_tokens > 0 for t in over_http.turns if t.round == 1)
     assert over_http.max_in_flight == 3
 

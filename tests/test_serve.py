@@ -1,6 +1,7 @@
-"""The real server on 127.0.0.1 (uvicorn in a thread) over a tiny checkpoint with a trained BPE
-tokenizer: the official openai client, plain HTTP for /generate, /metrics and /flush_cache,
-greedy outputs equal to the engine's, cache hits, stop strings, bad requests, disconnects."""
+"""The real server on 127.0.0.1 (uvicorn in a thread, the engine in a child process, as the
+CLI runs it) over a tiny checkpoint with a trained BPE tokenizer: the official openai client,
+plain HTTP for /generate, /metrics and /flush_cache, greedy outputs equal to the engine's, cache
+hits, stop strings, bad requests, disconnects."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[ServerThread]:
-    srv = start_server(checkpoint)
+    srv = start_server(checkpoint, process=True)
     yield srv
     srv.stop()
 
@@ -97,9 +98,19 @@ def metric(http: httpx.Client, name: str, missing: float | None = None, **labels
     return missing
 
 
+def busy(server: ServerThread) -> bool:
+    """Whether the engine (in its process) has a request running or waiting."""
+    occupancy = server.ctx.engine.occupancy()
+    return occupancy.running_requests + occupancy.waiting_requests > 0
+
+
+def finished_requests(server: ServerThread) -> int:
+    return server.ctx.engine.stats().finished_requests
+
+
 def wait_idle(server: ServerThread, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while server.ctx.engine.engine.has_unfinished():
+    while busy(server):
         assert time.monotonic() < deadline, "the engine still has unfinished requests"
         time.sleep(0.05)
 
@@ -269,19 +280,18 @@ def test_flush_cache(http: httpx.Client):
 
 
 def test_flush_cache_refused_while_a_request_runs(server: ServerThread, http: httpx.Client):
-    body = {"input_ids": [5] * 8, "stream": True,
-            "sampling_params": {"max_new_tokens": POOL_TOKENS - 8, "ignore_eos": True}}
-    statuses = []
-    for _ in range(5):  # the tiny model may finish the request before the flush: try again
-        with http.stream("POST", "/generate", json=body) as response:
-            next(response.iter_lines())
-            # no step while the block is open: the request stays unfinished during the flush
-            with server.ctx.engine.together():
-                if server.ctx.engine.engine.has_unfinished():
-                    statuses.append(http.post("/flush_cache").status_code)
-        if statuses:
-            break
-    assert statuses == [400]
+    body = {"input_ids": [5] * 8,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # no step while the block is open: the request, once queued, stays unfinished
+        with server.ctx.engine.together():
+            reply = pool.submit(http.post, "/generate", json=body)
+            deadline = time.monotonic() + TIMEOUT_S
+            while not busy(server):
+                assert time.monotonic() < deadline and not reply.done()
+                time.sleep(0.01)
+            assert http.post("/flush_cache").status_code == 400
+        assert reply.result().status_code == 200
     wait_idle(server)
     assert http.post("/flush_cache").status_code == 200
 
@@ -328,14 +338,14 @@ def test_client_disconnect_mid_stream_aborts(server: ServerThread, http: httpx.C
             "ignore_eos": True}
     for _ in range(5):  # the tiny model may finish before the disconnect: try again
         aborted = metric(http, "jhicache:requests_total", missing=0.0, finish_reason="abort")
-        finished = server.ctx.engine.engine.stats().finished_requests
+        finished = finished_requests(server)
         with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
             with c.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 next(response.iter_lines())
                 hold = server.ctx.engine.together()  # no step: it cannot finish meanwhile
                 hold.__enter__()
-                running = server.ctx.engine.engine.has_unfinished()
+                running = busy(server)
         try:  # leaving the client closed the connection mid-stream
             if running:
                 wait_for_abort(http, aborted)
@@ -345,7 +355,7 @@ def test_client_disconnect_mid_stream_aborts(server: ServerThread, http: httpx.C
             break
     assert running
     wait_idle(server)
-    assert server.ctx.engine.engine.stats().finished_requests == finished  # it never ended
+    assert finished_requests(server) == finished  # it never ended
     assert http.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
 
 
@@ -358,16 +368,15 @@ def test_client_disconnect_before_a_plain_response_aborts(server: ServerThread,
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(5.0, read=0.5))
 
-    engine = server.ctx.engine.engine
     for _ in range(5):
         aborted = metric(http, "jhicache:requests_total", missing=0.0, finish_reason="abort")
-        finished = engine.stats().finished_requests
+        finished = finished_requests(server)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             client = pool.submit(impatient)
-            while not engine.has_unfinished() and not client.done():
+            while not busy(server) and not client.done():
                 time.sleep(0.01)
             with server.ctx.engine.together():  # no step until the client has given up
-                running = engine.has_unfinished()
+                running = busy(server)
                 client.result()
                 if running:
                     wait_for_abort(http, aborted)
@@ -375,7 +384,7 @@ def test_client_disconnect_before_a_plain_response_aborts(server: ServerThread,
             break
     assert running
     wait_idle(server)
-    assert engine.stats().finished_requests == finished
+    assert finished_requests(server) == finished
     assert http.get("/health").status_code == 200
 
 
@@ -429,7 +438,7 @@ def test_bad_requests_name_the_limit(http: httpx.Client):
 
 
 def test_server_without_tokenizer_takes_token_ids_only(checkpoint: Path):
-    srv = start_server(checkpoint, tokenizer=False)
+    srv = start_server(checkpoint, tokenizer=False, process=True)
     try:
         with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as c:
             for path, body in [("/v1/completions", {"prompt": "hello"}),
@@ -478,7 +487,7 @@ def test_text_is_tokenized_off_the_event_loop(server: ServerThread,
 
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) -> None:
-    srv = start_server(checkpoint, max_request_bytes=1000)
+    srv = start_server(checkpoint, max_request_bytes=1000, process=True)
     try:
         big = {"prompt": "hello " * 400, "max_tokens": 1}
         r = httpx.post(srv.url + "/v1/completions", json=big, timeout=60)  # Content-Length
