@@ -1,0 +1,100 @@
+"""Storage: the interface of a third tier under the host tier (pages keyed by `page_keys`, read
+into and written from host pages), its namespace and its counters; backends implement it."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageNamespace:
+    """Everything that makes one engine's page bytes unreadable to another: pages written under
+    one namespace are never read under another (a backend keeps each apart)."""
+
+    model: str  # the model's identity: a hash of its config and weights' names, or a given name
+    dtype: str
+    page_size: int
+    layout: str  # the host tier's byte layout of a page
+    page_bytes: int
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    format_version: int = FORMAT_VERSION
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def digest(self) -> str:
+        """A short name for the namespace: SHA-256 of its fields, hex."""
+        text = json.dumps(self.as_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class StorageCounters:
+    """What a backend did, cumulative. A page that could not be served (missing, truncated,
+    corrupt) is a miss by its reason, never a page."""
+
+    written_pages: int = 0
+    written_bytes: int = 0
+    write_s: float = 0.0
+    write_failures: int = 0
+    read_pages: int = 0
+    read_bytes: int = 0
+    read_s: float = 0.0
+    missing_pages: int = 0
+    truncated_pages: int = 0
+    corrupt_pages: int = 0
+    evicted_pages: int = 0
+    evicted_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageUsage:
+    """A backend's size now: pages and bytes held, and its cap (None: no cap)."""
+
+    pages: int
+    bytes: int
+    capacity_bytes: int | None
+
+
+class Storage(abc.ABC):
+    """Pages keyed by their chained keys (`jhicache.cache.page_keys`). Every call takes a batch,
+    in prefix order, and stops at the first page it cannot serve: a prefix is usable only up to
+    its first gap. Calls come from the storage tier's threads, several at once."""
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, are stored."""
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        """Reads page `keys[i]` into host page `host_pages[i]`, in order; returns how many were
+        read before the first that could not be (its host page then holds nothing usable)."""
+
+    @abc.abstractmethod
+    def set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        """Stores host page `host_pages[i]` as `keys[i]`, in order (a key already stored is
+        kept); returns how many are stored before the first that could not be."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Deletes every page of this namespace; returns how many."""
+
+    @abc.abstractmethod
+    def usage(self) -> StorageUsage:
+        """The size held now."""
+
+    @abc.abstractmethod
+    def counters(self) -> StorageCounters:
+        """A copy of the counters."""
+
+    def close(self) -> None:
+        """Stops background work; the pages stay."""

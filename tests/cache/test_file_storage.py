@@ -1,0 +1,188 @@
+"""Page keys and FileStorage on fresh random pages: round trips through host pages, prefixes
+that stop at their first gap, truncated, corrupt, renamed and foreign files as misses, a restart
+that finds every page, the size cap, an unusable directory, and concurrent writers."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jhicache.cache.device_pool import PoolLayout
+from jhicache.cache.file_storage import CONFIG_FILE, FileStorage, StorageDirError
+from jhicache.cache.host_pool import HostPool
+from jhicache.cache.page_keys import chain_keys
+from jhicache.cache.storage import StorageNamespace
+
+LAYOUT = PoolLayout(num_layers=3, num_pages=12, page_size=4, num_kv_heads=2, head_dim=8,
+                    dtype=jnp.float32)
+
+
+def namespace(pool: HostPool, model: str = "tiny") -> StorageNamespace:
+    return StorageNamespace(model=model, dtype="float32", page_size=LAYOUT.page_size,
+                            layout=f"layer_first/{pool.shards}", page_bytes=LAYOUT.page_bytes,
+                            tensor_parallel_size=pool.shards)
+
+
+def filled(seed: int, shards: int = 1) -> HostPool:
+    pool = HostPool(LAYOUT, shards=shards)
+    for block in pool.blocks:
+        block.array[:] = np.random.default_rng(seed).integers(0, 256, block.array.size, np.uint8)
+        seed += 1
+    return pool
+
+
+def page_bytes(pool: HostPool, page: int) -> bytes:
+    return b"".join(bytes(s) for s in pool.page_segments(page))
+
+
+def storage(root: Path, pool: HostPool, **kw) -> FileStorage:
+    return FileStorage(root, namespace(pool), pool.page_segments, **kw)
+
+
+def test_chain_keys_chain_sha256_over_little_endian_token_ids() -> None:
+    tokens = list(range(100, 111))
+    keys = chain_keys(tokens, 4)
+    assert len(keys) == 2  # the partial last page has no key
+    first = hashlib.sha256(struct.pack("<4I", 100, 101, 102, 103)).digest()
+    assert keys[0] == first
+    assert keys[1] == hashlib.sha256(first + struct.pack("<4I", 104, 105, 106, 107)).digest()
+    assert chain_keys(tokens[4:], 4, previous=keys[0]) == keys[1:]  # a prefix's keys extend
+    assert chain_keys([7] + tokens[1:], 4)[1] != keys[1]  # a page's key names its whole prefix
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pages_round_trip_through_host_pages(tmp_path: Path, shards: int) -> None:
+    source, target = filled(1, shards), filled(2, shards)
+    keys = chain_keys(list(range(5 * 4)), 4)
+    store = FileStorage(tmp_path, namespace(source), source.page_segments)
+    assert store.set(keys, [3, 0, 7, 11, 5]) == 5
+    assert store.exists(keys) == 5 and store.exists(keys[:2]) == 2
+    reader = FileStorage(tmp_path, namespace(target), target.page_segments)
+    assert reader.get(keys, [1, 2, 3, 4, 6]) == 5
+    for src, dst in zip([3, 0, 7, 11, 5], [1, 2, 3, 4, 6]):
+        assert page_bytes(target, dst) == page_bytes(source, src)
+    assert reader.counters().read_pages == 5 and store.counters().written_pages == 5
+    assert store.set(keys[:2], [0, 1]) == 2 and store.counters().written_pages == 5  # kept
+
+
+def test_a_prefix_stops_at_its_first_gap(tmp_path: Path) -> None:
+    pool = filled(3)
+    keys = chain_keys(list(range(4 * 4)), 4)
+    store = storage(tmp_path, pool)
+    store.set([keys[0], keys[1], keys[3]], [0, 1, 3])
+    assert store.exists(keys) == 2
+    assert store.get(keys, [4, 5, 6, 7]) == 2
+    assert store.counters().missing_pages == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "renamed", "header"])
+def test_a_damaged_page_is_a_miss_never_served(tmp_path: Path, damage: str) -> None:
+    source = filled(4)
+    keys = chain_keys(list(range(3 * 4)), 4)
+    store = storage(tmp_path, source)
+    store.set(keys, [0, 1, 2])
+    path = store.dir / f"{keys[1].hex()}.kv"
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        path.write_bytes(data[:-1])
+    elif damage == "corrupt":
+        data[-5] ^= 0x40  # a flipped bit in the payload
+        path.write_bytes(data)
+    elif damage == "header":
+        data[4] += 1  # another format version
+        path.write_bytes(data)
+    else:  # a whole, valid page under another page's name
+        path.write_bytes((store.dir / f"{keys[2].hex()}.kv").read_bytes())
+    target = filled(5)
+    reader = storage(tmp_path, target)
+    assert reader.get(keys, [8, 9, 10]) == 1
+    counters = reader.counters()
+    assert counters.truncated_pages + counters.corrupt_pages == 1
+    assert (counters.truncated_pages == 1) == (damage == "truncated")
+    assert not path.exists() and reader.exists(keys) == 1  # deleted: asked again, a plain miss
+    assert page_bytes(target, 8) == page_bytes(source, 0)
+
+
+def test_a_foreign_namespace_sees_nothing_and_a_mismatched_config_is_refused(
+        tmp_path: Path) -> None:
+    pool = filled(6)
+    keys = chain_keys(list(range(2 * 4)), 4)
+    storage(tmp_path, pool).set(keys, [0, 1])
+    other = FileStorage(tmp_path, namespace(pool, model="other"), pool.page_segments)
+    assert other.exists(keys) == 0 and other.get(keys, [2, 3]) == 0
+    assert other.dir != storage(tmp_path, pool).dir
+    config = storage(tmp_path, pool).dir / CONFIG_FILE
+    config.write_text(config.read_text().replace('"tiny"', '"changed"'))
+    with pytest.raises(StorageDirError, match="another namespace"):
+        storage(tmp_path, pool)
+
+
+def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path) -> None:
+    pool = filled(7)
+    keys = chain_keys(list(range(6 * 4)), 4)
+    first = storage(tmp_path, pool)
+    first.set(keys, list(range(6)))
+    (first.dir / ".stray.tmp").write_bytes(b"half a page")  # a writer killed mid-write
+    target = filled(8)
+    again = storage(tmp_path, target)
+    assert again.usage() == first.usage() and again.usage().pages == 6
+    assert again.exists(keys) == 6 and again.get(keys, list(range(6, 12))) == 6
+    assert all(page_bytes(target, 6 + p) == page_bytes(pool, p) for p in range(6))
+
+
+def test_the_size_cap_evicts_least_recently_used_pages(tmp_path: Path) -> None:
+    pool = filled(9)
+    keys = chain_keys(list(range(10 * 4)), 4)
+    file_bytes = storage(tmp_path / "probe", pool).page_file_bytes
+    capped = storage(tmp_path, pool, capacity_bytes=10 * file_bytes)
+    capped.set(keys[:9], list(range(9)))  # 90%: under the high watermark
+    assert capped.usage().pages == 9 and capped.counters().evicted_pages == 0
+    capped.get(keys[:2], [10, 11])  # the oldest two are now the most recently used
+    capped.set(keys[9:], [9])  # 100%: evicts down to 85%, oldest first
+    usage = capped.usage()
+    assert usage.pages == 8 and usage.bytes <= 0.85 * 10 * file_bytes
+    assert capped.counters().evicted_pages == 2
+    kept = {p.name for p in capped.dir.glob("*.kv")}
+    assert kept == {f"{k.hex()}.kv" for k in keys[:2] + keys[4:]}
+
+
+def test_an_unusable_directory_is_a_clear_error(tmp_path: Path) -> None:
+    pool = filled(10)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(StorageDirError, match="not writable"):
+        storage(blocker / "storage", pool)
+    with pytest.raises(ValueError, match="holds no page"):
+        storage(tmp_path, pool, capacity_bytes=10)
+
+
+def test_concurrent_writers_into_one_directory(tmp_path: Path) -> None:
+    pools = [filled(11), filled(11)]  # the same bytes: two servers that computed one prefix
+    keys = chain_keys(list(range(8 * 4)), 4)
+    stores = [storage(tmp_path, pool) for pool in pools]
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            for _ in range(5):
+                assert stores[i % 2].set(keys[i % 3:], list(range(i % 3, 8))) == 8 - i % 3
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    reader_pool = filled(12)
+    reader = storage(tmp_path, reader_pool)
+    assert reader.get(keys, list(range(8))) == 8
+    assert all(page_bytes(reader_pool, p) == page_bytes(pools[0], p) for p in range(8))
+    assert not list(reader.dir.glob(".*.tmp"))
