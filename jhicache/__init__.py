@@ -18,6 +18,7 @@ _EXPORTS = {
     "Engine": "jhicache.engine",
     "EngineConfig": "jhicache.config",
     "EngineStats": "jhicache.stats",
+    "FetchPolicy": "jhicache.config",
     "KVDtype": "jhicache.config",
     "RequestOutput": "jhicache.request",
     "SamplingParams": "jhicache.sampling",

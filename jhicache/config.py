@@ -24,6 +24,15 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
 
 
+class FetchPolicy(enum.Enum):
+    """How long a request waits for its pages to be read from storage (SGLang's prefetch
+    stop policies)."""
+
+    BEST_EFFORT = "best_effort"  # admitted when its turn comes, with the pages read by then
+    WAIT_COMPLETE = "wait_complete"  # admitted once every page found has been read
+    TIMEOUT = "timeout"  # as wait_complete, up to a base plus a per-token allowance
+
+
 class KVDtype(enum.Enum):
     """Storage dtype of weights and KV pages."""
 
@@ -101,6 +110,21 @@ class EngineConfig:
         of every step shape; longer requests are refused when they are submitted.
       fail_on_compile: compiling a program outside `warmup()` raises CompileError naming it
         (as vLLM's TPU backend can): for checking that the warm-up covers every step.
+      storage_dir: a directory for the storage tier under the host tier (hierarchical mode
+        only): every page written to host is also written there, head pages first, and a
+        request's pages past its cached prefix are read back from it. Pages live in a
+        subdirectory per namespace (model, dtype, page size, layout) and survive restarts.
+        None: no storage tier.
+      storage_capacity_bytes: the directory's cap for this namespace (LRU eviction in the
+        background between 95% and 85% of it); None: no cap.
+      storage_model_name: the model's identity in the namespace; None derives it (a preset's
+        name and seed, a checkpoint directory's name, and the model config's hash). Give one
+        name to share a directory between servers whose checkpoints live at different paths.
+      fetch_policy: "best_effort", "wait_complete" or "timeout" (see FetchPolicy).
+      fetch_threshold: fewer tokens than this past the cached prefix are not asked of storage.
+      fetch_timeout_s, fetch_timeout_per_ki_token_s: the timeout policy's allowance: the base
+        plus this much per 1024 tokens asked for.
+      storage_io_threads: threads reading from storage at once.
     """
 
     page_size: int = 64
@@ -120,12 +144,21 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_context_len: int | None = None
     fail_on_compile: bool = False
+    storage_dir: str | None = None
+    storage_capacity_bytes: int | None = None
+    storage_model_name: str | None = None
+    fetch_policy: FetchPolicy | str = FetchPolicy.TIMEOUT
+    fetch_threshold: int = 256
+    fetch_timeout_s: float = 2.0
+    fetch_timeout_per_ki_token_s: float = 0.1
+    storage_io_threads: int = 8
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
         fix("cache_mode", _as_enum(CacheMode, self.cache_mode, "cache_mode"))
         fix("write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
         fix("dtype", _as_enum(KVDtype, self.dtype, "dtype"))
+        fix("fetch_policy", _as_enum(FetchPolicy, self.fetch_policy, "fetch_policy"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens", "tensor_parallel_size"):
             fix(field, _int(field, getattr(self, field), 1))
@@ -144,9 +177,31 @@ class EngineConfig:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: "
                                  "expected True or False")
+        self._check_storage()
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")
         self._check_pool_sizes()
+
+    def _check_storage(self) -> None:
+        fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
+        fix("fetch_threshold", _int("fetch_threshold", self.fetch_threshold, 0))
+        fix("storage_io_threads", _int("storage_io_threads", self.storage_io_threads, 1))
+        for field in ("fetch_timeout_s", "fetch_timeout_per_ki_token_s"):
+            fix(field, _real(field, getattr(self, field), 0.0, 1e6, low_open=False))
+        if self.storage_capacity_bytes is not None:
+            fix("storage_capacity_bytes",
+                _int("storage_capacity_bytes", self.storage_capacity_bytes, 1))
+        for field in ("storage_dir", "storage_model_name"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"EngineConfig.{field}={value!r}: expected a non-empty string")
+        if self.storage_dir is not None and self.cache_mode is not CacheMode.HIERARCHICAL:
+            raise ValueError("EngineConfig.storage_dir needs cache_mode='hierarchical' (the "
+                             "storage tier sits under the host tier)")
+
+    def fetch_timeout_for(self, tokens: int) -> float:
+        """The timeout policy's wait for a fetch of `tokens`."""
+        return self.fetch_timeout_s + self.fetch_timeout_per_ki_token_s * tokens / 1024
 
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import numbers
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -27,7 +30,9 @@ from jhicache.cache import (
     TransferStep,
     make_copier,
 )
+from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.host_memory import available_bytes
+from jhicache.cache.storage import StorageNamespace
 from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
@@ -74,8 +79,11 @@ class Engine:
             devices = self.device_pool.shard_devices
             copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
+        storage = (_file_storage(model.config, config, host_pool)
+                   if host_pool is not None and config.storage_dir is not None else None)
         self.cache = PrefixCache(config.page_size, self.device_pool, host_pool, config.write_policy,
-                                 config.load_back_threshold, config.write_through_threshold, copier)
+                                 config.load_back_threshold, config.write_through_threshold, copier,
+                                 storage, config.storage_io_threads)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         # With a host tier every forward takes the load flags (one compiled variant per shape,
@@ -102,6 +110,8 @@ class Engine:
         tp = _tensor_parallel(read_config(path), config)
         start = time.perf_counter()
         model = load_pretrained(path, dtype=_jnp_dtype(config.dtype), tp=tp)
+        if config.storage_model_name is None:
+            config = dataclasses.replace(config, storage_model_name=f"checkpoint {Path(path).name}")
         return cls(model, config)._weights_took(time.perf_counter() - start)
 
     @classmethod
@@ -111,6 +121,8 @@ class Engine:
         tp = _tensor_parallel(model_config, config)
         start = time.perf_counter()
         model = init_random(model_config, seed=seed, dtype=_jnp_dtype(config.dtype), tp=tp)
+        if config.storage_model_name is None:
+            config = dataclasses.replace(config, storage_model_name=f"preset {name} seed {seed}")
         return cls(model, config)._weights_took(time.perf_counter() - start)
 
     def _weights_took(self, seconds: float) -> Engine:
@@ -418,6 +430,9 @@ class Engine:
         if progressed:
             self._idle_steps = 0
             return
+        if self.scheduler.fetching():  # waiting on storage: not idle, but nothing to do yet
+            self.cache.wait_for_storage(_STORAGE_WAIT_S)
+            return
         # Loaded pages stay locked until their copy retires: wait for the transfers rather
         # than count a step that only had to wait for the copy engine.
         self.cache.flush()
@@ -533,6 +548,26 @@ class _Launched(NamedTuple):
     dispatched_s: float
     gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
     shape: StepShape  # the grid shape it was padded to
+
+
+_STORAGE_WAIT_S = 0.05  # an idle step waits this long at most for a storage read to move on
+
+
+def _file_storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> FileStorage:
+    """The storage tier's backend: a directory whose namespace names the model (its given or
+    derived name and its config's hash), the dtype, the page size and the host layout."""
+    assert config.storage_dir is not None
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(model), sort_keys=True,
+                                       default=str).encode()).hexdigest()[:16]
+    layout = host_pool.layout
+    namespace = StorageNamespace(
+        model=f"{config.storage_model_name or 'model'} config {digest}",
+        dtype=jnp.dtype(layout.dtype).name, page_size=layout.page_size,
+        layout=(f"layer_first layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
+                f"head_dim={layout.head_dim} shards={host_pool.shards}"),
+        page_bytes=layout.page_bytes, tensor_parallel_size=host_pool.shards)
+    return FileStorage(config.storage_dir, namespace, host_pool.page_segments,
+                       config.storage_capacity_bytes)
 
 
 def _tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel | None:

@@ -33,9 +33,10 @@ class RequestOutput:
     finished: bool
     prompt_len: int
     device_hit_tokens: int  # prompt tokens found on the device tier
-    host_hit_tokens: int  # prompt tokens loaded back from the host tier
+    host_hit_tokens: int  # prompt tokens loaded back from the host tier (storage's excluded)
     ttft_s: float | None  # submission to first token known on the host; None before it
     finish_reason: str | None  # "length", "stop" or "abort"; None while running
+    storage_hit_tokens: int = 0  # prompt tokens read from the storage tier, then loaded back
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +68,9 @@ class Request:
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
     prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
+    storage_hit_tokens: int = 0
+    storage_fetch: Any = None  # its read from the storage tier while it waits, if any
+    fetched_tokens: int | None = None  # tokens that read put in the tree (None: not asked)
     prompt_len: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -124,4 +128,5 @@ class Request:
             host_hit_tokens=self.host_hit_tokens,
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
+            storage_hit_tokens=self.storage_hit_tokens,
         )

@@ -9,12 +9,13 @@ by the lock on `cache_handle`; the rest are private until `finish` hands them to
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
 from jhicache.batch import Batch, Chunk
 from jhicache.cache import LoadTicket, MatchResult, PrefixCache
-from jhicache.config import CacheMode, EngineConfig
+from jhicache.config import CacheMode, EngineConfig, FetchPolicy
 from jhicache.request import FinishReason, Request, RequestStatus
 
 
@@ -32,7 +33,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens",
-                                       "retracted_requests"), 0)
+                                       "storage_hit_tokens", "retracted_requests"), 0)
 
     @property
     def reuse(self) -> bool:
@@ -92,16 +93,53 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.length
         tickets: list[LoadTicket] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            if self.waiting[0].pending:  # retracted while its last token was in flight
+        self._advance_fetches()
+        for req in list(self.waiting):  # first come, first served; a request reading from
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            admitted = self._admit(self.waiting[0], budget, tickets)
+            if req.storage_fetch is not None:  # storage is passed over, not waited for
+                continue
+            if req.pending:  # retracted while its last token was in flight
+                break
+            admitted = self._admit(req, budget, tickets)
             if admitted is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             chunks.append(admitted)
             budget -= admitted.length
         return Batch(chunks=chunks, is_decode=False, tickets=tuple(tickets)) if chunks else None
+
+    def fetching(self) -> bool:
+        """Whether a waiting request is reading its pages from storage."""
+        return any(req.storage_fetch is not None for req in self.waiting)
+
+    def _advance_fetches(self) -> None:
+        """Asks storage, once per request, for the pages past a waiting request's cached
+        prefix, and moves each read on (ending it as the fetch policy says); a request is
+        admitted once its read has ended, with the pages read in the tree as host pages."""
+        if self.cache.storage is None:
+            return
+        config = self.config
+        for req in self.waiting:
+            if req.fetched_tokens is None and req.storage_fetch is None:
+                match = self.cache.match(req.tokens, leave_last=True)
+                req.storage_fetch = self.cache.start_fetch(req.tokens, match,
+                                                           config.fetch_threshold)
+                req.fetched_tokens = 0 if req.storage_fetch is None else None
+                continue
+            fetch = req.storage_fetch
+            if fetch is None:
+                continue
+            if config.fetch_policy is FetchPolicy.BEST_EFFORT:
+                stop = True
+            elif config.fetch_policy is FetchPolicy.TIMEOUT:
+                waited = time.perf_counter() - fetch.started_s
+                stop = waited > config.fetch_timeout_for(len(fetch.keys) * self.page_size)
+            else:
+                stop = False
+            got = self.cache.advance_fetch(fetch, req.tokens, config.fetch_threshold, stop)
+            if got is not None:
+                req.storage_fetch, req.fetched_tokens = None, got
 
     def _next_chunk(self, req: Request, budget: int) -> Chunk | None:
         """Allocates pages for the next piece of `req`'s pending tokens; None if none are free."""
@@ -123,10 +161,15 @@ class Scheduler:
             self._release(req)
             return None
         hits = self._count_prefetched(req, hits)
+        # pages read from storage for it, then loaded back, count as storage hits
+        stored = min(req.fetched_tokens or 0, hits[1])
+        req.fetched_tokens = 0 if req.fetched_tokens is not None else None
         self.counters["device_hit_tokens"] += hits[0]
-        self.counters["host_hit_tokens"] += hits[1]
+        self.counters["host_hit_tokens"] += hits[1] - stored
+        self.counters["storage_hit_tokens"] += stored
         if req.first_token_s is None:  # a re-admission after retraction keeps its first report
-            req.device_hit_tokens, req.host_hit_tokens = hits
+            req.device_hit_tokens, req.host_hit_tokens = hits[0], hits[1] - stored
+            req.storage_hit_tokens = stored
         req.status = RequestStatus.PREFILLING
         self.running.append(req)
         return chunk
@@ -247,6 +290,9 @@ class Scheduler:
         freed. False if it was not queued here (finished, or never added)."""
         if req in self.waiting:
             self.waiting.remove(req)
+            if req.storage_fetch is not None:
+                self.cache.end_fetch(req.storage_fetch, None)
+                req.storage_fetch = None
         elif req in self.running:
             self.running.remove(req)
             if keep_computed and self.reuse:

@@ -65,7 +65,8 @@ class EngineStats:
     load_gated_forward_s: float = 0.0
     # scheduler: prompt tokens served by each tier, requests retracted under page pressure
     device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
+    host_hit_tokens: int = 0  # loaded back from host, less what was read from storage first
+    storage_hit_tokens: int = 0  # read from storage into host pages, then loaded back
     retracted_requests: int = 0
     # transfers between the tiers: bytes of the pages copied; seconds from each launch's first
     # copy starting to its last finishing, summed (device-side events on a GPU; a write-back
@@ -88,6 +89,30 @@ class EngineStats:
     load_back_failures: int = 0
     load_back_stale: int = 0
     alloc_failures: int = 0
+    storage_backup_skipped: int = 0  # backups not planned: no host room for an ancestor's copy
+    # the storage tier: pages backed up (written, or found there already) and failed batches;
+    # fetches by outcome (revoked: fewer found than the threshold; no_host: no host room) and
+    # the pages they read; the backend's bytes and seconds each way, its misses by reason
+    # (a damaged page is never served), its evictions, and its size now
+    storage_backup_pages: int = 0
+    storage_backup_failures: int = 0
+    storage_fetches: int = 0
+    storage_fetch_revoked: int = 0
+    storage_fetch_full: int = 0
+    storage_fetch_partial: int = 0
+    storage_fetch_no_host: int = 0
+    storage_fetched_pages: int = 0
+    storage_written_bytes: int = 0
+    storage_write_s: float = 0.0
+    storage_read_bytes: int = 0
+    storage_read_s: float = 0.0
+    storage_missing_pages: int = 0
+    storage_truncated_pages: int = 0
+    storage_corrupt_pages: int = 0
+    storage_evicted_pages: int = 0
+    storage_pages: int = 0
+    storage_bytes: int = 0
+    storage_capacity_bytes: int = 0
     # occupancy now
     device_free_pages: int = 0
     evictable_tokens: int = 0

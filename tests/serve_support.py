@@ -60,15 +60,15 @@ def write_checkpoint(directory: Path) -> Path:
 
 
 def start_server(checkpoint: Path | None, tokenizer: bool = True, process: bool = False,
-                 **server: Any) -> ServerThread:
+                 config: EngineConfig = ENGINE_CONFIG, **server: Any) -> ServerThread:
     """A server over the checkpoint (with its tokenizer, or none), or the tiny preset, its engine
     in a thread here or (`process`, as `python -m jhicache.serve` runs it) in a child process;
     `server`: ServerThread's options."""
     if checkpoint is None:
-        engine = AsyncEngine.from_preset("tiny", ENGINE_CONFIG, process=process)
+        engine = AsyncEngine.from_preset("tiny", config, process=process)
         ctx = ServerContext.create(engine, None, "tiny", "preset:tiny")
         return ServerThread(ctx, **server).start()
-    engine = AsyncEngine.from_pretrained(str(checkpoint), ENGINE_CONFIG, process=process)
+    engine = AsyncEngine.from_pretrained(str(checkpoint), config, process=process)
     tok = serve_tokenizer.Tokenizer.from_dir(checkpoint) if tokenizer else None
     ctx = ServerContext.create(engine, tok, "tiny-test", str(checkpoint))
     return ServerThread(ctx, **server).start()

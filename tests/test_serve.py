@@ -6,6 +6,7 @@ hits, stop strings, bad requests, disconnects."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import threading
 import time
@@ -501,3 +502,30 @@ def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) ->
         assert small.status_code == 200
     finally:
         srv.stop()
+
+
+def test_a_restarted_server_serves_a_prefix_from_storage(checkpoint: Path,
+                                                          tmp_path: Path) -> None:
+    """A server with a storage directory, stopped and started again: the same prompt's pages
+    come from storage (cached_tokens_details and /metrics say so), with the same tokens."""
+    config = dataclasses.replace(ENGINE_CONFIG, storage_dir=str(tmp_path),
+                                 write_policy="write_through", fetch_threshold=16,
+                                 fetch_policy="wait_complete")
+    body = {"input_ids": list(range(3, 103)),
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    replies = []
+    for _ in range(2):
+        srv = start_server(checkpoint, config=config)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as c:
+                replies.append(c.post("/generate", json=body).json())
+                hits = metric(c, "jhicache:cache_hit_tokens_total", tier="storage")
+                full = metric(c, "jhicache:storage_fetches_total", outcome="full")
+                assert c.post("/flush_cache").status_code == 200  # it waits for the backups
+        finally:
+            srv.stop()
+    assert replies[0]["output_ids"] == replies[1]["output_ids"]
+    details = [r["meta_info"]["cached_tokens_details"] for r in replies]
+    assert details[0]["storage"] == 0 and details[1] == {"device": 0, "host": 0, "storage": 96}
+    assert replies[1]["meta_info"]["cached_tokens"] == 96  # 6 whole pages; the last token left
+    assert (hits, full) == (96, 1)

@@ -29,8 +29,16 @@ from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import DevicePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
+from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.step import TransferStep
+from jhicache.cache.storage import Storage
+from jhicache.cache.storage_tier import (
+    STORAGE_TIER_COUNTERS,
+    FetchState,
+    StorageFetch,
+    StorageTier,
+)
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier
 from jhicache.cache.transfer_op import TransferKind, TransferOp
@@ -39,7 +47,7 @@ from jhicache.config import WritePolicy
 
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
-          "alloc_failures")
+          "alloc_failures", "storage_backup_skipped")
 
 
 class PrefixCache:
@@ -47,7 +55,8 @@ class PrefixCache:
 
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy | str = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
-                 write_through_threshold: int = 2, copier: Copier | None = None) -> None:
+                 write_through_threshold: int = 2, copier: Copier | None = None,
+                 storage: Storage | None = None, storage_io_threads: int = 8) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
@@ -69,6 +78,11 @@ class PrefixCache:
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
         self._loading_pages: dict[int, LoadTicket] = {}
+        if storage is not None and self.host is None:
+            raise ValueError("a storage tier needs the host tier")
+        self.storage = (StorageTier(storage, self.host.lock, self.host.unlock, storage_io_threads)
+                        if storage is not None and self.host is not None else None)
+        self._filling: dict[int, int] = {}  # host page -> the write-back op copying into it
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -110,8 +124,42 @@ class PrefixCache:
         if host is None:
             return False
         node.host_pages = host
-        self.transfers.queue_write_back(node.device_pages, host)
+        op = self.transfers.queue_write_back(node.device_pages, host)
+        if self.storage is not None:
+            self._filling.update(dict.fromkeys(host, op))
+            self._plan_backup(node)
         return True
+
+    def _plan_backup(self, node: Node) -> None:
+        """Plans the storage backup of `node`'s pages and of every ancestor not yet planned,
+        head first, so that no stored prefix misses its head. An ancestor without a host copy
+        gets one (its backup is written from it); when the host tier has no room for one, the
+        backup is skipped (counted) and planned again when the node is next written back."""
+        assert self.storage is not None and self.host is not None and self.transfers
+        chain: list[Node] = []
+        walk: Node | None = node
+        while walk is not None and walk is not self.tree.root:
+            chain.append(walk)
+            walk = walk.parent
+        chain.reverse()
+        keys = chain_keys(self.tree.prefix_tokens(node), self.page_size)
+        start = 0
+        for ancestor in chain:
+            end = start + len(ancestor.key) // self.page_size
+            node_keys, start = keys[start:end], end
+            if self.storage.known(node_keys[-1]):
+                continue
+            if ancestor.host_pages is None:
+                assert ancestor.device_pages is not None  # host-only nodes have host pages
+                host = self.host.alloc_evicting(len(ancestor.device_pages))
+                if host is None:
+                    self._stats["storage_backup_skipped"] += 1
+                    return
+                ancestor.host_pages = host
+                op = self.transfers.queue_write_back(ancestor.device_pages, host)
+                self._filling.update(dict.fromkeys(host, op))
+            after = {self._filling[p] for p in ancestor.host_pages if p in self._filling}
+            self.storage.plan_backup(node_keys, ancestor.host_pages, after)
 
     # -- device pages --------------------------------------------------------------------
     def alloc_device(self, n_pages: int) -> list[int] | None:
@@ -223,11 +271,11 @@ class PrefixCache:
         anchor = run[0].parent
         assert anchor is not None and self.host is not None
         self.tree.lock(anchor)  # the eviction below must keep the device prefix
-        self.host.pinned.update(run)  # ... and the host pages we are about to read
+        self.host.pin(run)  # ... and the host pages we are about to read
         try:
             return self.alloc_device(n_pages)
         finally:
-            self.host.pinned.difference_update(run)
+            self.host.unpin(run)
             self.tree.unlock(anchor)
 
     def _start_load(self, run: list[Node], device: list[int]) -> LoadTicket:
@@ -268,6 +316,7 @@ class PrefixCache:
         prefetched loads among them)."""
         step = TransferStep(self.transfers, self._retire)
         step.poll()
+        self._poll_storage()
         yield step
         if self.transfers is not None:
             self.transfers.launch()
@@ -279,6 +328,14 @@ class PrefixCache:
         return self._retire(self.transfers.flush())
 
     def _retire(self, ops: list[TransferOp]) -> int:
+        if self.storage is not None:
+            written = {op.op_id for op in ops if op.kind is TransferKind.WRITE_BACK}
+            for op in ops:
+                if op.kind is TransferKind.WRITE_BACK:
+                    for page in op.host_pages:
+                        if self._filling.get(page) == op.op_id:
+                            del self._filling[page]
+            self.storage.copies_done(written)
         for op in ops:
             if op.kind is TransferKind.LOAD_BACK:
                 self.tree.unlock(self._loading.pop(op.op_id))
@@ -288,14 +345,95 @@ class PrefixCache:
         return len(ops)
 
     def clear(self) -> int:
-        """Empties both tiers (a flush of the whole cache); every transfer ends first. Nothing
-        may be locked: the caller holds no request. Returns the device and host pages freed."""
+        """Empties the device and host tiers (a flush of the whole cache; storage keeps its
+        pages); every transfer and storage backup ends first. Nothing may be locked: the
+        caller holds no request. Returns the device and host pages freed."""
         self.flush()
+        if self.storage is not None:
+            self.storage.wait_backups()
+            self._poll_storage()
         device, host = self.tree.clear()
         if self.host is not None:
             self.host.free(host)
         self._release_device(device)
         return len(device) + len(host)
+
+    # -- storage -------------------------------------------------------------------------
+    def _poll_storage(self) -> None:
+        """Starts the backups whose copies are done, and frees fetched pages no one uses."""
+        if self.storage is not None and self.host is not None:
+            self.host.free(self.storage.poll())
+
+    def wait_for_storage(self, timeout_s: float) -> None:
+        """Blocks until a storage query or read ends, or `timeout_s` passes (the engine has
+        nothing else to do)."""
+        if self.storage is not None:
+            self.storage.wait_for_progress(timeout_s)
+
+    def start_fetch(self, tokens: Sequence[int], match: MatchResult,
+                    threshold: int) -> StorageFetch | None:
+        """Asks storage (on a thread) for the pages of `tokens` past `match` (whole pages,
+        the last token left to compute); None when there is no storage tier or fewer than
+        `threshold` tokens to ask for. The matched prefix stays cached until the fetch ends."""
+        if self.storage is None or self.host is None:
+            return None
+        hit = (match.device_len + match.host_len) // self.page_size
+        pages = (len(tokens) - 1) // self.page_size
+        if (pages - hit) * self.page_size < max(threshold, self.page_size):
+            return None
+        keys = chain_keys(tokens[:pages * self.page_size], self.page_size)
+        anchor = (match.last_node, match.last_node.device_pages is not None)
+        self._pin(anchor, True)
+        return self.storage.start_fetch(keys[hit:], hit, anchor)
+
+    def _pin(self, anchor: tuple[Node, bool], pin: bool) -> None:
+        """Keeps the anchor node (and so its prefix) in the tree: locked on device when it was
+        there at the start, else pinned on host."""
+        assert self.host is not None
+        node, on_device = anchor
+        if on_device:
+            (self.tree.lock if pin else self.tree.unlock)(node)
+        else:
+            (self.host.pin if pin else self.host.unpin)([node])
+
+    def advance_fetch(self, fetch: StorageFetch, tokens: Sequence[int], threshold: int,
+                      stop: bool) -> int | None:
+        """Moves `fetch` on: once its query is answered, gives the found pages host pages and
+        starts their reads (or ends it: too few found, or no host room); with `stop`, ends it.
+        An ended fetch's pages read so far enter the tree as host pages; returns how many
+        tokens they hold, or None while it goes on."""
+        assert self.storage is not None and self.host is not None
+        if fetch.state is FetchState.QUERYING and fetch.queried:
+            assert fetch.found is not None
+            room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
+            host = self.host.alloc_evicting(room) if room * self.page_size >= threshold else None
+            if host is None:
+                key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
+                self.storage.counters[key] += 1
+                return self.end_fetch(fetch, tokens)
+            self.storage.read(fetch, host)
+            return None
+        if fetch.state is FetchState.FETCHING and (stop or fetch.finished):
+            return self.end_fetch(fetch, tokens)
+        if stop and fetch.state is FetchState.QUERYING:
+            return self.end_fetch(fetch, tokens)
+        return None
+
+    def end_fetch(self, fetch: StorageFetch, tokens: Sequence[int] | None) -> int:
+        """Ends `fetch`: the pages read from the first go into the tree under its anchor (none
+        with `tokens` None: an aborted request); returns the tokens they hold."""
+        assert self.storage is not None and self.host is not None
+        if fetch.state is FetchState.ENDED:
+            return 0
+        used = self.storage.end_fetch(fetch)
+        self._pin(fetch.anchor, False)  # type: ignore[arg-type]
+        if tokens is None or not used:
+            self.host.free(fetch.host_pages[:used])
+            return 0
+        end = (fetch.first_page + used) * self.page_size
+        unused = self.tree.insert_host(tokens[:end], fetch.host_pages[:used], fetch.first_page)
+        self.host.free(unused)
+        return used * self.page_size - len(unused) * self.page_size
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:  # counts, and seconds spent copying
@@ -311,11 +449,26 @@ class PrefixCache:
                          write_back_bytes=c["write_back_pages"] * page_bytes,
                          load_back_bytes=c["load_back_pages"] * page_bytes,
                          write_back_s=write_s, load_back_s=load_s)
+        stats.update(self._storage_stats())
         stats.update(device_free_pages=self.device.num_free,
                      evictable_tokens=self.device.evictable_pages * self.page_size,
                      protected_tokens=self.tree.protected_pages * self.page_size,
                      host_free_pages=host.num_free if host is not None else 0,
                      loads_in_flight=len(self._loading))
+        return stats
+
+    def _storage_stats(self) -> dict[str, Any]:
+        """The storage tier's counters (zeros without one), each named storage_*."""
+        tier: dict[str, int] = {} if self.storage is None else self.storage.counters
+        backend = None if self.storage is None else self.storage.storage.counters()
+        usage = None if self.storage is None else self.storage.storage.usage()
+        stats: dict[str, Any] = {f"storage_{k}": tier.get(k, 0) for k in STORAGE_TIER_COUNTERS}
+        for k in ("written_bytes", "write_s", "read_bytes", "read_s", "missing_pages",
+                  "truncated_pages", "corrupt_pages", "evicted_pages"):
+            stats[f"storage_{k}"] = getattr(backend, k) if backend is not None else 0
+        stats.update(storage_pages=usage.pages if usage else 0,
+                     storage_bytes=usage.bytes if usage else 0,
+                     storage_capacity_bytes=(usage.capacity_bytes or 0) if usage else 0)
         return stats
 
     def check_invariants(self, extra_owned_device_pages: Iterable[int] = (),
@@ -325,6 +478,8 @@ class PrefixCache:
         devices as the pool's sharding says, when any shard of a layer left the buffer the
         host tier's copies target, or when a kernel ever stopped waiting for loaded pages before
         they landed (this reads the device: it waits for the compute queued so far)."""
+        if self.storage is not None:
+            extra_owned_host_pages = [*extra_owned_host_pages, *self.storage.held_pages()]
         check_invariants(self.tree, self.device.pages,
                          self.host.pages if self.host is not None else None,
                          extra_owned_device_pages, extra_owned_host_pages)

@@ -181,6 +181,38 @@ class RadixTree:
             touched.append(node)
         return InsertResult(prefix_len, adopted, node, touched)
 
+    def insert_host(self, tokens: Sequence[int], host_pages: Sequence[int],
+                    first_page: int) -> list[int]:
+        """Caches host-only pages (read from storage) for the pages of `tokens` from
+        `first_page` on, under the prefix before it, which must be cached (else nothing is
+        inserted). Returns the host pages the tree did not take (those pages were cached
+        already, or the prefix was not): the caller frees them."""
+        self._check_aligned(len(tokens))
+        start = first_page * self.page_size
+        if len(host_pages) * self.page_size != len(tokens) - start:
+            raise ValueError(f"{len(host_pages)} pages do not cover tokens [{start}, "
+                             f"{len(tokens)})")
+        node, end = self.root, 0
+        for node, pos in self._walk(tokens):
+            end = pos + len(node.key)
+        if end < start:
+            return list(host_pages)  # the prefix was evicted meanwhile: nothing to hang them on
+        if end < len(tokens):
+            leaf = Node(tuple(tokens[end:]), node, self._new_id())
+            leaf.last_access = self._tick()
+            leaf.host_pages = list(host_pages[(end - start) // self.page_size:])
+            node.children[leaf.key[:self.page_size]] = leaf
+        return list(host_pages[:(end - start) // self.page_size])
+
+    def prefix_tokens(self, node: Node) -> tuple[int, ...]:
+        """The tokens from the root to the end of `node`."""
+        keys: list[tuple[int, ...]] = []
+        walk: Node | None = node
+        while walk is not None and walk is not self.root:
+            keys.append(walk.key)
+            walk = walk.parent
+        return tuple(t for key in reversed(keys) for t in key)
+
     def _add_leaf(self, parent: Node, key: tuple[int, ...], device_pages: list[int]) -> Node:
         leaf = Node(key, parent, self._new_id())
         leaf.last_access, leaf.hit_count = self._tick(), 1

@@ -2,12 +2,13 @@
 
 The radix tree says which node holds which pages of each tier; a tier hands its pages out, takes
 them back, and names the tree's leaves it may give up, least recently used first. What happens
-to an evicted leaf (written back, dropped) is the prefix cache's policy, not the tier's. A further
-tier (storage) is one more `Tier` and its transfer.
+to an evicted leaf (written back, dropped) is the prefix cache's policy, not the tier's. The
+storage tier under the host tier holds no tree pages (`jhicache.cache.storage_tier`).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Iterable, Iterator
 
@@ -100,19 +101,54 @@ class DeviceTier(Tier):
 
 class HostTier(Tier):
     """Pinned host pages. Its evictable leaves are host-only nodes with no children, except
-    those `pinned` (a load-back is about to read them); evicting one deletes it from the tree."""
+    nodes `pin`ned (a load-back is about to read them, or a storage fetch will add pages under
+    them) and nodes holding a `lock`ed page (a storage backup is writing it); evicting one
+    deletes it from the tree."""
 
     name = "host"
 
     def __init__(self, tree: RadixTree, num_pages: int) -> None:
         super().__init__(tree, num_pages)
-        self.pinned: set[Node] = set()
+        self.pinned: collections.Counter[Node] = collections.Counter()
+        self.locked: collections.Counter[int] = collections.Counter()
         self.evicted_tokens = 0
+
+    def pin(self, nodes: Iterable[Node]) -> None:
+        self.pinned.update(nodes)
+
+    def unpin(self, nodes: Iterable[Node]) -> None:
+        self.pinned.subtract(nodes)
+        self.pinned = +self.pinned  # drops the nodes no longer pinned
+
+    def lock(self, pages: Iterable[int]) -> None:
+        self.locked.update(pages)
+
+    def free(self, pages: list[int]) -> None:
+        """Returns pages to the free list; a locked page (a backup still reads it) never is."""
+        if self.locked and any(p in self.locked for p in pages):
+            raise ValueError(f"host pages {[p for p in pages if p in self.locked]} are locked")
+        super().free(pages)
+
+    def unlock(self, pages: Iterable[int]) -> None:
+        self.locked.subtract(pages)
+        self.locked = +self.locked
 
     @property
     def evictable_pages(self) -> int:
-        pinned = sum(len(n.host_pages or ()) for n in self.pinned)
-        return self.tree.host_only_pages() - pinned
+        """Host-only pages, less those of pinned or locked nodes and of their host-only
+        ancestors (a node with such a descendant never becomes a leaf)."""
+        total = self.tree.host_only_pages()
+        if not self.pinned and not self.locked:
+            return total
+        seeds = [n for n in self.tree.nodes() if n.device_pages is None
+                 and (n in self.pinned or any(p in self.locked for p in n.host_pages or ()))]
+        blocked: set[Node] = set()
+        for node in seeds:
+            walk: Node | None = node
+            while walk is not None and walk.device_pages is None and walk not in blocked:
+                blocked.add(walk)
+                walk = walk.parent
+        return total - sum(len(n.host_pages or ()) for n in blocked)
 
     def alloc_evicting(self, n_pages: int) -> list[int] | None:
         """`n_pages` host pages, evicting host-only leaves if the free list is short; None
@@ -141,4 +177,5 @@ class HostTier(Tier):
         return self.tree.host_eviction_candidates()
 
     def _is_evictable_leaf(self, node: Node) -> bool:
-        return node not in self.pinned and self.tree.is_host_leaf(node)
+        return (node not in self.pinned and self.tree.is_host_leaf(node)
+                and not any(p in self.locked for p in node.host_pages or ()))

@@ -44,6 +44,7 @@ class Update:
     prompt_tokens: int
     device_hit_tokens: int
     host_hit_tokens: int
+    storage_hit_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -51,8 +52,8 @@ class Update:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens served from either cache tier (OpenAI's and SGLang's cached_tokens)."""
-        return self.device_hit_tokens + self.host_hit_tokens
+        """Prompt tokens served from a cache tier (OpenAI's and SGLang's cached_tokens)."""
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
 
 
 class _TextState:
@@ -83,7 +84,8 @@ class _TextState:
         return Update(delta=delta, text=text[:self._released], token_ids=list(out.token_ids),
                       new_token_ids=list(out.new_token_ids), finish_reason=reason,
                       matched_stop=matched, prompt_tokens=out.prompt_len,
-                      device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens)
+                      device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
+                      storage_hit_tokens=out.storage_hit_tokens)
 
     def _detokenize(self, ids: Sequence[int], final: bool) -> str:
         if self._detok is None:

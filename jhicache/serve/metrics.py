@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jhicache.async_engine import AsyncEngine
+from jhicache.stats import EngineStats
 
 PREFIX = "jhicache:"  # the `sglang:` / `vllm:` convention of those servers' metric names
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -32,7 +33,17 @@ _ENGINE_COUNTERS = (
     ("evicted_device_tokens", "evicted_device_tokens", "Tokens evicted from the device tier."),
     ("evicted_host_tokens", "evicted_host_tokens", "Tokens evicted from the host tier."),
     ("retracted_requests", "retracted_requests", "Requests retracted under page pressure."),
+    ("storage_backup_pages", "storage_backup_pages",
+     "Host pages backed up to the storage tier (written, or found there already)."),
+    ("storage_written_bytes", "storage_written_bytes", "Bytes written to the storage tier."),
+    ("storage_write_s", "storage_write_seconds", "Seconds spent writing storage pages, summed."),
+    ("storage_read_bytes", "storage_read_bytes", "Bytes read from the storage tier."),
+    ("storage_read_s", "storage_read_seconds", "Seconds spent reading storage pages, summed."),
+    ("storage_evicted_pages", "storage_evicted_pages", "Pages evicted from the storage tier."),
 )
+# fetch outcomes: (stats field, label)
+_FETCH_OUTCOMES = (("storage_fetch_full", "full"), ("storage_fetch_partial", "partial"),
+                   ("storage_fetch_revoked", "revoked"), ("storage_fetch_no_host", "no_host"))
 
 
 class EngineCollector(Collector):
@@ -56,7 +67,9 @@ class EngineCollector(Collector):
                                    labels=["tier"])
         hits.add_metric(["device"], stats.device_hit_tokens)
         hits.add_metric(["host"], stats.host_hit_tokens)
+        hits.add_metric(["storage"], stats.storage_hit_tokens)
         yield hits
+        yield from _storage_metrics(stats)
         for field, name, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, field))
         yield from _pool_gauges(occ.device_pages, occ.device_free_pages,
@@ -68,6 +81,27 @@ class EngineCollector(Collector):
                                 value=occ.running_requests)
         yield GaugeMetricFamily(PREFIX + "loads_in_flight", "Load-backs not yet retired.",
                                 value=stats.loads_in_flight)
+
+
+def _storage_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Fetches by outcome, pages not served by reason, and the storage tier's size."""
+    fetches = CounterMetricFamily(PREFIX + "storage_fetches",
+                                  "Reads of a request's pages from storage, by how they ended.",
+                                  labels=["outcome"])
+    for field, outcome in _FETCH_OUTCOMES:
+        fetches.add_metric([outcome], getattr(stats, field))
+    yield fetches
+    misses = CounterMetricFamily(PREFIX + "storage_misses",
+                                 "Storage pages that could not be served, by reason.",
+                                 labels=["reason"])
+    for reason in ("missing", "truncated", "corrupt"):
+        misses.add_metric([reason], getattr(stats, f"storage_{reason}_pages"))
+    yield misses
+    yield GaugeMetricFamily(PREFIX + "storage_bytes", "Bytes the storage tier holds.",
+                            value=stats.storage_bytes)
+    yield GaugeMetricFamily(PREFIX + "storage_capacity_bytes",
+                            "The storage tier's cap in bytes (0: none).",
+                            value=stats.storage_capacity_bytes)
 
 
 def _pool_gauges(device_pages: int, device_free: int, host_pages: int,

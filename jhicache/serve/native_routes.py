@@ -53,7 +53,8 @@ def _payload(rid: str, update: Update) -> dict[str, Any]:
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
             "cached_tokens": update.cached_tokens,
             "cached_tokens_details": {"device": update.device_hit_tokens,
-                                      "host": update.host_hit_tokens}}
+                                      "host": update.host_hit_tokens,
+                                      "storage": update.storage_hit_tokens}}
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
 
 

@@ -1,0 +1,226 @@
+"""StorageTier: the background threads between the host tier and a `Storage` backend: backups of
+host pages (in the order they were planned, each after the copy that fills its pages) and
+fetches of stored pages into host pages. The scheduler's thread plans and polls; it never
+waits on storage."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from jhicache.cache.storage import Storage
+
+STORAGE_TIER_COUNTERS = ("backup_pages", "backup_failures", "fetches", "fetch_revoked",
+                         "fetch_full", "fetch_partial", "fetch_no_host", "fetched_pages")
+FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk's queue full
+
+
+class FetchState(enum.Enum):
+    QUERYING = "querying"  # a thread asks the backend how many of the keys it holds
+    FETCHING = "fetching"  # threads read the found pages into host pages
+    ENDED = "ended"  # terminated: the pages read are in the tree, the rest are freed
+
+
+@dataclasses.dataclass(eq=False)
+class StorageFetch:
+    """One request's read of stored pages past its cached prefix. `keys` are the candidate
+    pages' keys; `found` (set by a thread) how many of them, from the first, are stored; the
+    scheduler then gives `host_pages` and threads read them in chunks. Only the pages read
+    without a gap from the first count (`completed`)."""
+
+    keys: list[bytes]
+    first_page: int  # index of keys[0] among the prompt's pages
+    anchor: object  # the pinned tree node the pages go under (the prefix cache's)
+    started_s: float
+    state: FetchState = FetchState.QUERYING
+    found: int | None = None
+    host_pages: list[int] = dataclasses.field(default_factory=list)
+    used = 0  # once ended: the pages (from the first) handed to the tree
+    _read: list[int] = dataclasses.field(default_factory=list)  # per chunk: pages read, or -1
+    _pending = 0  # read tasks not yet ended
+    _cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def queried(self) -> bool:
+        return self.found is not None
+
+    @property
+    def completed(self) -> int:
+        """Pages read, from the first, up to the first chunk not (fully) read."""
+        with self._lock:
+            done = 0
+            for i, read in enumerate(self._read):
+                size = min(FETCH_CHUNK_PAGES, len(self.host_pages) - i * FETCH_CHUNK_PAGES)
+                done += max(read, 0)
+                if read != size:
+                    break
+            return done
+
+    @property
+    def finished(self) -> bool:
+        """No thread touches its host pages any more."""
+        with self._lock:
+            return self.queried and self._pending == 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Backup:
+    keys: list[bytes]
+    host_pages: list[int]
+    after: set[int]  # host copies (op ids) that fill the pages; it waits for them
+
+
+class StorageTier:
+    """Threads over `storage`: one writer (backups in plan order: a prefix's head pages reach
+    storage before its tail), a pool of readers for fetches. `lock`/`unlock` are the host
+    tier's page locks: a page is locked from its backup's plan until it is written."""
+
+    def __init__(self, storage: Storage, lock: Callable[[Sequence[int]], None],
+                 unlock: Callable[[Sequence[int]], None], io_threads: int = 8) -> None:
+        self.storage = storage
+        self._lock_pages, self._unlock_pages = lock, unlock
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "jhicache-storage-write")
+        self._readers = concurrent.futures.ThreadPoolExecutor(io_threads, "jhicache-storage-read")
+        self._planned: collections.deque[_Backup] = collections.deque()
+        self._writing: collections.deque[tuple[_Backup, concurrent.futures.Future[int]]] = (
+            collections.deque())
+        self._known: set[bytes] = set()  # keys planned or stored by this tier
+        # fetches holding host pages: reading, or ended with pages a thread may still write
+        self._holding: list[StorageFetch] = []
+        self.counters = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
+        self._progress = threading.Event()  # set when a fetch's query or read task ends
+
+    # -- backups -------------------------------------------------------------------------
+    def known(self, key: bytes) -> bool:
+        """Whether a backup of the page `key` was planned here (or has been written)."""
+        return key in self._known
+
+    def plan_backup(self, keys: Sequence[bytes], host_pages: Sequence[int],
+                    after: set[int]) -> None:
+        """Writes `host_pages` as `keys` once the host copies `after` are done, after every
+        backup planned before it. The pages stay locked until written."""
+        self._lock_pages(host_pages)
+        self._known.update(keys)
+        self._planned.append(_Backup(list(keys), list(host_pages), set(after)))
+
+    def copies_done(self, op_ids: set[int]) -> None:
+        """Host copies that have completed: backups waiting only for them may start."""
+        for backup in self._planned:
+            backup.after -= op_ids
+
+    def poll(self) -> list[int]:
+        """Starts the backups that are ready, ends the writes that are done; returns the host
+        pages of fetches that ended and whose threads have stopped (the caller frees them)."""
+        while self._planned and not self._planned[0].after:
+            backup = self._planned.popleft()
+            self._writing.append((backup, self._writer.submit(self.storage.set, backup.keys,
+                                                                backup.host_pages)))
+        while self._writing and self._writing[0][1].done():
+            backup, future = self._writing.popleft()
+            self._end_backup(backup, _result(future))
+        freed: list[int] = []
+        for fetch in [f for f in self._holding if f.state is FetchState.ENDED and f.finished]:
+            self._holding.remove(fetch)
+            freed += fetch.host_pages[fetch.used:]
+        return freed
+
+    def _end_backup(self, backup: _Backup, stored: int) -> None:
+        self._unlock_pages(backup.host_pages)
+        self.counters["backup_pages"] += stored
+        if stored < len(backup.keys):
+            self.counters["backup_failures"] += 1
+            self._known.difference_update(backup.keys[stored:])  # planned again next time
+
+    def wait_backups(self) -> None:
+        """Blocks until every planned backup whose copies are done has been written (the
+        caller flushes the copies first)."""
+        while self._planned and not self._planned[0].after or self._writing:
+            self.poll()
+            if self._writing:
+                concurrent.futures.wait([self._writing[0][1]])
+
+    # -- fetches -------------------------------------------------------------------------
+    def start_fetch(self, keys: list[bytes], first_page: int, anchor: object) -> StorageFetch:
+        """Asks the backend, on a thread, how many of `keys` it holds."""
+        fetch = StorageFetch(keys, first_page, anchor, time.perf_counter())
+        with fetch._lock:
+            fetch._pending = 1
+        self.counters["fetches"] += 1
+
+        def query() -> None:
+            try:
+                found = self.storage.exists(keys) if not fetch._cancel.is_set() else 0
+            except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
+                found = 0
+            with fetch._lock:
+                fetch.found, fetch._pending = found, 0
+            self._progress.set()
+
+        self._readers.submit(query)
+        return fetch
+
+    def read(self, fetch: StorageFetch, host_pages: list[int]) -> None:
+        """Reads the first `len(host_pages)` found pages into `host_pages`, in chunks, on the
+        reader threads."""
+        assert fetch.state is FetchState.QUERYING and fetch.queried
+        fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
+        self._holding.append(fetch)
+        chunks = range(0, len(host_pages), FETCH_CHUNK_PAGES)
+        with fetch._lock:
+            fetch._read = [0] * len(chunks)
+            fetch._pending = len(chunks)
+        for i, start in enumerate(chunks):
+            self._readers.submit(self._read_chunk, fetch, i, start)
+
+    def _read_chunk(self, fetch: StorageFetch, i: int, start: int) -> None:
+        end = min(start + FETCH_CHUNK_PAGES, len(fetch.host_pages))
+        read = -1
+        try:
+            if not fetch._cancel.is_set():
+                read = self.storage.get(fetch.keys[start:end], fetch.host_pages[start:end])
+        except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
+            read = 0
+        with fetch._lock:
+            fetch._read[i] = read
+            fetch._pending -= 1
+        self._progress.set()
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Blocks until a fetch task has ended since the last call, or `timeout_s` passes."""
+        self._progress.wait(timeout_s)
+        self._progress.clear()
+
+    def end_fetch(self, fetch: StorageFetch) -> int:
+        """Terminates `fetch`: the pages read so far (from the first) are the caller's, the
+        rest are freed by a later `poll` once no thread writes them. Returns how many are the
+        caller's."""
+        fetch._cancel.set()
+        if fetch.state is FetchState.FETCHING:
+            fetch.used = fetch.completed
+            self.counters["fetched_pages"] += fetch.used
+            full = fetch.used == len(fetch.host_pages)
+            self.counters["fetch_full" if full else "fetch_partial"] += 1
+        fetch.state = FetchState.ENDED
+        return fetch.used
+
+    def held_pages(self) -> list[int]:
+        """Host pages fetches hold: being read, or ended and not yet freed."""
+        return [p for f in self._holding for p in f.host_pages[f.used:]]
+
+    def close(self) -> None:
+        for pool in (self._writer, self._readers):
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.storage.close()
+
+
+def _result(future: concurrent.futures.Future[int]) -> int:
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 (a backend failure writes nothing; counted by the caller)
+        return 0

@@ -1,0 +1,102 @@
+"""The storage tier in the engine: a restart on the same directory hits from storage with the
+tokens of no cache at all, under each fetch policy; damaged pages are recomputed; an abort
+during a fetch leaks nothing; an unusable directory is a clear error at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jhicache import Engine, SamplingParams
+from tests.test_engine import (
+    assert_idle_and_consistent,
+    make_engine,
+    reference_histories,
+    run_chats,
+)
+
+STORAGE = dict(write_policy="write_through", host_kv_tokens=1024, fetch_threshold=16,
+               fetch_policy="wait_complete")
+
+
+def storage_engine(root: Path, **overrides) -> Engine:
+    return make_engine(storage_dir=str(root), **{**STORAGE, **overrides})
+
+
+def test_a_restart_hits_from_storage_with_the_tokens_of_no_cache(tmp_path: Path) -> None:
+    first = storage_engine(tmp_path)
+    assert run_chats(first) == reference_histories()
+    assert first.flush_cache()  # waits for the backups; storage keeps its pages
+    stats = first.stats()
+    assert stats.storage_backup_pages > 0 and stats.storage_pages == stats.storage_backup_pages
+    assert stats.storage_hit_tokens == 0
+    again = storage_engine(tmp_path)  # a restart: nothing on device or host
+    assert run_chats(again) == reference_histories()
+    stats = again.stats()
+    assert stats.storage_hit_tokens > 0 and stats.storage_fetch_full > 0
+    assert stats.storage_read_bytes > 0 and stats.storage_corrupt_pages == 0
+    assert_idle_and_consistent(again)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_each_fetch_policy_gives_the_tokens_of_no_cache(tmp_path: Path, policy: str) -> None:
+    first = storage_engine(tmp_path)
+    run_chats(first)
+    first.flush_cache()
+    again = storage_engine(tmp_path, fetch_policy=policy)
+    assert run_chats(again) == reference_histories()
+    stats = again.stats()
+    assert stats.storage_fetches > 0
+    assert stats.storage_fetch_full + stats.storage_fetch_partial + stats.storage_fetch_revoked \
+        + stats.storage_fetch_no_host <= stats.storage_fetches
+    assert_idle_and_consistent(again)
+
+
+def test_damaged_pages_are_recomputed_not_served(tmp_path: Path) -> None:
+    first = storage_engine(tmp_path)
+    run_chats(first)
+    first.flush_cache()
+    pages = sorted(first.cache.storage.storage.dir.glob("*.kv"))  # type: ignore[union-attr]
+    for i, page in enumerate(pages):
+        data = bytearray(page.read_bytes())
+        if i % 3 == 0:
+            page.write_bytes(data[:-7])  # truncated
+        elif i % 3 == 1:
+            data[-3] ^= 1  # a flipped bit
+            page.write_bytes(data)
+    again = storage_engine(tmp_path)
+    assert run_chats(again) == reference_histories()
+    stats = again.stats()
+    assert stats.storage_truncated_pages + stats.storage_corrupt_pages > 0
+    assert_idle_and_consistent(again)
+
+
+def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path) -> None:
+    first = storage_engine(tmp_path)
+    prompt = list(range(1, 130))
+    first.generate([prompt], SamplingParams(max_new_tokens=2))
+    first.flush_cache()
+    again = storage_engine(tmp_path)
+    rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
+    again.step()  # the request asks storage for its pages and waits
+    assert again.scheduler.fetching()
+    assert again.abort(rid)
+    outputs = again.drain()
+    assert [o.finish_reason for o in outputs] == ["abort"]
+    again.cache.storage.wait_backups()  # type: ignore[union-attr]
+    for _ in range(3):  # the read threads end; their pages go back to the free list
+        again.cache.wait_for_storage(1.0)
+        again.step()
+    assert_idle_and_consistent(again)
+    assert again.cache.storage.held_pages() == []  # type: ignore[union-attr]
+    assert again.generate([prompt], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+
+
+def test_an_unusable_storage_directory_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(RuntimeError, match="not writable"):
+        storage_engine(blocker / "storage")
+    with pytest.raises(ValueError, match="hierarchical"):
+        make_engine(storage_dir=str(tmp_path), cache_mode="device")
