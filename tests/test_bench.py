@@ -82,6 +82,22 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
 
 
+def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, capsys) -> None:
+    out = tmp_path / "storage.json"
+    args = ["storage-hit", *TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
+            "--storage-hit-trials", "2", "--storage-dir", str(tmp_path), "--out", str(out)]
+    assert command.main(args) == 0
+    hit = json.loads(out.read_text())["storage_hit"]
+    assert hit["storage_hit_tokens"] == 64 and hit["host_hit_tokens"] == 0
+    assert hit["engine_storage_read_bytes"] >= hit["fetched_bytes"] > 0
+    assert hit["engine_storage_corrupt_pages"] == hit["engine_storage_truncated_pages"] == 0
+    assert hit["files_dropped_from_page_cache"] >= 8  # the prefix's pages, at least
+    assert hit["fetch_read_over_disk"] == pytest.approx(
+        hit["fetch_read_bps"] / hit["disk_read_ceiling_bps"])
+    assert len(hit["trials"]) == 2 and "prefix in storage" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [out]  # the storage and the probe's files are gone
+
+
 def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:
     args = cli.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
     engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,

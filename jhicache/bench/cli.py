@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                "a GPU gets larger ones.")
     p.set_defaults(given=frozenset())
     p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead"),
+                   choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead",
+                            "storage-hit"),
                    help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
                         "multiturn through the HTTP server and in process, side by side")
     p.add_argument("--url", type=server_url, metavar="URL", default=None,
@@ -119,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-hit-trials", **count, default=5 if gpu else 1,
                    help="host-hit: measured trials (after a warm-up one); the figures printed "
                         "are the median trial's by the host-hit ratio")
+    p.add_argument("--storage-hit-prefix", **count, default=8192 if gpu else 256,
+                   help="storage-hit: the prefix tokens found only in the storage tier")
+    p.add_argument("--storage-hit-turn", **count, default=64 if gpu else 16,
+                   help="storage-hit: new turn tokens")
+    p.add_argument("--storage-hit-trials", **count, default=3 if gpu else 1,
+                   help="storage-hit: measured trials (after a warm-up one); the figures printed "
+                        "are the median trial's by storage-hit TTFT")
+    p.add_argument("--storage-dir", metavar="DIR", default=None,
+                   help="storage-hit: where its storage directory and the disk probe's files go "
+                        "(a temporary directory in it, removed after; default: the system's)")
     p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the random weights and the prompts")
     p.add_argument("--out", type=output_file, metavar="FILE", default=None,

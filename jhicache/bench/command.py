@@ -18,6 +18,7 @@ from jhicache.bench.host_hit import bench_host_hit
 from jhicache.bench.model import bench_model
 from jhicache.bench.multiturn import bench_multiturn
 from jhicache.bench.remote_run import bench_remote
+from jhicache.bench.storage_hit import bench_storage_hit
 from jhicache.models.config import preset_config
 
 
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.what in ("all", "host-hit"):
         result["host_hit"] = bench_host_hit(args)
         print(report.host_hit_table(result["host_hit"]))
+    if args.what == "storage-hit":
+        result["storage_hit"] = bench_storage_hit(args)
+        print(report.storage_hit_table(result["storage_hit"]))
     return result
 
 

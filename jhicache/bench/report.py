@@ -177,6 +177,28 @@ def host_hit_table(result: dict) -> str:
             + _timeline_text(result.get("host_hit_timeline")))
 
 
+def storage_hit_table(result: dict) -> str:
+    trials = result["trials"]
+    ttfts = [t["storage_hit_ttft_s"] * 1e3 for t in trials]
+    return (f"storage hit: {result['prefix_tokens']}-token prefix + "
+            f"{result['turn_tokens']}-token turn, the prefix only in the storage tier (page "
+            f"cache dropped: {result['files_dropped_from_page_cache']} files)\n"
+            f"  TTFT recompute {result['recompute_ttft_s'] * 1e3:.1f} ms | prefix in storage "
+            f"{result['storage_hit_ttft_s'] * 1e3:.1f} ms "
+            f"(x {result['storage_hit_over_recompute']:.2f} of recompute) | prefix on device "
+            f"{result['device_hit_ttft_s'] * 1e3:.1f} ms\n"
+            f"  read {result['engine_storage_read_bytes'] / 1e9:.2f} GB in "
+            f"{result['engine_storage_fetch_read_s'] * 1e3:.1f} ms: "
+            f"{format_rate(result['fetch_read_bps'] / 1e9)}; the disk alone: sequential "
+            f"{format_rate(result['disk_sequential_read_bps'] / 1e9)}, "
+            f"{result['disk_probe_files']} files at once "
+            f"{format_rate(result['disk_parallel_read_bps'] / 1e9)}"
+            f" (page cache {format_rate(result['page_cache_read_bps'] / 1e9)}); fetch / disk "
+            f"{result['fetch_read_over_disk']:.2f}\n"
+            f"  the median of {len(trials)} trials by storage-hit TTFT (trial "
+            f"{result['median_trial'] + 1}): {min(ttfts):.1f}-{max(ttfts):.1f} ms")
+
+
 def _gate_text(result: dict) -> str:
     """The load's copies by CUDA events, and whether the device-side wait held."""
     if "engine_load_back_s" not in result:

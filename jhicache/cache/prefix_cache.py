@@ -459,7 +459,7 @@ class PrefixCache:
 
     def _storage_stats(self) -> dict[str, Any]:
         """The storage tier's counters (zeros without one), each named storage_*."""
-        tier: dict[str, int] = {} if self.storage is None else self.storage.counters
+        tier: dict[str, float] = {} if self.storage is None else self.storage.counters
         backend = None if self.storage is None else self.storage.storage.counters()
         usage = None if self.storage is None else self.storage.storage.usage()
         stats: dict[str, Any] = {f"storage_{k}": tier.get(k, 0) for k in STORAGE_TIER_COUNTERS}

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from jhicache.cache.storage import Storage
 
 STORAGE_TIER_COUNTERS = ("backup_pages", "backup_failures", "fetches", "fetch_revoked",
-                         "fetch_full", "fetch_partial", "fetch_no_host", "fetched_pages")
+                         "fetch_full", "fetch_partial", "fetch_no_host", "fetched_pages",
+                         "fetch_read_s")
 FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk's queue full
 
 
@@ -41,6 +42,7 @@ class StorageFetch:
     found: int | None = None
     host_pages: list[int] = dataclasses.field(default_factory=list)
     used = 0  # once ended: the pages (from the first) handed to the tree
+    read_s = 0.0  # the reads' wall time, start of the first to end of the last
     _read: list[int] = dataclasses.field(default_factory=list)  # per chunk: pages read, or -1
     _pending = 0  # read tasks not yet ended
     _cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -93,7 +95,7 @@ class StorageTier:
         self._known: set[bytes] = set()  # keys planned or stored by this tier
         # fetches holding host pages: reading, or ended with pages a thread may still write
         self._holding: list[StorageFetch] = []
-        self.counters = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
+        self.counters: dict[str, float] = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
         self._progress = threading.Event()  # set when a fetch's query or read task ends
 
     # -- backups -------------------------------------------------------------------------
@@ -172,9 +174,11 @@ class StorageTier:
         fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
         self._holding.append(fetch)
         chunks = range(0, len(host_pages), FETCH_CHUNK_PAGES)
+        started = time.perf_counter()
         with fetch._lock:
             fetch._read = [0] * len(chunks)
             fetch._pending = len(chunks)
+            fetch.read_s = -started  # the last read to end adds its end time
         for i, start in enumerate(chunks):
             self._readers.submit(self._read_chunk, fetch, i, start)
 
@@ -189,6 +193,8 @@ class StorageTier:
         with fetch._lock:
             fetch._read[i] = read
             fetch._pending -= 1
+            if fetch._pending == 0:
+                fetch.read_s += time.perf_counter()
         self._progress.set()
 
     def wait_for_progress(self, timeout_s: float) -> None:
@@ -204,6 +210,8 @@ class StorageTier:
         if fetch.state is FetchState.FETCHING:
             fetch.used = fetch.completed
             self.counters["fetched_pages"] += fetch.used
+            if fetch.finished:
+                self.counters["fetch_read_s"] += fetch.read_s
             full = fetch.used == len(fetch.host_pages)
             self.counters["fetch_full" if full else "fetch_partial"] += 1
         fetch.state = FetchState.ENDED

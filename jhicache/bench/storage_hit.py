@@ -1,0 +1,142 @@
+"""The storage-hit bench: TTFT of a prefix found only in the storage tier, against recomputing
+it and against a device hit, with the disk's own read rate measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jhicache.bench.engines import make_engine
+from jhicache.bench.host_hit import bytes_per_token, stats_delta, ttft_of
+from jhicache.bench.workload import random_prompts
+from jhicache.engine import Engine
+
+_READ_BLOCK = 16 << 20  # bytes per read() of the disk probe
+_PROBE_FILES = 8  # the parallel probe's files, each read by a thread of its own
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Writes every file under `directory` to disk and drops it from the page cache (fsync,
+    then POSIX_FADV_DONTNEED: no root needed); returns the files dropped."""
+    dropped = 0
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            dropped += 1
+    return dropped
+
+
+def disk_read_rates(directory: Path, nbytes: int) -> dict:
+    """The disk's read rate, page cache dropped first: one file read sequentially in 16 MiB
+    blocks, and `_PROBE_FILES` files read at once by as many threads (bytes per second)."""
+    probe = directory / "disk-probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 256, _READ_BLOCK, np.uint8).tobytes()
+    paths = [probe / f"probe-{i}" for i in range(_PROBE_FILES)]
+    per_file = max(nbytes // _PROBE_FILES, _READ_BLOCK)
+    try:
+        for path in paths:
+            with open(path, "wb") as f:
+                for _ in range(0, per_file, _READ_BLOCK):
+                    f.write(block)
+        drop_page_cache(probe)
+        start = time.perf_counter()
+        read = _read_all(paths[0])
+        sequential = read / (time.perf_counter() - start)
+        drop_page_cache(probe)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(_PROBE_FILES) as pool:
+            read = sum(pool.map(_read_all, paths))
+        parallel = read / (time.perf_counter() - start)
+        start = time.perf_counter()
+        read = _read_all(paths[0])  # again, now from the page cache
+        cached = read / (time.perf_counter() - start)
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        probe.rmdir()
+    return {"disk_sequential_read_bps": sequential, "disk_parallel_read_bps": parallel,
+            "page_cache_read_bps": cached, "disk_probe_bytes": per_file * _PROBE_FILES,
+            "disk_probe_files": _PROBE_FILES}
+
+
+def _read_all(path: Path) -> int:
+    buffer = bytearray(_READ_BLOCK)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            total += n
+    return total
+
+
+def storage_engine(args: argparse.Namespace, root: Path) -> Engine:
+    """Hierarchical, every page written through to host and storage, every storage hit read in
+    full before its request runs; a device pool of four times the prompt and two pages."""
+    tokens = 4 * (args.storage_hit_prefix + args.storage_hit_turn + 2 * args.page_size)
+    through = argparse.Namespace(**{**vars(args), "write_policy": "write_through"})
+    return make_engine(through, cache_mode="hierarchical", device_kv_tokens=tokens,
+                       load_back_threshold=1,
+                       storage_dir=str(root), fetch_policy="wait_complete",
+                       fetch_threshold=args.page_size)
+
+
+def storage_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Namespace,
+                      root: Path) -> dict:
+    vocab = engine.model_config.vocab_size
+    [prefix] = random_prompts(rng, vocab, 1, args.storage_hit_prefix)
+    turns = random_prompts(rng, vocab, 3, args.storage_hit_turn)
+    recompute_s, _ = ttft_of(engine, prefix + turns[0])  # nothing cached; written through
+    start = time.perf_counter()
+    engine.flush_cache()  # waits for the backups; device and host tiers empty
+    backup_wait_s = time.perf_counter() - start
+    dropped = drop_page_cache(root)
+    before = engine.stats().as_dict()
+    storage_s, out = ttft_of(engine, prefix + turns[1])  # the prefix only on disk
+    measured = stats_delta(engine, before, ("storage_read_bytes", "storage_fetch_read_s",
+                                            "storage_fetched_pages", "storage_corrupt_pages",
+                                            "storage_truncated_pages", "load_back_s"))
+    device_s, _ = ttft_of(engine, prefix + turns[2])  # the prefix now on device
+    fetched_bytes = out.storage_hit_tokens * bytes_per_token(engine)
+    return {"recompute_ttft_s": recompute_s, "storage_hit_ttft_s": storage_s,
+            "device_hit_ttft_s": device_s, "storage_hit_tokens": out.storage_hit_tokens,
+            "host_hit_tokens": out.host_hit_tokens, "device_hit_tokens": out.device_hit_tokens,
+            "fetched_bytes": fetched_bytes, "files_dropped_from_page_cache": dropped,
+            "backup_wait_s": backup_wait_s, **measured,
+            "fetch_read_bps": (measured["engine_storage_read_bytes"]
+                               / measured["engine_storage_fetch_read_s"]
+                               if measured["engine_storage_fetch_read_s"] else 0.0),
+            "storage_hit_over_recompute": storage_s / recompute_s}
+
+
+def bench_storage_hit(args: argparse.Namespace) -> dict:
+    """`--storage-hit-trials` trials after a warm-up one, each with its own prompts; the disk's
+    read rates measured beside them; the trial with the median storage-hit TTFT, every trial
+    under "trials"."""
+    with tempfile.TemporaryDirectory(dir=args.storage_dir) as directory:
+        root = Path(directory)
+        engine = storage_engine(args, root / "storage")
+        rng = np.random.default_rng(args.seed + 2)
+        storage_hit_trial(engine, rng, args, root / "storage")  # compiles every shape involved
+        trials = [storage_hit_trial(engine, rng, args, root / "storage")
+                  for _ in range(args.storage_hit_trials)]
+        prefix_bytes = args.storage_hit_prefix * bytes_per_token(engine)
+        disk = disk_read_rates(root, prefix_bytes)
+    ttfts = [t["storage_hit_ttft_s"] for t in trials]
+    median = sorted(range(len(trials)), key=ttfts.__getitem__)[(len(trials) - 1) // 2]
+    ceiling = max(disk["disk_sequential_read_bps"], disk["disk_parallel_read_bps"])
+    result = {**trials[median], **disk, "trials": trials, "median_trial": median,
+              "prefix_tokens": args.storage_hit_prefix, "turn_tokens": args.storage_hit_turn,
+              "disk_read_ceiling_bps": ceiling}
+    result["fetch_read_over_disk"] = result["fetch_read_bps"] / ceiling
+    return result
