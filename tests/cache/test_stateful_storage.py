@@ -1,0 +1,91 @@
+"""Hypothesis state machine over three tiers: the two-tier machine's rules plus storage fetches
+(completed or aborted) and flushes of the device and host tiers, on a real file storage. Pages
+read back from storage must hold their prefix's KV (the data check reads every node's pages),
+and the page accounting of all three tiers holds after every rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+import jax.numpy as jnp
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import initialize, precondition, rule
+
+from jhicache.cache import DevicePool, HostPool, PoolLayout, PrefixCache
+from jhicache.cache.file_storage import FileStorage
+from jhicache.cache.storage import StorageNamespace
+from jhicache.config import WritePolicy
+from tests.cache._helpers import HEAD_DIM, HEADS, LAYERS, DeferredCopier
+from tests.cache.test_stateful import CacheMachine, prompts
+
+
+class StorageMachine(CacheMachine):
+    @initialize(page=st.sampled_from([1, 4]), policy=st.sampled_from(list(WritePolicy)),
+                host=st.sampled_from([6, 12]), deferred=st.booleans())
+    def setup(self, page: int, policy: WritePolicy, host: int, deferred: bool) -> None:
+        self.page, self.root = page, tempfile.mkdtemp(prefix="jhicache-storage-")
+        device = PoolLayout(LAYERS, 16 // page + 1, page, HEADS, HEAD_DIM, jnp.float32)
+        host_pool = HostPool(dataclasses.replace(device, num_pages=host * 4 // page))
+        namespace = StorageNamespace(model="stateful", dtype="float32", page_size=page,
+                                     layout="test", page_bytes=device.page_bytes)
+        storage = FileStorage(self.root, namespace, host_pool.page_segments)
+        self.cache = PrefixCache(page, DevicePool(device), host_pool, policy,
+                                 load_back_threshold=2 * page,
+                                 copier=DeferredCopier() if deferred else None, storage=storage)
+        self.fetched = 0
+
+    @rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())
+    def fetch(self, tokens: list[int], abort: bool, clear_first: bool) -> None:
+        """A waiting request reads its pages past its cached prefix from storage, to the end
+        (then they are host pages of the tree), or is aborted midway; maybe after a flush."""
+        if clear_first and not self.held and not self.locks:
+            self.clear()
+        tokens = self._aligned(tokens) + [999]  # the last token is left to compute
+        match = self.cache.match(tokens, leave_last=True)
+        fetch = self.cache.start_fetch(tokens, match, threshold=self.page)
+        if fetch is None:
+            return
+        got = None
+        while got is None:
+            if abort:
+                self.cache.end_fetch(fetch, None)
+                break
+            self.cache.wait_for_storage(1.0)
+            got = self.cache.advance_fetch(fetch, tokens, self.page, stop=False)
+        if got:
+            self.fetched += got
+            self._check_match(tokens[:-1])
+            self.flush_and_verify_all()  # the pages read hold their prefix's KV
+
+    # more names for the same rule, so that runs fetch often (rules are drawn uniformly)
+    fetch_again = rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())(
+        lambda self, tokens, abort, clear_first: self.fetch(tokens, abort, clear_first))
+    fetch_more = rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())(
+        lambda self, tokens, abort, clear_first: self.fetch(tokens, abort, clear_first))
+
+    @precondition(lambda self: not self.held and not self.locks)
+    @rule()
+    def clear(self) -> None:
+        """A flush of the device and host tiers; storage keeps its pages."""
+        self.cache.clear()
+        assert not list(self.cache.tree.nodes())
+
+    def teardown(self) -> None:
+        if hasattr(self, "cache"):
+            super().teardown()
+            stats = self.cache.stats()
+            event(f"storage pages fetched > 0: {stats['storage_fetched_pages'] > 0}")
+            event(f"storage backups > 0: {stats['storage_backup_pages'] > 0}")
+            assert self.cache.storage is not None
+            self.cache.storage.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+StorageMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("CACHE_FUZZ_EXAMPLES", "30")), stateful_step_count=40,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestStorageMachine = StorageMachine.TestCase
