@@ -98,6 +98,17 @@ def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, 
     assert list(tmp_path.iterdir()) == [out]  # the storage and the probe's files are gone
 
 
+def test_multiturn_with_a_storage_dir_backs_pages_up_and_removes_them_after(tmp_path) -> None:
+    out = tmp_path / "mt.json"
+    store = tmp_path / "store"
+    store.mkdir()
+    assert command.main(["multiturn", *TINY, "--modes", "hierarchical", "--storage-dir",
+                         str(store), "--out", str(out)]) == 0
+    stats = json.loads(out.read_text())["modes"]["hierarchical"]["stats"]
+    assert stats["storage_backup_pages"] > 0 and stats["storage_written_bytes"] > 0
+    assert list(store.iterdir()) == []
+
+
 def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:
     args = cli.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
     engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,

@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 
 from tqdm import tqdm
@@ -64,8 +66,11 @@ def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> 
     workload's (the page tables, and the grid, fit it)."""
     cache_mode, device_tokens = mode_engine(args, spec, mode)
     longest = -(-spec.final_context_tokens // args.page_size) * args.page_size
-    return {"cache_mode": cache_mode, "device_kv_tokens": device_tokens,
-            "max_context_len": longest}
+    overrides = {"cache_mode": cache_mode, "device_kv_tokens": device_tokens,
+                 "max_context_len": longest}
+    if cache_mode == "hierarchical" and getattr(args, "storage_dir", None):
+        overrides["storage_dir"] = tempfile.mkdtemp(prefix="jhicache-bench-", dir=args.storage_dir)
+    return overrides
 
 
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
@@ -80,6 +85,10 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     with CompileCounter() as compiles:
         run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress)
     engine.check_invariants()
+    if "storage_dir" in overrides:  # the storage tier's pages are this run's alone
+        assert engine.cache.storage is not None
+        engine.cache.storage.close()  # its writes end first
+        shutil.rmtree(overrides["storage_dir"])
     return MeasuredRun(run, engine, overrides["device_kv_tokens"], compiles.count, compiles.seconds,
                        tuple(compiles.programs))
 
