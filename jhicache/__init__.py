@@ -22,6 +22,7 @@ _EXPORTS = {
     "KVDtype": "jhicache.config",
     "RequestOutput": "jhicache.request",
     "SamplingParams": "jhicache.sampling",
+    "StorageWritePolicy": "jhicache.config",
     "WritePolicy": "jhicache.config",
 }
 __all__ = sorted(_EXPORTS)

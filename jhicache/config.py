@@ -24,6 +24,13 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at the `threshold`-th insert visit
 
 
+class StorageWritePolicy(enum.Enum):
+    """When host pages are written to the storage tier."""
+
+    WRITE_THROUGH = "write_through"  # when they are written to host
+    WRITE_BACK = "write_back"  # when they are evicted from host (kept until written)
+
+
 class FetchPolicy(enum.Enum):
     """How long a request waits for its pages to be read from storage (SGLang's prefetch
     stop policies)."""
@@ -111,10 +118,13 @@ class EngineConfig:
       fail_on_compile: compiling a program outside `warmup()` raises CompileError naming it
         (as vLLM's TPU backend can): for checking that the warm-up covers every step.
       storage_dir: a directory for the storage tier under the host tier (hierarchical mode
-        only): every page written to host is also written there, head pages first, and a
-        request's pages past its cached prefix are read back from it. Pages live in a
+        only): host pages are written there (see storage_write_policy), and a request's
+        pages past its cached prefix are read back from it. Pages live in a
         subdirectory per namespace (model, dtype, page size, layout) and survive restarts.
         None: no storage tier.
+      storage_write_policy: "write_through" (a page goes to storage when it is written to
+        host) or "write_back" (when it is evicted from host: its host page is freed once
+        written). Either way a prefix's head pages are planned before its tail.
       storage_capacity_bytes: the directory's cap for this namespace (LRU eviction in the
         background between 95% and 85% of it); None: no cap.
       storage_model_name: the model's identity in the namespace; None derives it (a preset's
@@ -145,6 +155,7 @@ class EngineConfig:
     max_context_len: int | None = None
     fail_on_compile: bool = False
     storage_dir: str | None = None
+    storage_write_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH
     storage_capacity_bytes: int | None = None
     storage_model_name: str | None = None
     fetch_policy: FetchPolicy | str = FetchPolicy.TIMEOUT
@@ -159,6 +170,8 @@ class EngineConfig:
         fix("write_policy", _as_enum(WritePolicy, self.write_policy, "write_policy"))
         fix("dtype", _as_enum(KVDtype, self.dtype, "dtype"))
         fix("fetch_policy", _as_enum(FetchPolicy, self.fetch_policy, "fetch_policy"))
+        fix("storage_write_policy", _as_enum(StorageWritePolicy, self.storage_write_policy,
+                                             "storage_write_policy"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens", "tensor_parallel_size"):
             fix(field, _int(field, getattr(self, field), 1))

@@ -39,6 +39,22 @@ def test_a_restart_hits_from_storage_with_the_tokens_of_no_cache(tmp_path: Path)
     assert_idle_and_consistent(again)
 
 
+def test_write_back_to_storage_writes_pages_evicted_from_host(tmp_path: Path) -> None:
+    """Pages reach storage when the host tier evicts them (a small host pool), and a restart
+    hits them there."""
+    first = storage_engine(tmp_path, storage_write_policy="write_back", write_policy="write_back",
+                           host_kv_tokens=400)
+    assert run_chats(first) == reference_histories()
+    assert first.flush_cache()
+    stats = first.stats()
+    assert stats.evicted_host_tokens > 0 and stats.storage_backup_pages > 0
+    assert_idle_and_consistent(first)
+    assert first.cache.storage.held_pages() == []  # type: ignore[union-attr]
+    again = storage_engine(tmp_path)
+    assert run_chats(again) == reference_histories()
+    assert again.stats().storage_hit_tokens > 0
+
+
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 def test_each_fetch_policy_gives_the_tokens_of_no_cache(tmp_path: Path, policy: str) -> None:
     first = storage_engine(tmp_path)

@@ -128,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage-hit: measured trials (after a warm-up one); the figures printed "
                         "are the median trial's by storage-hit TTFT")
     p.add_argument("--storage-dir", metavar="DIR", default=None,
-                   help="storage-hit: where its storage tier and the disk probe's files go; "
-                        "multiturn: a storage tier under the hierarchical mode, there (a "
-                        "temporary directory in it, removed after; storage-hit's default: the "
-                        "system's)")
+                   help="storage-hit: where its storage tier and the disk probe's files go "
+                        "(unset: the system's temporary directory); multiturn: a storage tier "
+                        "under the hierarchical mode, there (a temporary directory in it, "
+                        "removed after)")
     p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the random weights and the prompts")
     p.add_argument("--out", type=output_file, metavar="FILE", default=None,

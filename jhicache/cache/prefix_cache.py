@@ -43,7 +43,7 @@ from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier
 from jhicache.cache.transfer_op import TransferKind, TransferOp
 from jhicache.cache.transfers import Transfers
-from jhicache.config import WritePolicy
+from jhicache.config import StorageWritePolicy, WritePolicy
 
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
@@ -56,7 +56,9 @@ class PrefixCache:
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy | str = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
                  write_through_threshold: int = 2, copier: Copier | None = None,
-                 storage: Storage | None = None, storage_io_threads: int = 8) -> None:
+                 storage: Storage | None = None, storage_io_threads: int = 8,
+                 storage_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH
+                 ) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
@@ -82,6 +84,10 @@ class PrefixCache:
             raise ValueError("a storage tier needs the host tier")
         self.storage = (StorageTier(storage, self.host.lock, self.host.unlock, storage_io_threads)
                         if storage is not None and self.host is not None else None)
+        self.storage_policy = StorageWritePolicy(storage_policy)
+        if self.storage is not None and self.storage_policy is StorageWritePolicy.WRITE_BACK:
+            assert self.host is not None
+            self.host.on_evict = lambda node: self._plan_backup(node, evicted=True)
         self._filling: dict[int, int] = {}  # host page -> the write-back op copying into it
 
     # -- match / lock / insert -----------------------------------------------------------
@@ -127,14 +133,18 @@ class PrefixCache:
         op = self.transfers.queue_write_back(node.device_pages, host)
         if self.storage is not None:
             self._filling.update(dict.fromkeys(host, op))
-            self._plan_backup(node)
+            if self.storage_policy is StorageWritePolicy.WRITE_THROUGH:
+                self._plan_backup(node)
         return True
 
-    def _plan_backup(self, node: Node) -> None:
+    def _plan_backup(self, node: Node, evicted: bool = False) -> bool:
         """Plans the storage backup of `node`'s pages and of every ancestor not yet planned,
         head first, so that no stored prefix misses its head. An ancestor without a host copy
         gets one (its backup is written from it); when the host tier has no room for one, the
-        backup is skipped (counted) and planned again when the node is next written back."""
+        backup is skipped (counted) and planned again when the node is next written. With
+        `evicted`, `node` is a host-only leaf leaving the tree: its pages go to the backup,
+        which frees them once written, and a missing host copy takes only free pages (no
+        eviction inside an eviction). Returns whether `node`'s own backup was planned."""
         assert self.storage is not None and self.host is not None and self.transfers
         chain: list[Node] = []
         walk: Node | None = node
@@ -151,15 +161,21 @@ class PrefixCache:
                 continue
             if ancestor.host_pages is None:
                 assert ancestor.device_pages is not None  # host-only nodes have host pages
-                host = self.host.alloc_evicting(len(ancestor.device_pages))
+                n_pages = len(ancestor.device_pages)
+                host = (self.host.alloc(n_pages) if evicted
+                        else self.host.alloc_evicting(n_pages))
                 if host is None:
                     self._stats["storage_backup_skipped"] += 1
-                    return
+                    return False
                 ancestor.host_pages = host
                 op = self.transfers.queue_write_back(ancestor.device_pages, host)
                 self._filling.update(dict.fromkeys(host, op))
             after = {self._filling[p] for p in ancestor.host_pages if p in self._filling}
-            self.storage.plan_backup(node_keys, ancestor.host_pages, after)
+            self.storage.plan_backup(node_keys, ancestor.host_pages, after,
+                                     release=evicted and ancestor is node)
+            if ancestor is node:
+                return True
+        return False
 
     # -- device pages --------------------------------------------------------------------
     def alloc_device(self, n_pages: int) -> list[int] | None:
@@ -349,9 +365,8 @@ class PrefixCache:
         pages); every transfer and storage backup ends first. Nothing may be locked: the
         caller holds no request. Returns the device and host pages freed."""
         self.flush()
-        if self.storage is not None:
-            self.storage.wait_backups()
-            self._poll_storage()
+        if self.storage is not None and self.host is not None:
+            self.host.free(self.storage.wait_backups())
         device, host = self.tree.clear()
         if self.host is not None:
             self.host.free(host)

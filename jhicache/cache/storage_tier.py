@@ -76,6 +76,7 @@ class _Backup:
     keys: list[bytes]
     host_pages: list[int]
     after: set[int]  # host copies (op ids) that fill the pages; it waits for them
+    release: bool  # the pages left the tree: freed once written
 
 
 class StorageTier:
@@ -104,12 +105,13 @@ class StorageTier:
         return key in self._known
 
     def plan_backup(self, keys: Sequence[bytes], host_pages: Sequence[int],
-                    after: set[int]) -> None:
+                    after: set[int], release: bool = False) -> None:
         """Writes `host_pages` as `keys` once the host copies `after` are done, after every
-        backup planned before it. The pages stay locked until written."""
+        backup planned before it. The pages stay locked until written; with `release` (they
+        left the tree) `poll` then hands them back to be freed."""
         self._lock_pages(host_pages)
         self._known.update(keys)
-        self._planned.append(_Backup(list(keys), list(host_pages), set(after)))
+        self._planned.append(_Backup(list(keys), list(host_pages), set(after), release))
 
     def copies_done(self, op_ids: set[int]) -> None:
         """Host copies that have completed: backups waiting only for them may start."""
@@ -123,10 +125,12 @@ class StorageTier:
             backup = self._planned.popleft()
             self._writing.append((backup, self._writer.submit(self.storage.set, backup.keys,
                                                                 backup.host_pages)))
+        freed: list[int] = []
         while self._writing and self._writing[0][1].done():
             backup, future = self._writing.popleft()
             self._end_backup(backup, _result(future))
-        freed: list[int] = []
+            if backup.release:
+                freed += backup.host_pages
         for fetch in [f for f in self._holding if f.state is FetchState.ENDED and f.finished]:
             self._holding.remove(fetch)
             freed += fetch.host_pages[fetch.used:]
@@ -139,13 +143,15 @@ class StorageTier:
             self.counters["backup_failures"] += 1
             self._known.difference_update(backup.keys[stored:])  # planned again next time
 
-    def wait_backups(self) -> None:
+    def wait_backups(self) -> list[int]:
         """Blocks until every planned backup whose copies are done has been written (the
-        caller flushes the copies first)."""
+        caller flushes the copies first); returns what `poll` did meanwhile."""
+        freed: list[int] = []
         while self._planned and not self._planned[0].after or self._writing:
-            self.poll()
+            freed += self.poll()
             if self._writing:
                 concurrent.futures.wait([self._writing[0][1]])
+        return freed + self.poll()
 
     # -- fetches -------------------------------------------------------------------------
     def start_fetch(self, keys: list[bytes], first_page: int, anchor: object) -> StorageFetch:
@@ -218,8 +224,11 @@ class StorageTier:
         return fetch.used
 
     def held_pages(self) -> list[int]:
-        """Host pages fetches hold: being read, or ended and not yet freed."""
-        return [p for f in self._holding for p in f.host_pages[f.used:]]
+        """Host pages this tier holds: fetches' (being read, or ended and not yet freed) and
+        evicted pages still to be written."""
+        backups = [*self._planned, *(b for b, _ in self._writing)]
+        return ([p for f in self._holding for p in f.host_pages[f.used:]]
+                + [p for b in backups if b.release for p in b.host_pages])
 
     def close(self) -> None:
         for pool in (self._writer, self._readers):

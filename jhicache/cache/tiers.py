@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from jhicache.cache.device_pool import RESERVED_PAGES
 from jhicache.cache.pages import PageAllocator
@@ -112,6 +112,9 @@ class HostTier(Tier):
         self.pinned: collections.Counter[Node] = collections.Counter()
         self.locked: collections.Counter[int] = collections.Counter()
         self.evicted_tokens = 0
+        # Called with each leaf about to be evicted; True: its pages went to a storage backup,
+        # which frees them once written (they are not freed here)
+        self.on_evict: Callable[[Node], bool] | None = None
 
     def pin(self, nodes: Iterable[Node]) -> None:
         self.pinned.update(nodes)
@@ -161,14 +164,20 @@ class HostTier(Tier):
         return self.alloc(n_pages)
 
     def evict(self, n_pages: int) -> int:
-        """Deletes LRU host-only leaves until `n_pages` host pages are freed; returns the pages
-        freed. Their writes were dispatched when their device pages left the tree."""
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed (or handed to a
+        storage backup, `on_evict`); returns the pages freed. Their writes were dispatched when
+        their device pages left the tree."""
         freed: list[int] = []
+        handed = 0  # pages handed to storage backups: freed once written, not now
         for node in self.lru_leaves():
-            if len(freed) >= n_pages:
+            if len(freed) + handed >= n_pages:
                 break
+            kept = self.on_evict is not None and self.on_evict(node)
             _, host, tokens = self.tree.remove_subtree(node)
-            freed += host
+            if kept:
+                handed += len(host)
+            else:
+                freed += host
             self.evicted_tokens += tokens
         self.free(freed)
         return len(freed)

@@ -18,15 +18,17 @@ from hypothesis.stateful import initialize, precondition, rule
 from jhicache.cache import DevicePool, HostPool, PoolLayout, PrefixCache
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.storage import StorageNamespace
-from jhicache.config import WritePolicy
+from jhicache.config import StorageWritePolicy, WritePolicy
 from tests.cache._helpers import HEAD_DIM, HEADS, LAYERS, DeferredCopier
 from tests.cache.test_stateful import CacheMachine, prompts
 
 
 class StorageMachine(CacheMachine):
     @initialize(page=st.sampled_from([1, 4]), policy=st.sampled_from(list(WritePolicy)),
-                host=st.sampled_from([6, 12]), deferred=st.booleans())
-    def setup(self, page: int, policy: WritePolicy, host: int, deferred: bool) -> None:
+                host=st.sampled_from([6, 12]), deferred=st.booleans(),
+                storage_policy=st.sampled_from(list(StorageWritePolicy)))
+    def setup(self, page: int, policy: WritePolicy, host: int, deferred: bool,
+              storage_policy: StorageWritePolicy) -> None:
         self.page, self.root = page, tempfile.mkdtemp(prefix="jhicache-storage-")
         device = PoolLayout(LAYERS, 16 // page + 1, page, HEADS, HEAD_DIM, jnp.float32)
         host_pool = HostPool(dataclasses.replace(device, num_pages=host * 4 // page))
@@ -35,7 +37,9 @@ class StorageMachine(CacheMachine):
         storage = FileStorage(self.root, namespace, host_pool.page_segments)
         self.cache = PrefixCache(page, DevicePool(device), host_pool, policy,
                                  load_back_threshold=2 * page,
-                                 copier=DeferredCopier() if deferred else None, storage=storage)
+                                 copier=DeferredCopier() if deferred else None, storage=storage,
+                                 storage_policy=storage_policy)
+        event(f"storage policy: {storage_policy.value}")
         self.fetched = 0
 
     @rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())
