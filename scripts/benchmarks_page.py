@@ -331,6 +331,39 @@ def device_hit_beside(files: list[Json], args: Json) -> Figures:
     return Figures("; ".join(parts))
 
 
+def gbps(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def storage_hit(files: list[Json], args: Json) -> Figures:
+    """A turn on a prefix only in the storage tier (page cache dropped) against recompute: TTFTs
+    and their ratio, the fetch's read rate against the disk's best rate measured in the same run
+    (sequential, or in parallel); the bench's median trial (by TTFT), the range over all."""
+    run = files[0]["storage_hit"]
+    trials = run["trials"]
+    mid = trials[run["median_trial"]]
+    disk = run["disk_read_ceiling_bps"]
+
+    def each(key: str, scale: float = 1.0) -> list[float]:
+        return [t[key] * scale for t in trials]
+
+    hit, recompute = each("storage_hit_ttft_s", 1e3), each("recompute_ttft_s", 1e3)
+    ratios, reads = each("storage_hit_over_recompute"), each("fetch_read_bps", 1e-9)
+    over_disk = [t["fetch_read_bps"] / disk for t in trials]
+    text = (f"{ms(mid['storage_hit_ttft_s'], 0)} ms ({span(hit, 0)}) against recompute "
+            f"{ms(mid['recompute_ttft_s'], 0)} ms ({span(recompute, 0)}): "
+            f"{mid['storage_hit_over_recompute']:.2f} ({span(ratios, 2)}); fetch read "
+            f"{gbps(mid['fetch_read_bps'])} ({span(reads, 2)}), "
+            f"{mid['fetch_read_bps'] / disk:.2f} of the disk ({span(over_disk, 2)}); "
+            f"{plural(len(trials), 'trial')}")
+    ceiling = (f"disk {gbps(run['disk_sequential_read_bps'])} sequential, "
+               f"{gbps(run['disk_parallel_read_bps'])} {run['disk_probe_files']} files in "
+               f"parallel ({run['disk_probe_bytes'] / 1e9:.2f} GB); page cache (not the disk) "
+               f"{gbps(run['page_cache_read_bps'])}")
+    return Figures(text, ceiling, checks={"storage_hit_over_recompute": ratios,
+                                          "fetch_read_over_disk": over_disk})
+
+
 def step_vs_forward(files: list[Json], args: Json) -> Figures:
     """The engine's step (overlap on, and lock-step) against its forward alone."""
     case, key = args["case"], args["key"]
@@ -430,8 +463,8 @@ EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_modes,
         multiturn_stream, serve_paths, host_hit, load_back, write_back_host_hit,
-        write_back_head, device_hit_beside, step_vs_forward, attention, forward_floor,
-        fresh_vs_hf, gather, programs_ab, note)
+        write_back_head, device_hit_beside, storage_hit, step_vs_forward, attention,
+        forward_floor, fresh_vs_hf, gather, programs_ab, note)
 }
 
 
