@@ -276,13 +276,19 @@ class AsyncEngine:
         if problem is not None:
             raise InvariantError(problem)
 
+    def clear_storage(self) -> bool:
+        """`Engine.clear_storage()`: deletes the storage tier's pages; False while requests are
+        unfinished."""
+        return self._call("clear_storage", bool)
+
     def _call(self, name: str, kind: Any) -> Any:
         if self._engine is not None:
             engine = self._engine
             return {"stats": engine.stats, "occupancy": engine.occupancy,
                     "startup": lambda: engine.startup,
                     "compiles": lambda: {p.value: n for p, n in engine.compiles.counts.items()},
-                    "flush_cache": engine.flush_cache}[name]()
+                    "flush_cache": engine.flush_cache,
+                    "clear_storage": engine.clear_storage}[name]()
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._enqueue(_Query(name, future), raise_if_stopped=True)
         return msgspec.convert(future.result(), kind)

@@ -12,7 +12,7 @@ import numbers
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -313,11 +313,23 @@ class Engine:
         """Empties the prefix cache of both tiers, as SGLang's /flush_cache does: only while no
         request is unfinished (False, nothing done, otherwise). The step and copies in flight
         end first."""
+        return self._when_idle(self.cache.clear)
+
+    def clear_storage(self) -> bool:
+        """Deletes every page of the storage tier's namespace (the device and host tiers keep
+        theirs), as SGLang's /clear_hicache_storage_backend: only while no request is
+        unfinished (False, nothing done, otherwise); backups planned before it end first.
+        True without a storage tier (nothing to delete)."""
+        return self._when_idle(self.cache.clear_storage)
+
+    def _when_idle(self, action: Callable[[], object]) -> bool:
+        """Runs `action` once the step and copies in flight have ended, if no request is
+        unfinished; False (nothing done) otherwise."""
         with self._lock, self._serving():
             if self._requests:
                 return False
             self._drain()
-            self.cache.clear()
+            action()
             return True
 
     def check_invariants(self) -> None:

@@ -96,7 +96,8 @@ class Cancel(msgspec.Struct, tag=True):
 
 
 class Call(msgspec.Struct, tag=True):
-    """An engine call with a reply: stats, occupancy, startup, compiles, flush_cache, warmup."""
+    """An engine call with a reply: stats, occupancy, startup, compiles, flush_cache,
+    clear_storage, check_invariants, warmup."""
 
     call: int
     name: str
@@ -430,6 +431,8 @@ class _ChildLoop:
             return {phase.value: n for phase, n in engine.compiles.counts.items()}
         if message.name == "flush_cache":
             return engine.flush_cache()
+        if message.name == "clear_storage":
+            return engine.clear_storage()
         if message.name == "check_invariants":
             return self._check()
         raise ValueError(f"unknown engine call {message.name!r}")

@@ -310,7 +310,8 @@ def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -
     assert summary["warmup"]["shapes"] == len(measured.engine.grid.shapes()) > 0
     assert summary["compiles_during_run"]["count"] == 0
     assert measured.engine.stats().compiles_serving == 0
-    assert summary["max_token_gap_s"] > 0
+    # a gap needs two outputs with tokens (a consumer that lags gets outputs merged: maybe none)
+    assert 0 <= summary["max_token_gap_s"] <= max(t.e2e_s for t in measured.run.turns)
     # variable lengths: turns and answers drawn from [12, 24] and [1, 2] tokens
     prompts = [t.prompt_len for t in measured.run.turns if t.round == 0]
     assert all(12 <= n <= 24 for n in prompts) and len(set(prompts)) > 1

@@ -236,6 +236,16 @@ BAD_CONFIGS = [
     ("load_back_threshold", dict(load_back_threshold=-1)),
     ("chunked_prefill_tokens", dict(chunked_prefill_tokens=2.5)),
     ("cache_mode", dict(cache_mode=["device"])),
+    ("storage_dir", dict(storage_dir="")),
+    ("storage_dir", dict(storage_dir="/tmp/x", cache_mode="device")),
+    ("storage_capacity_bytes", dict(storage_capacity_bytes=0)),
+    ("storage_write_policy", dict(storage_write_policy="sometimes")),
+    ("storage_model_name", dict(storage_model_name=7)),
+    ("fetch_policy", dict(fetch_policy="eventually")),
+    ("fetch_threshold", dict(fetch_threshold=-1)),
+    ("fetch_timeout_s", dict(fetch_timeout_s=-1.0)),
+    ("fetch_timeout_per_ki_token_s", dict(fetch_timeout_per_ki_token_s=math.inf)),
+    ("storage_io_threads", dict(storage_io_threads=0)),
 ]
 
 

@@ -439,7 +439,7 @@ def test_bad_requests_name_the_limit(http: httpx.Client):
 
 
 def test_server_without_tokenizer_takes_token_ids_only(checkpoint: Path):
-    srv = start_server(checkpoint, tokenizer=False, process=True)
+    srv = start_server(checkpoint, tokenizer=False)
     try:
         with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as c:
             for path, body in [("/v1/completions", {"prompt": "hello"}),
@@ -488,7 +488,7 @@ def test_text_is_tokenized_off_the_event_loop(server: ServerThread,
 
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) -> None:
-    srv = start_server(checkpoint, max_request_bytes=1000, process=True)
+    srv = start_server(checkpoint, max_request_bytes=1000)
     try:
         big = {"prompt": "hello " * 400, "max_tokens": 1}
         r = httpx.post(srv.url + "/v1/completions", json=big, timeout=60)  # Content-Length
@@ -507,14 +507,15 @@ def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) ->
 def test_a_restarted_server_serves_a_prefix_from_storage(checkpoint: Path,
                                                           tmp_path: Path) -> None:
     """A server with a storage directory, stopped and started again: the same prompt's pages
-    come from storage (cached_tokens_details and /metrics say so), with the same tokens."""
+    come from storage (cached_tokens_details and /metrics say so), with the same tokens; a
+    flush keeps them, /clear_hicache_storage_backend deletes them."""
     config = dataclasses.replace(ENGINE_CONFIG, storage_dir=str(tmp_path),
                                  write_policy="write_through", fetch_threshold=16,
                                  fetch_policy="wait_complete")
     body = {"input_ids": list(range(3, 103)),
             "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
     replies = []
-    for _ in range(2):
+    for restart in (False, True):
         srv = start_server(checkpoint, config=config)
         try:
             with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as c:
@@ -522,6 +523,10 @@ def test_a_restarted_server_serves_a_prefix_from_storage(checkpoint: Path,
                 hits = metric(c, "jhicache:cache_hit_tokens_total", tier="storage")
                 full = metric(c, "jhicache:storage_fetches_total", outcome="full")
                 assert c.post("/flush_cache").status_code == 200  # it waits for the backups
+                assert metric(c, "jhicache:storage_bytes") > 0  # a flush keeps storage
+                if restart:
+                    assert c.post("/clear_hicache_storage_backend").status_code == 200
+                    assert metric(c, "jhicache:storage_bytes") == 0
         finally:
             srv.stop()
     assert replies[0]["output_ids"] == replies[1]["output_ids"]

@@ -338,10 +338,20 @@ class PrefixCache:
             self.transfers.launch()
 
     def flush(self) -> int:
-        """Launches and waits for every transfer, then retires them; returns how many."""
+        """Launches and waits for every transfer, then retires them (the storage backups they
+        held back start: an idle engine still writes them); returns how many."""
         if self.transfers is None:
             return 0
-        return self._retire(self.transfers.flush())
+        retired = self._retire(self.transfers.flush())
+        self._poll_storage()
+        return retired
+
+    def wait_for_backups(self) -> None:
+        """Blocks until every transfer has ended and every storage backup planned so far has
+        been written."""
+        self.flush()
+        if self.storage is not None and self.host is not None:
+            self.host.free(self.storage.wait_backups())
 
     def _retire(self, ops: list[TransferOp]) -> int:
         if self.storage is not None:
@@ -364,14 +374,20 @@ class PrefixCache:
         """Empties the device and host tiers (a flush of the whole cache; storage keeps its
         pages); every transfer and storage backup ends first. Nothing may be locked: the
         caller holds no request. Returns the device and host pages freed."""
-        self.flush()
-        if self.storage is not None and self.host is not None:
-            self.host.free(self.storage.wait_backups())
+        self.wait_for_backups()
         device, host = self.tree.clear()
         if self.host is not None:
             self.host.free(host)
         self._release_device(device)
         return len(device) + len(host)
+
+    def clear_storage(self) -> int:
+        """Deletes every stored page (after the backups already planned, which would store
+        pages again); returns how many. The device and host tiers keep theirs."""
+        if self.storage is None:
+            return 0
+        self.wait_for_backups()
+        return self.storage.clear()
 
     # -- storage -------------------------------------------------------------------------
     def _poll_storage(self) -> None:

@@ -153,6 +153,12 @@ class StorageTier:
                 concurrent.futures.wait([self._writing[0][1]])
         return freed + self.poll()
 
+    def clear(self) -> int:
+        """Deletes every stored page (no backup may be in flight); returns how many."""
+        assert not self._writing, "backups still in flight"
+        self._known = {k for b in self._planned for k in b.keys}  # planned, not yet written
+        return self.storage.clear()
+
     # -- fetches -------------------------------------------------------------------------
     def start_fetch(self, keys: list[bytes], first_page: int, anchor: object) -> StorageFetch:
         """Asks the backend, on a thread, how many of `keys` it holds."""

@@ -1,11 +1,12 @@
-"""SGLang's native routes: POST /generate (streamed or not), POST /flush_cache, GET /health,
-GET /get_model_info, and Prometheus' GET /metrics."""
+"""SGLang's native routes: POST /generate (streamed or not), POST /flush_cache, POST
+/clear_hicache_storage_backend, GET /health, GET /get_model_info, and Prometheus' GET
+/metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -46,6 +47,14 @@ def _finish_reason(update: Update) -> dict[str, Any] | None:
     if update.finish_reason is FinishReason.STOP:
         return {"type": "stop", "matched": update.matched_stop}
     return {"type": "abort", "message": "aborted"}
+
+
+async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Response:
+    """An engine call that only acts while no request runs: 200, or 400 when refused. It waits
+    for the step that runs (a lock, or the engine process's reply): off the event loop."""
+    if await asyncio.to_thread(call):
+        return PlainTextResponse(f"{done}.\n")
+    return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
 def _payload(rid: str, update: Update) -> dict[str, Any]:
@@ -96,12 +105,12 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # It waits for the step that runs (a lock, or the engine process's reply): off the
-        # event loop
-        if await asyncio.to_thread(ctx.engine.flush_cache):
-            return PlainTextResponse("Cache flushed.\n")
-        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n",
-                                 status_code=400)
+        return await _when_idle(ctx.engine.flush_cache, "Cache flushed", "Cache not flushed")
+
+    @router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+    async def clear_storage() -> Response:  # SGLang's name
+        return await _when_idle(ctx.engine.clear_storage, "Storage cleared",
+                                "Storage not cleared")
 
     @router.get("/health")
     async def health() -> Response:
