@@ -63,6 +63,7 @@ class _Sink:
     prompt_len: int
     final_only: bool  # generate(): only the finished output is posted
     last: RequestOutput | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)  # with a process: so far
     done: bool = False
     error: BaseException | None = None  # the caller's: taken from the queue, not yet raised
 
@@ -573,6 +574,9 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue  # not ours, or its consumer is gone
+            if self._process is not None and not out.finished:  # new tokens only: see Outputs
+                sink.tokens += out.new_token_ids
+                out = dataclasses.replace(out, token_ids=list(sink.tokens))
             sink.last = out
             if out.finished:
                 del self._sinks[out.request_id]

@@ -137,7 +137,9 @@ class Reply(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    """Every output of one step for a request the parent follows."""
+    """Every output of one step for a request the parent follows. A running request's output
+    carries its new tokens only (`token_ids` empty: the parent appends them to its own list),
+    so a step's message does not grow with the outputs' lengths; a final one carries all."""
 
     items: list[RequestOutput]
 
@@ -453,8 +455,10 @@ class _ChildLoop:
                 continue
             if out.finished:
                 del self.final_only[out.request_id]
-            if out.finished or not final_only:
+            if out.finished:
                 items.append(out)
+            elif not final_only:  # its tokens so far are the parent's to keep (see Outputs)
+                items.append(dataclasses.replace(out, token_ids=[]))
         if items:
             self.up.send(self.encoder.encode(Outputs(items)))
 

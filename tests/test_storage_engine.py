@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jhicache import Engine, SamplingParams
+from jhicache.cache.page_keys import chain_keys
 from tests.test_engine import (
     assert_idle_and_consistent,
     make_engine,
@@ -36,6 +37,7 @@ def test_a_restart_hits_from_storage_with_the_tokens_of_no_cache(tmp_path: Path)
     stats = again.stats()
     assert stats.storage_hit_tokens > 0 and stats.storage_fetch_full > 0
     assert stats.storage_read_bytes > 0 and stats.storage_corrupt_pages == 0
+    assert stats.storage_backup_pages == 0  # every page was stored before: none planned again
     assert_idle_and_consistent(again)
 
 
@@ -116,3 +118,40 @@ def test_an_unusable_storage_directory_is_a_clear_error_at_start(tmp_path: Path)
         storage_engine(blocker / "storage")
     with pytest.raises(ValueError, match="hierarchical"):
         make_engine(storage_dir=str(tmp_path), cache_mode="device")
+
+
+def test_clear_storage_deletes_the_pages_and_flush_cache_keeps_them(tmp_path: Path) -> None:
+    first = storage_engine(tmp_path)
+    run_chats(first)
+    assert first.flush_cache() and first.stats().storage_pages > 0  # flush keeps storage
+    assert first.clear_storage()
+    assert first.stats().storage_pages == 0 and not list(tmp_path.rglob("*.kv"))
+    again = storage_engine(tmp_path)
+    assert run_chats(again) == reference_histories()
+    assert again.stats().storage_hit_tokens == 0 and again.stats().storage_backup_pages > 0
+    rid = again.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert not again.clear_storage()  # refused while a request is unfinished
+    again.abort(rid)
+    again.drain()
+    assert again.clear_storage() and make_engine().clear_storage()  # no storage: nothing to do
+
+
+def test_a_page_evicted_from_storage_is_written_again(tmp_path: Path) -> None:
+    """Under a cap, pages leave storage; a later write of the same prefix stores them again
+    (what this process planned before does not count as stored)."""
+    probe = storage_engine(tmp_path / "probe")
+    page_file = probe.cache.storage.storage.page_file_bytes  # type: ignore[union-attr]
+    engine = storage_engine(tmp_path / "capped", storage_capacity_bytes=8 * page_file)
+    prompt = list(range(1, 6 * 16 + 2))  # six whole pages, then the token left to compute
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    engine.flush_cache()
+    stats = engine.stats()
+    assert stats.storage_backup_pages == 6 and stats.storage_pages == 6
+    for i in range(3):  # other prompts push the first out of storage
+        engine.generate([[500 - i] * (6 * 16 + 1)], SamplingParams(max_new_tokens=1))
+        engine.flush_cache()
+    assert engine.stats().storage_evicted_pages >= 6
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    engine.flush_cache()
+    assert engine.cache.storage.storage.exists(  # type: ignore[union-attr]
+        chain_keys(prompt[:96], 16)) == 6

@@ -110,6 +110,10 @@ class FileStorage(Storage):
                 return n
         return len(keys)
 
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
     def _adopt(self, key: bytes) -> bool:
         """Whether another writer has stored `key` (then it joins the index)."""
         try:

@@ -75,6 +75,11 @@ class Storage(abc.ABC):
         """How many of `keys`, from the first, are stored."""
 
     @abc.abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether the page `key` is stored, as far as this process knows without I/O (a page
+        another server wrote may be missing from the answer; `exists` asks the backend)."""
+
+    @abc.abstractmethod
     def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Reads page `keys[i]` into host page `host_pages[i]`, in order; returns how many were
         read before the first that could not be (its host page then holds nothing usable)."""

@@ -93,7 +93,7 @@ class StorageTier:
         self._planned: collections.deque[_Backup] = collections.deque()
         self._writing: collections.deque[tuple[_Backup, concurrent.futures.Future[int]]] = (
             collections.deque())
-        self._known: set[bytes] = set()  # keys planned or stored by this tier
+        self._known: set[bytes] = set()  # keys planned, not yet written
         # fetches holding host pages: reading, or ended with pages a thread may still write
         self._holding: list[StorageFetch] = []
         self.counters: dict[str, float] = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
@@ -101,8 +101,9 @@ class StorageTier:
 
     # -- backups -------------------------------------------------------------------------
     def known(self, key: bytes) -> bool:
-        """Whether a backup of the page `key` was planned here (or has been written)."""
-        return key in self._known
+        """Whether the page `key` is stored or planned to be (a page evicted from storage since
+        is not: it is planned again)."""
+        return key in self._known or self.storage.contains(key)
 
     def plan_backup(self, keys: Sequence[bytes], host_pages: Sequence[int],
                     after: set[int], release: bool = False) -> None:
@@ -141,7 +142,8 @@ class StorageTier:
         self.counters["backup_pages"] += stored
         if stored < len(backup.keys):
             self.counters["backup_failures"] += 1
-            self._known.difference_update(backup.keys[stored:])  # planned again next time
+        # written: the backend's index knows them now; failed: planned again next time
+        self._known.difference_update(backup.keys)
 
     def wait_backups(self) -> list[int]:
         """Blocks until every planned backup whose copies are done has been written (the
