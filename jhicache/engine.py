@@ -562,7 +562,8 @@ class _Launched(NamedTuple):
     shape: StepShape  # the grid shape it was padded to
 
 
-_STORAGE_WAIT_S = 0.05  # an idle step waits this long at most for a storage read to move on
+_STORAGE_WAIT_S = 0.01  # an idle step waits this long at most for a storage read to move on:
+# short, as a request that arrives meanwhile is added only after it
 
 
 def _file_storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> FileStorage:
