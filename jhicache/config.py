@@ -38,6 +38,10 @@ class FetchPolicy(enum.Enum):
     BEST_EFFORT = "best_effort"  # admitted when its turn comes, with the pages read by then
     WAIT_COMPLETE = "wait_complete"  # admitted once every page found has been read
     TIMEOUT = "timeout"  # as wait_complete, up to a base plus a per-token allowance
+    # admitted at once: computes the prefix's head while its tail is read from storage, last
+    # page first, and takes the pages read from where the two meet (the best TTFT when the
+    # disk reads about as fast as the GPU computes; costs GPU time the others would get)
+    SPLIT = "split"
 
 
 class KVDtype(enum.Enum):
@@ -130,7 +134,7 @@ class EngineConfig:
       storage_model_name: the model's identity in the namespace; None derives it (a preset's
         name and seed, a checkpoint directory's name, and the model config's hash). Give one
         name to share a directory between servers whose checkpoints live at different paths.
-      fetch_policy: "best_effort", "wait_complete" or "timeout" (see FetchPolicy).
+      fetch_policy: "best_effort", "wait_complete", "timeout" or "split" (see FetchPolicy).
       fetch_threshold: fewer tokens than this past the cached prefix are not asked of storage.
       fetch_timeout_s, fetch_timeout_per_ki_token_s: the timeout policy's allowance: the base
         plus this much per 1024 tokens asked for.

@@ -102,6 +102,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, not yet given
         self._seeds = np.random.default_rng()  # seeds for unseeded sampled requests
         self._lock = threading.RLock()  # the engine is single-threaded: calls take turns
+        self._closed = False
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
@@ -253,6 +254,24 @@ class Engine:
             self._aborted.append(req.to_output([]))
             return True
 
+    def close(self) -> None:
+        """Lets go of what the engine holds beside its device arrays: waits for the copies and
+        storage writes in flight, stops the storage tier's threads and unpins the host tier's
+        memory. Only with no request unfinished (ValueError otherwise); idempotent. The engine
+        serves nothing afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._requests:
+                raise ValueError("close() needs an idle engine: requests are unfinished")
+            self._drain()
+            self.cache.wait_for_backups()
+            if self.cache.storage is not None:
+                self.cache.storage.close()
+            if self.cache.host_pool is not None:
+                self.cache.host_pool.close()
+            self._closed = True
+
     def has_unfinished(self) -> bool:
         """True while a submitted request has not finished or been aborted."""
         return bool(self._requests)
@@ -348,6 +367,8 @@ class Engine:
     def _serving(self) -> Iterator[None]:
         """Counts the compiles of the block as serving ones; under `fail_on_compile`, raises
         `CompileError` naming them once it ends (inside a warm-up they count as warm-up)."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         with self.compiles.watch(CompilePhase.SERVING):
             yield
         self._check_compiles("")

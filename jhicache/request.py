@@ -69,8 +69,9 @@ class Request:
     finish_reason: FinishReason | None = None
     prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
     storage_hit_tokens: int = 0
-    storage_fetch: Any = None  # its read from the storage tier while it waits, if any
+    storage_fetch: Any = None  # its read from the storage tier, if any (waiting, or split)
     fetched_tokens: int | None = None  # tokens that read put in the tree (None: not asked)
+    computed_len: int = 0  # prompt tokens it computed before taking the pages read after them
     prompt_len: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:

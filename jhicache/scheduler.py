@@ -18,6 +18,8 @@ from jhicache.cache import LoadTicket, MatchResult, PrefixCache
 from jhicache.config import CacheMode, EngineConfig, FetchPolicy
 from jhicache.request import FinishReason, Request, RequestStatus
 
+SPLIT_PIECES = 4  # a split fetch's head is computed in pieces of this share of a step's budget
+
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
@@ -85,29 +87,42 @@ class Scheduler:
     def _prefill_batch(self) -> Batch | None:
         budget = self.config.chunked_prefill_tokens
         chunks: list[Chunk] = []
+        met: list[Request] = []
         for req in self.running:
             if req.status is RequestStatus.PREFILLING and budget > 0:
-                chunk = self._next_chunk(req, budget)
+                stop = self._fetch_stop(req)
+                if stop is not None and req.cached_len >= stop:
+                    met.append(req)
+                    continue
+                chunk = self._next_chunk(req, budget, stop)
                 if chunk is None:
                     break
-                chunks.append(chunk)
-                budget -= chunk.length
+                if chunk.length:
+                    chunks.append(chunk)
+                    budget -= chunk.length
+        for req in reversed(met):
+            self._take_fetched_tail(req)
         tickets: list[LoadTicket] = []
         self._advance_fetches()
         for req in list(self.waiting):  # first come, first served; a request reading from
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.storage_fetch is not None:  # storage is passed over, not waited for
-                continue
+            if req.storage_fetch is not None and not self._split:  # storage is passed over,
+                continue  # not waited for
             if req.pending:  # retracted while its last token was in flight
                 break
             admitted = self._admit(req, budget, tickets)
             if admitted is None:
                 break
             self.waiting.remove(req)
-            chunks.append(admitted)
-            budget -= admitted.length
+            if admitted.length:  # (none: a split fetch's head rounds down to no whole page)
+                chunks.append(admitted)
+                budget -= admitted.length
         return Batch(chunks=chunks, is_decode=False, tickets=tuple(tickets)) if chunks else None
+
+    @property
+    def _split(self) -> bool:
+        return self.config.fetch_policy is FetchPolicy.SPLIT
 
     def fetching(self) -> bool:
         """Whether a waiting request is reading its pages from storage."""
@@ -124,11 +139,17 @@ class Scheduler:
             if req.fetched_tokens is None and req.storage_fetch is None:
                 match = self.cache.match(req.tokens, leave_last=True)
                 req.storage_fetch = self.cache.start_fetch(req.tokens, match,
-                                                           config.fetch_threshold)
+                                                           config.fetch_threshold, self._split)
                 req.fetched_tokens = 0 if req.storage_fetch is None else None
                 continue
             fetch = req.storage_fetch
             if fetch is None:
+                continue
+            if self._split:  # reads start once storage answers; all read, it ends (the
+                stop = self._fetch_stop(req)  # pages go into the tree as host pages)
+                if req.storage_fetch is not None and stop == fetch.first_page * self.page_size:
+                    req.fetched_tokens = self.cache.end_fetch(fetch, req.tokens, fetch.first_page)
+                    req.storage_fetch = None
                 continue
             if config.fetch_policy is FetchPolicy.BEST_EFFORT:
                 stop = True
@@ -141,9 +162,48 @@ class Scheduler:
             if got is not None:
                 req.storage_fetch, req.fetched_tokens = None, got
 
-    def _next_chunk(self, req: Request, budget: int) -> Chunk | None:
-        """Allocates pages for the next piece of `req`'s pending tokens; None if none are free."""
+    # ---- split fetches: the head computed while the tail is read -------------------------
+
+    def _fetch_stop(self, req: Request) -> int | None:
+        """For a request whose prefix's tail is being read from storage (split policy): the
+        prompt position, a page boundary, where its compute meets the pages read so far (or,
+        while storage is still asked which pages it holds, the last page asked for). None when
+        it reads nothing (any more)."""
+        fetch = req.storage_fetch
+        if fetch is None:
+            return None
+        got = self.cache.advance_fetch(fetch, req.tokens, self.config.fetch_threshold, False)
+        if got is not None:  # too few pages found, or no host room: nothing read
+            req.storage_fetch, req.fetched_tokens = None, got
+            return None
+        read_from = fetch.read_from
+        last = fetch.first_page + len(fetch.keys) if read_from is None else read_from
+        return last * self.page_size
+
+    def _take_fetched_tail(self, req: Request) -> None:
+        """`req`'s compute has met its tail's pages read from storage: its computed pages go to
+        the cache, the pages read after them follow as host pages, and it waits at the front of
+        the queue to be admitted again on them (it holds nothing meanwhile)."""
+        self.running.remove(req)
+        computed = req.cached_len
+        self._settle(req, computed)
+        got = self.cache.end_fetch(req.storage_fetch, req.tokens, computed // self.page_size)
+        req.storage_fetch, req.fetched_tokens = None, got
+        req.status, req.cached_len, req.shared_len = RequestStatus.WAITING, 0, 0
+        req.computed_len = computed
+        self.waiting.appendleft(req)
+
+    def _next_chunk(self, req: Request, budget: int, stop: int | None = None) -> Chunk | None:
+        """Allocates pages for the next piece of `req`'s pending tokens, up to `stop` (a page
+        boundary) if given; None if no pages are free."""
         length = min(req.pending_len, budget)
+        if stop is not None:  # small pieces, so that it stops near where the reads have come
+            length = min(length, max(self.config.chunked_prefill_tokens // SPLIT_PIECES,
+                                     self.page_size))
+        if stop is not None and req.cached_len + length > stop:
+            length = stop - req.cached_len  # then it stops there for the pages read
+        elif stop is not None and req.cached_len + length < req.num_tokens:
+            length -= (req.cached_len + length) % self.page_size  # it may stop at a page end
         end = req.cached_len + length
         pages = self.cache.alloc_device(_pages_for(end, self.page_size) - len(req.device_pages))
         if pages is None:
@@ -153,21 +213,36 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
+        if req.storage_fetch is not None:  # split: the pages already read past the prefix
+            match = self.cache.match(req.tokens, leave_last=True)
+            stop = self._fetch_stop(req)
+            cached = match.device_len + match.host_len
+            if stop is not None and cached >= stop:
+                req.fetched_tokens = self.cache.end_fetch(req.storage_fetch, req.tokens,
+                                                          cached // self.page_size)
+                req.storage_fetch = None
         hits = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
         if hits is None:
             return None
-        chunk = self._next_chunk(req, budget)
+        chunk = self._next_chunk(req, budget, self._fetch_stop(req))
         if chunk is None:
             self._release(req)
             return None
         hits = self._count_prefetched(req, hits)
-        # pages read from storage for it, then loaded back, count as storage hits
+        # pages read from storage for it, then loaded back, count as storage hits; pages it
+        # computed itself before it took those (split fetch) are no hits
+        device = max(hits[0] - req.computed_len, 0)
         stored = min(req.fetched_tokens or 0, hits[1])
         req.fetched_tokens = 0 if req.fetched_tokens is not None else None
-        self.counters["device_hit_tokens"] += hits[0]
+        self.counters["device_hit_tokens"] += device
         self.counters["host_hit_tokens"] += hits[1] - stored
         self.counters["storage_hit_tokens"] += stored
-        if req.first_token_s is None:  # a re-admission after retraction keeps its first report
+        if req.computed_len:  # admitted again after its split fetch: adds to its first report
+            req.device_hit_tokens += device
+            req.host_hit_tokens += hits[1] - stored
+            req.storage_hit_tokens += stored
+            req.computed_len = 0
+        elif req.first_token_s is None:  # a re-admission after retraction keeps its first one
             req.device_hit_tokens, req.host_hit_tokens = hits[0], hits[1] - stored
             req.storage_hit_tokens = stored
         req.status = RequestStatus.PREFILLING
@@ -288,11 +363,11 @@ class Scheduler:
         `keep_computed`, its full pages of known tokens go to the cache (their KV is computed, or
         will be by steps already dispatched, which run before any later reader); the rest are
         freed. False if it was not queued here (finished, or never added)."""
+        if req.storage_fetch is not None and (req in self.waiting or req in self.running):
+            self.cache.end_fetch(req.storage_fetch, None)
+            req.storage_fetch = None
         if req in self.waiting:
             self.waiting.remove(req)
-            if req.storage_fetch is not None:
-                self.cache.end_fetch(req.storage_fetch, None)
-                req.storage_fetch = None
         elif req in self.running:
             self.running.remove(req)
             if keep_computed and self.reuse:

@@ -102,7 +102,7 @@ class EngineStats:
     storage_fetch_partial: int = 0
     storage_fetch_no_host: int = 0
     storage_fetched_pages: int = 0
-    storage_fetch_read_s: float = 0.0  # fetches read to the end: first read's start to last's end
+    storage_fetch_read_s: float = 0.0  # ended fetches whose reads stopped: first start to last end
     storage_written_bytes: int = 0
     storage_write_s: float = 0.0
     storage_read_bytes: int = 0

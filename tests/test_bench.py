@@ -98,6 +98,17 @@ def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, 
     assert list(tmp_path.iterdir()) == [out]  # the storage and the probe's files are gone
 
 
+def test_storage_hit_with_the_split_policy_computes_what_it_does_not_read(tmp_path) -> None:
+    out = tmp_path / "split.json"
+    args = ["storage-hit", *TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
+            "--storage-hit-trials", "1", "--storage-dir", str(tmp_path), "--out", str(out),
+            "--fetch-policy", "split"]
+    assert command.main(args) == 0
+    hit = json.loads(out.read_text())["storage_hit"]
+    assert hit["fetch_policy"] == "split" and hit["device_hit_tokens"] == 0
+    assert 0 <= hit["storage_hit_tokens"] <= 64 and hit["storage_hit_tokens"] % 8 == 0
+
+
 def test_multiturn_with_a_storage_dir_backs_pages_up_and_removes_them_after(tmp_path) -> None:
     out = tmp_path / "mt.json"
     store = tmp_path / "store"
@@ -316,3 +327,20 @@ def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -
     prompts = [t.prompt_len for t in measured.run.turns if t.round == 0]
     assert all(12 <= n <= 24 for n in prompts) and len(set(prompts)) > 1
     assert {len(t.token_ids) for t in measured.run.turns} <= {1, 2}
+
+
+def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
+    """Half the rounds, a new engine on the same storage directory, the other half: their hits
+    come from storage, as many as without the restart, with the same answers."""
+    out, store = tmp_path / "restart.json", tmp_path / "store"
+    store.mkdir()
+    args = ["restart", *TINY, "--request-length", "300", "--write-policy", "write_through",
+            "--storage-dir", str(store), "--out", str(out)]
+    assert command.main(args) == 0
+    result = json.loads(out.read_text())["restart"]
+    assert result["restart_round"] == 1 and result["storage_pages_at_restart"] > 0
+    assert result["restarted"]["storage_hit_rate"] > 0
+    assert result["straight"]["storage_hit_rate"] == 0  # its own tiers hold everything
+    assert result["hit_rate_ratio"] > 0.9 and result["same_answers"]
+    assert result["compiles"] == [0, 0, 0]
+    assert list(store.iterdir()) == []

@@ -1,15 +1,19 @@
 """The storage tier in the engine: a restart on the same directory hits from storage with the
-tokens of no cache at all, under each fetch policy; damaged pages are recomputed; an abort
+tokens of no cache at all, under each fetch policy (split: computing the head while the tail is
+read); damaged pages are recomputed; an abort
 during a fetch leaks nothing; an unusable directory is a clear error at start."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from jhicache import Engine, SamplingParams
 from jhicache.cache.page_keys import chain_keys
+from jhicache.cache.storage_tier import FETCH_CHUNK_PAGES
 from tests.test_engine import (
     assert_idle_and_consistent,
     make_engine,
@@ -57,7 +61,7 @@ def test_write_back_to_storage_writes_pages_evicted_from_host(tmp_path: Path) ->
     assert again.stats().storage_hit_tokens > 0
 
 
-@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+@pytest.mark.parametrize("policy", ["best_effort", "timeout", "split"])
 def test_each_fetch_policy_gives_the_tokens_of_no_cache(tmp_path: Path, policy: str) -> None:
     first = storage_engine(tmp_path)
     run_chats(first)
@@ -68,6 +72,58 @@ def test_each_fetch_policy_gives_the_tokens_of_no_cache(tmp_path: Path, policy: 
     assert stats.storage_fetches > 0
     assert stats.storage_fetch_full + stats.storage_fetch_partial + stats.storage_fetch_revoked \
         + stats.storage_fetch_no_host <= stats.storage_fetches
+    assert_idle_and_consistent(again)
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the storage threads did not get there"
+        time.sleep(0.001)
+
+
+def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
+    """Split policy, with the reads of the first chunk of pages held back: the request computes
+    its head, stops where the pages read from the tail begin, and takes those from storage;
+    its tokens are those of no cache, and the held-back pages go back to the free list."""
+    prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
+    params = SamplingParams(max_new_tokens=3)
+    expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
+    first = storage_engine(tmp_path)
+    first.generate([prompt], params)
+    first.flush_cache()
+    again = storage_engine(tmp_path, fetch_policy="split", chunked_prefill_tokens=64)
+    tier = again.cache.storage
+    assert tier is not None
+    head = set(chain_keys(prompt[:FETCH_CHUNK_PAGES * 16], 16))
+    release, get = threading.Event(), tier.storage.get
+
+    def held_get(keys, host_pages):  # the chunk of the first pages waits for the test
+        if keys[0] in head:
+            release.wait(10)
+        return get(keys, host_pages)
+
+    tier.storage.get = held_get  # type: ignore[method-assign]
+    rid = again.add_request(prompt, params)
+    again.step()  # admitted at once: computes [0, 64) while storage is asked
+    (req,) = again.scheduler.running
+    fetch = req.storage_fetch
+    _wait_until(lambda: fetch.queried)
+    again.step()  # the reads start, last chunk first; computes [64, 128)
+    _wait_until(lambda: fetch.tail_completed == 20 - FETCH_CHUNK_PAGES)
+    outputs = []  # it meets the pages read at 128, takes them, computes the last token
+    for _ in range(20):
+        outputs += again.step()
+        if any(o.finished for o in outputs):
+            break
+    (output,) = [o for o in outputs if o.request_id == rid and o.finished]
+    assert output.token_ids == expected
+    assert (output.device_hit_tokens, output.host_hit_tokens) == (0, 0)
+    assert output.storage_hit_tokens == (20 - FETCH_CHUNK_PAGES) * 16
+    release.set()
+    _wait_until(lambda: fetch.finished)
+    again.step()  # frees the held-back chunk's pages
+    assert tier.held_pages() == []
     assert_idle_and_consistent(again)
 
 
@@ -90,15 +146,17 @@ def test_damaged_pages_are_recomputed_not_served(tmp_path: Path) -> None:
     assert_idle_and_consistent(again)
 
 
-def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["wait_complete", "split"])
+def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> None:
     first = storage_engine(tmp_path)
     prompt = list(range(1, 130))
     first.generate([prompt], SamplingParams(max_new_tokens=2))
     first.flush_cache()
-    again = storage_engine(tmp_path)
+    again = storage_engine(tmp_path, fetch_policy=policy, chunked_prefill_tokens=32)
     rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
-    again.step()  # the request asks storage for its pages and waits
-    assert again.scheduler.fetching()
+    again.step()  # the request asks storage for its pages and waits (split: computes meanwhile)
+    running = [r for r in again.scheduler.running if r.storage_fetch is not None]
+    assert again.scheduler.fetching() if policy == "wait_complete" else running
     assert again.abort(rid)
     outputs = again.drain()
     assert [o.finish_reason for o in outputs] == ["abort"]
@@ -109,6 +167,26 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path) -> None:
     assert_idle_and_consistent(again)
     assert again.cache.storage.held_pages() == []  # type: ignore[union-attr]
     assert again.generate([prompt], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+
+
+def test_close_writes_the_backups_stops_the_threads_and_ends_the_engine(tmp_path: Path) -> None:
+    before = set(threading.enumerate())  # (engines of other tests may keep theirs)
+    engine = storage_engine(tmp_path)
+    rid = engine.add_request(list(range(1, 100)), SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="unfinished"):
+        engine.close()
+    engine.abort(rid)
+    engine.drain()
+    engine.generate([list(range(1, 100))], SamplingParams(max_new_tokens=2))
+    engine.close()
+    engine.close()  # idempotent
+    assert not [t for t in set(threading.enumerate()) - before
+                if t.name.startswith("jhicache-storage")]
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1))
+    again = storage_engine(tmp_path)  # what it wrote is there
+    assert again.generate([list(range(1, 100))], SamplingParams(max_new_tokens=2))
+    assert again.stats().storage_hit_tokens > 0
 
 
 def test_an_unusable_storage_directory_is_a_clear_error_at_start(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ class Chunk:
     device_hit_tokens: int
     host_hit_tokens: int
     engine_ttft_s: float | None  # the engine's own TTFT, where the backend can see it
+    storage_hit_tokens: int = 0
 
 
 class Backend(Protocol):
@@ -51,7 +52,8 @@ class EngineBackend:
                      request_id: str) -> AsyncIterator[Chunk]:
         async for out in self.engine.stream(prompt, params, request_id=request_id):
             yield Chunk(tuple(out.new_token_ids), tuple(out.token_ids), out.finished,
-                        out.prompt_len, out.device_hit_tokens, out.host_hit_tokens, out.ttft_s)
+                        out.prompt_len, out.device_hit_tokens, out.host_hit_tokens, out.ttft_s,
+                        out.storage_hit_tokens)
 
 
 class ServerError(RuntimeError):

@@ -26,7 +26,7 @@ from jhicache.bench.arg_types import (
     server_url,
 )
 from jhicache.bench.engines import engine_config
-from jhicache.config import EngineConfig, KVDtype, WritePolicy
+from jhicache.config import EngineConfig, FetchPolicy, KVDtype, WritePolicy
 from jhicache.models.config import PRESETS
 
 DESCRIPTION = """\
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(given=frozenset())
     p.add_argument("what", nargs="?", default="all",
                    choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead",
-                            "storage-hit"),
+                            "storage-hit", "restart"),
                    help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
                         "multiturn through the HTTP server and in process, side by side")
     p.add_argument("--url", type=server_url, metavar="URL", default=None,
@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(unset: the system's temporary directory); multiturn: a storage tier "
                         "under the hierarchical mode, there (a temporary directory in it, "
                         "removed after)")
+    p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
+                   help="restart: the round before which the engine restarts on its storage "
+                        "(unset: half the rounds)")
+    p.add_argument("--fetch-policy", default=None, choices=_values(FetchPolicy),
+                   help="how a request waits for its pages from storage (unset: storage-hit "
+                        "reads them in full first; multiturn and restart take the engine's own)")
     p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the random weights and the prompts")
     p.add_argument("--out", type=output_file, metavar="FILE", default=None,

@@ -52,6 +52,7 @@ class Turn:
     host_hit_tokens: int
     engine_ttft_s: float | None  # the engine's own (submission to first token on the host);
     # None where the backend cannot see it (over HTTP)
+    storage_hit_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -72,11 +73,13 @@ class ClientsRun:
 
 async def run_clients(backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
                       params: Sequence[Sequence[SamplingParams]], config: ClientsConfig,
-                      on_turn: Callable[[Turn], None] | None = None) -> ClientsRun:
+                      on_turn: Callable[[Turn], None] | None = None,
+                      histories: Sequence[Sequence[int]] | None = None) -> ClientsRun:
     """Runs every client's conversation on `backend` (in this process or over HTTP);
     `turns[round][client]` is a user turn, appended with the answers before it to form the
-    prompt, so prompts do not depend on timing; `params[round][client]` asks for its answer."""
-    return await _Clients(backend, turns, params, config, on_turn).run()
+    prompt, so prompts do not depend on timing; `params[round][client]` asks for its answer.
+    `histories` continues conversations held so far (a run's `histories`)."""
+    return await _Clients(backend, turns, params, config, on_turn, histories).run()
 
 
 class _Clients:
@@ -84,12 +87,14 @@ class _Clients:
 
     def __init__(self, backend: Backend, turns: Sequence[Sequence[Sequence[int]]],
                  params: Sequence[Sequence[SamplingParams]], config: ClientsConfig,
-                 on_turn: Callable[[Turn], None] | None) -> None:
+                 on_turn: Callable[[Turn], None] | None,
+                 histories: Sequence[Sequence[int]] | None = None) -> None:
         self.backend, self.turns, self.params, self.config = backend, turns, params, config
         self.on_turn = on_turn or (lambda turn: None)
         clients = len(turns[0])
         self.limit = config.max_parallel or clients
-        self.histories: list[list[int]] = [[] for _ in range(clients)]
+        self.histories = [list(h) for h in histories or [[]] * clients]
+        assert len(self.histories) == clients, "one history per client"
         self.next_round = [0] * clients
         self.ready = list(range(clients))  # round 0: every client, in order
         self.done_in_round = [0] * len(turns)
@@ -184,7 +189,7 @@ class _Clients:
         assert final is not None and first is not None, "a stream ended without tokens"
         return Turn(client, index, sent, first, arrived, tuple(itl), max_gap, final.token_ids,
                     final.prompt_len, final.device_hit_tokens, final.host_hit_tokens,
-                    final.engine_ttft_s)
+                    final.engine_ttft_s, final.storage_hit_tokens)
 
     def _answered(self, client: int, index: int) -> None:
         """The client's answer arrived: its next turn is ready (with the barrier, once every
@@ -217,6 +222,7 @@ def round_summary(turns: Sequence[Turn]) -> dict:
         "engine_mean_ttft_s": _mean_or_none([t.engine_ttft_s for t in turns]),
         "device_hit_rate": sum(t.device_hit_tokens for t in turns) / prompt_tokens,
         "host_hit_rate": sum(t.host_hit_tokens for t in turns) / prompt_tokens,
+        "storage_hit_rate": sum(t.storage_hit_tokens for t in turns) / prompt_tokens,
         "prompt_tokens": prompt_tokens,
         "output_tokens": sum(len(t.token_ids) for t in turns),
         "requests": len(turns),

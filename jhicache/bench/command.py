@@ -18,6 +18,7 @@ from jhicache.bench.host_hit import bench_host_hit
 from jhicache.bench.model import bench_model
 from jhicache.bench.multiturn import bench_multiturn
 from jhicache.bench.remote_run import bench_remote
+from jhicache.bench.restart import bench_restart
 from jhicache.bench.storage_hit import bench_storage_hit
 from jhicache.models.config import preset_config
 
@@ -58,6 +59,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.what == "storage-hit":
         result["storage_hit"] = bench_storage_hit(args)
         print(report.storage_hit_table(result["storage_hit"]))
+    if args.what == "restart":
+        result["restart"] = bench_restart(args, model_vocab(args))
+        print(report.restart_table(result["restart"]))
     return result
 
 

@@ -70,6 +70,8 @@ def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> 
                  "max_context_len": longest}
     if cache_mode == "hierarchical" and getattr(args, "storage_dir", None):
         overrides["storage_dir"] = tempfile.mkdtemp(prefix="jhicache-bench-", dir=args.storage_dir)
+        if getattr(args, "fetch_policy", None):
+            overrides["fetch_policy"] = args.fetch_policy
     return overrides
 
 

@@ -44,11 +44,13 @@ def parse_chunk(payload: dict[str, Any], before: tuple[int, ...]) -> Chunk:
     details = meta.get("cached_tokens_details")
     if isinstance(details, dict) and {"device", "host"} <= details.keys():
         device, host = details["device"], details["host"]
+        storage = details.get("storage", 0)
     else:  # a server that reports no split (SGLang): its cached tokens count as device hits
-        device, host = meta.get("cached_tokens", 0), 0
+        device, host, storage = meta.get("cached_tokens", 0), 0, 0
     return Chunk(new_token_ids=ids[len(before):], token_ids=ids,
                  finished=meta.get("finish_reason") is not None, prompt_len=prompt_len,
-                 device_hit_tokens=device, host_hit_tokens=host, engine_ttft_s=None)
+                 device_hit_tokens=device, host_hit_tokens=host, engine_ttft_s=None,
+                 storage_hit_tokens=storage)
 
 
 def _json(data: str) -> dict[str, Any]:

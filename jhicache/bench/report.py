@@ -187,6 +187,9 @@ def storage_hit_table(result: dict) -> str:
             f"{result['storage_hit_ttft_s'] * 1e3:.1f} ms "
             f"(x {result['storage_hit_over_recompute']:.2f} of recompute) | prefix on device "
             f"{result['device_hit_ttft_s'] * 1e3:.1f} ms\n"
+            f"  fetch policy {result['fetch_policy']}: {result['storage_hit_tokens']} of the "
+            f"prefix's tokens taken from storage, the rest computed; "
+            f"{sum(t['storage_hit_compiles'] for t in trials)} compiles in the storage hits\n"
             f"  read {result['engine_storage_read_bytes'] / 1e9:.2f} GB in "
             f"{result['engine_storage_fetch_read_s'] * 1e3:.1f} ms: "
             f"{format_rate(result['fetch_read_bps'] / 1e9)}; the disk alone: sequential "
@@ -197,6 +200,21 @@ def storage_hit_table(result: dict) -> str:
             f"{result['fetch_read_over_disk']:.2f}\n"
             f"  the median of {len(trials)} trials by storage-hit TTFT (trial "
             f"{result['median_trial'] + 1}): {min(ttfts):.1f}-{max(ttfts):.1f} ms")
+
+
+def restart_table(result: dict) -> str:
+    def hits(part: dict) -> str:
+        return (f"{part['hit_rate']:.3f} (device {part['device_hit_rate']:.3f}, host "
+                f"{part['host_hit_rate']:.3f}, storage {part['storage_hit_rate']:.3f}) over "
+                f"{part['prompt_tokens']} prompt tokens, {part['requests']} requests")
+
+    return (f"restart on the storage directory before round {result['restart_round']} of "
+            f"{result['spec']['num_rounds']} ({result['storage_pages_at_restart']} pages "
+            f"stored then)\n"
+            f"  hit rate of the later rounds, never restarted: {hits(result['straight'])}\n"
+            f"  the same rounds after the restart: {hits(result['restarted'])}\n"
+            f"  restarted / never restarted: {result['hit_rate_ratio']:.3f}; answers the same: "
+            f"{result['same_answers']}; compiles while serving {result['compiles']}")
 
 
 def _gate_text(result: dict) -> str:

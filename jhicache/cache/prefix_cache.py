@@ -347,8 +347,8 @@ class PrefixCache:
         return retired
 
     def wait_for_backups(self) -> None:
-        """Blocks until every transfer has ended and every storage backup planned so far has
-        been written."""
+        """Blocks until every transfer has ended, every storage backup planned so far has
+        been written, and no ended fetch still reads."""
         self.flush()
         if self.storage is not None and self.host is not None:
             self.host.free(self.storage.wait_backups())
@@ -401,11 +401,12 @@ class PrefixCache:
         if self.storage is not None:
             self.storage.wait_for_progress(timeout_s)
 
-    def start_fetch(self, tokens: Sequence[int], match: MatchResult,
-                    threshold: int) -> StorageFetch | None:
+    def start_fetch(self, tokens: Sequence[int], match: MatchResult, threshold: int,
+                    from_tail: bool = False) -> StorageFetch | None:
         """Asks storage (on a thread) for the pages of `tokens` past `match` (whole pages,
-        the last token left to compute); None when there is no storage tier or fewer than
-        `threshold` tokens to ask for. The matched prefix stays cached until the fetch ends."""
+        the last token left to compute), to be read from the first or, with `from_tail`, from
+        the last; None when there is no storage tier or fewer than `threshold` tokens to ask
+        for. The matched prefix stays cached until the fetch ends."""
         if self.storage is None or self.host is None:
             return None
         hit = (match.device_len + match.host_len) // self.page_size
@@ -415,7 +416,7 @@ class PrefixCache:
         keys = chain_keys(tokens[:pages * self.page_size], self.page_size)
         anchor = (match.last_node, match.last_node.device_pages is not None)
         self._pin(anchor, True)
-        return self.storage.start_fetch(keys[hit:], hit, anchor)
+        return self.storage.start_fetch(keys[hit:], hit, anchor, from_tail)
 
     def _pin(self, anchor: tuple[Node, bool], pin: bool) -> None:
         """Keeps the anchor node (and so its prefix) in the tree: locked on device when it was
@@ -444,27 +445,33 @@ class PrefixCache:
                 return self.end_fetch(fetch, tokens)
             self.storage.read(fetch, host)
             return None
-        if fetch.state is FetchState.FETCHING and (stop or fetch.finished):
+        # a fetch from the tail ends where the request's compute meets it (the scheduler's)
+        if fetch.state is FetchState.FETCHING and (stop or fetch.finished and not fetch.from_tail):
             return self.end_fetch(fetch, tokens)
         if stop and fetch.state is FetchState.QUERYING:
             return self.end_fetch(fetch, tokens)
         return None
 
-    def end_fetch(self, fetch: StorageFetch, tokens: Sequence[int] | None) -> int:
+    def end_fetch(self, fetch: StorageFetch, tokens: Sequence[int] | None,
+                  from_page: int | None = None) -> int:
         """Ends `fetch`: the pages read from the first go into the tree under its anchor (none
-        with `tokens` None: an aborted request); returns the tokens they hold."""
+        with `tokens` None: an aborted request); a fetch `from_tail` gives its pages from
+        `from_page` (of the prompt) on, if they were all read, and the prefix before them must
+        be cached by then. Returns the tokens they hold."""
         assert self.storage is not None and self.host is not None
         if fetch.state is FetchState.ENDED:
             return 0
-        used = self.storage.end_fetch(fetch)
+        first = 0 if from_page is None else from_page - fetch.first_page
+        lo, hi = self.storage.end_fetch(fetch, first)
         self._pin(fetch.anchor, False)  # type: ignore[arg-type]
-        if tokens is None or not used:
-            self.host.free(fetch.host_pages[:used])
+        pages = fetch.host_pages[lo:hi]
+        if tokens is None or not pages:
+            self.host.free(pages)
             return 0
-        end = (fetch.first_page + used) * self.page_size
-        unused = self.tree.insert_host(tokens[:end], fetch.host_pages[:used], fetch.first_page)
+        end = (fetch.first_page + hi) * self.page_size
+        unused = self.tree.insert_host(tokens[:end], pages, fetch.first_page + lo)
         self.host.free(unused)
-        return used * self.page_size - len(unused) * self.page_size
+        return (len(pages) - len(unused)) * self.page_size
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:  # counts, and seconds spent copying

@@ -19,6 +19,10 @@ STORAGE_TIER_COUNTERS = ("backup_pages", "backup_failures", "fetches", "fetch_re
                          "fetch_full", "fetch_partial", "fetch_no_host", "fetched_pages",
                          "fetch_read_s")
 FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk's queue full
+# A fetch from the tail keeps this many reads in flight, the next started as one ends: its
+# chunks then end in order, so that the pages read from the last grow steadily (all at once,
+# every chunk would share the disk and end at about the same time).
+TAIL_READS_IN_FLIGHT = 2
 
 
 class FetchState(enum.Enum):
@@ -31,20 +35,24 @@ class FetchState(enum.Enum):
 class StorageFetch:
     """One request's read of stored pages past its cached prefix. `keys` are the candidate
     pages' keys; `found` (set by a thread) how many of them, from the first, are stored; the
-    scheduler then gives `host_pages` and threads read them in chunks. Only the pages read
-    without a gap from the first count (`completed`)."""
+    scheduler then gives `host_pages` and threads read them in chunks, from the first, or with
+    `from_tail` from the last (the request computes the head meanwhile). Only the pages read
+    without a gap from the first (`completed`), or from the last (`tail_completed`), count."""
 
     keys: list[bytes]
     first_page: int  # index of keys[0] among the prompt's pages
     anchor: object  # the pinned tree node the pages go under (the prefix cache's)
     started_s: float
+    from_tail: bool = False
     state: FetchState = FetchState.QUERYING
     found: int | None = None
     host_pages: list[int] = dataclasses.field(default_factory=list)
-    used = 0  # once ended: the pages (from the first) handed to the tree
+    kept = (0, 0)  # once ended: the range of `host_pages` handed to the tree
     read_s = 0.0  # the reads' wall time, start of the first to end of the last
     _read: list[int] = dataclasses.field(default_factory=list)  # per chunk: pages read, or -1
     _pending = 0  # read tasks not yet ended
+    _queued: collections.deque[tuple[int, int]] = dataclasses.field(
+        default_factory=collections.deque)  # from the tail: (chunk, first page) not yet started
     _cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -63,6 +71,26 @@ class StorageFetch:
                 if read != size:
                     break
             return done
+
+    @property
+    def tail_completed(self) -> int:
+        """Pages read, from the last, down to the first chunk not (fully) read."""
+        with self._lock:
+            done = 0
+            for i in reversed(range(len(self._read))):
+                size = min(FETCH_CHUNK_PAGES, len(self.host_pages) - i * FETCH_CHUNK_PAGES)
+                done += max(self._read[i], 0)
+                if self._read[i] != size:
+                    break
+            return done
+
+    @property
+    def read_from(self) -> int | None:
+        """From the tail: the prompt page from which every found page has been read (None
+        until the reads start)."""
+        if self.state is not FetchState.FETCHING:
+            return None
+        return self.first_page + len(self.host_pages) - self.tail_completed
 
     @property
     def finished(self) -> bool:
@@ -134,7 +162,8 @@ class StorageTier:
                 freed += backup.host_pages
         for fetch in [f for f in self._holding if f.state is FetchState.ENDED and f.finished]:
             self._holding.remove(fetch)
-            freed += fetch.host_pages[fetch.used:]
+            self.counters["fetch_read_s"] += fetch.read_s
+            freed += _outside(fetch.host_pages, fetch.kept)
         return freed
 
     def _end_backup(self, backup: _Backup, stored: int) -> None:
@@ -147,12 +176,15 @@ class StorageTier:
 
     def wait_backups(self) -> list[int]:
         """Blocks until every planned backup whose copies are done has been written (the
-        caller flushes the copies first); returns what `poll` did meanwhile."""
+        caller flushes the copies first), and until no ended fetch's thread still reads;
+        returns what `poll` did meanwhile."""
         freed: list[int] = []
         while self._planned and not self._planned[0].after or self._writing:
             freed += self.poll()
             if self._writing:
                 concurrent.futures.wait([self._writing[0][1]])
+        while any(f.state is FetchState.ENDED and not f.finished for f in self._holding):
+            self.wait_for_progress(0.01)
         return freed + self.poll()
 
     def clear(self) -> int:
@@ -162,9 +194,10 @@ class StorageTier:
         return self.storage.clear()
 
     # -- fetches -------------------------------------------------------------------------
-    def start_fetch(self, keys: list[bytes], first_page: int, anchor: object) -> StorageFetch:
+    def start_fetch(self, keys: list[bytes], first_page: int, anchor: object,
+                    from_tail: bool = False) -> StorageFetch:
         """Asks the backend, on a thread, how many of `keys` it holds."""
-        fetch = StorageFetch(keys, first_page, anchor, time.perf_counter())
+        fetch = StorageFetch(keys, first_page, anchor, time.perf_counter(), from_tail)
         with fetch._lock:
             fetch._pending = 1
         self.counters["fetches"] += 1
@@ -183,7 +216,7 @@ class StorageTier:
 
     def read(self, fetch: StorageFetch, host_pages: list[int]) -> None:
         """Reads the first `len(host_pages)` found pages into `host_pages`, in chunks, on the
-        reader threads."""
+        reader threads (the last chunk first with `from_tail`)."""
         assert fetch.state is FetchState.QUERYING and fetch.queried
         fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
         self._holding.append(fetch)
@@ -193,7 +226,12 @@ class StorageTier:
             fetch._read = [0] * len(chunks)
             fetch._pending = len(chunks)
             fetch.read_s = -started  # the last read to end adds its end time
-        for i, start in enumerate(chunks):
+        order = list(enumerate(chunks))
+        if fetch.from_tail:
+            fetch._queued.extend(reversed(order))
+            order = [fetch._queued.popleft()
+                     for _ in range(min(TAIL_READS_IN_FLIGHT, len(fetch._queued)))]
+        for i, start in order:
             self._readers.submit(self._read_chunk, fetch, i, start)
 
     def _read_chunk(self, fetch: StorageFetch, i: int, start: int) -> None:
@@ -209,39 +247,54 @@ class StorageTier:
             fetch._pending -= 1
             if fetch._pending == 0:
                 fetch.read_s += time.perf_counter()
+            queued = fetch._queued.popleft() if fetch._queued else None
         self._progress.set()
+        if queued is not None:
+            try:
+                self._readers.submit(self._read_chunk, fetch, *queued)
+            except RuntimeError:  # the tier is closing: its pages are let go with it
+                pass
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Blocks until a fetch task has ended since the last call, or `timeout_s` passes."""
         self._progress.wait(timeout_s)
         self._progress.clear()
 
-    def end_fetch(self, fetch: StorageFetch) -> int:
-        """Terminates `fetch`: the pages read so far (from the first) are the caller's, the
-        rest are freed by a later `poll` once no thread writes them. Returns how many are the
-        caller's."""
+    def end_fetch(self, fetch: StorageFetch, first: int = 0) -> tuple[int, int]:
+        """Terminates `fetch`: the pages read so far become the caller's, those from the first
+        or, with `from_tail`, those from index `first` to the last if all of them were read;
+        the rest are freed by a later `poll` once no thread writes them. Returns the range of
+        `host_pages` that is the caller's."""
         fetch._cancel.set()
         if fetch.state is FetchState.FETCHING:
-            fetch.used = fetch.completed
-            self.counters["fetched_pages"] += fetch.used
-            if fetch.finished:
-                self.counters["fetch_read_s"] += fetch.read_s
-            full = fetch.used == len(fetch.host_pages)
-            self.counters["fetch_full" if full else "fetch_partial"] += 1
+            n = len(fetch.host_pages)
+            if not fetch.from_tail:
+                fetch.kept = (0, fetch.completed)
+            elif n - fetch.tail_completed <= first < n:
+                fetch.kept = (first, n)
+            else:
+                fetch.kept = (n, n)
+            kept = fetch.kept[1] - fetch.kept[0]
+            self.counters["fetched_pages"] += kept
+            self.counters["fetch_full" if kept == n else "fetch_partial"] += 1
         fetch.state = FetchState.ENDED
-        return fetch.used
+        return fetch.kept
 
     def held_pages(self) -> list[int]:
         """Host pages this tier holds: fetches' (being read, or ended and not yet freed) and
         evicted pages still to be written."""
         backups = [*self._planned, *(b for b, _ in self._writing)]
-        return ([p for f in self._holding for p in f.host_pages[f.used:]]
+        return ([p for f in self._holding for p in _outside(f.host_pages, f.kept)]
                 + [p for b in backups if b.release for p in b.host_pages])
 
     def close(self) -> None:
         for pool in (self._writer, self._readers):
             pool.shutdown(wait=True, cancel_futures=True)
         self.storage.close()
+
+
+def _outside(pages: list[int], kept: tuple[int, int]) -> list[int]:
+    return pages[:kept[0]] + pages[kept[1]:]
 
 
 def _result(future: concurrent.futures.Future[int]) -> int:

@@ -42,15 +42,19 @@ class StorageMachine(CacheMachine):
         event(f"storage policy: {storage_policy.value}")
         self.fetched = 0
 
-    @rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())
-    def fetch(self, tokens: list[int], abort: bool, clear_first: bool) -> None:
+    @rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans(),
+          tail=st.none() | st.integers(0, 2))
+    def fetch(self, tokens: list[int], abort: bool, clear_first: bool,
+              tail: int | None = None) -> None:
         """A waiting request reads its pages past its cached prefix from storage, to the end
-        (then they are host pages of the tree), or is aborted midway; maybe after a flush."""
+        (then they are host pages of the tree), or is aborted midway; maybe after a flush.
+        With `tail`, it reads from the last page, and takes the pages from `tail` pages past
+        the first on (a prefix not cached then: the tree takes none of them)."""
         if clear_first and not self.held and not self.locks:
             self.clear()
         tokens = self._aligned(tokens) + [999]  # the last token is left to compute
         match = self.cache.match(tokens, leave_last=True)
-        fetch = self.cache.start_fetch(tokens, match, threshold=self.page)
+        fetch = self.cache.start_fetch(tokens, match, self.page, from_tail=tail is not None)
         if fetch is None:
             return
         got = None
@@ -60,14 +64,19 @@ class StorageMachine(CacheMachine):
                 break
             self.cache.wait_for_storage(1.0)
             got = self.cache.advance_fetch(fetch, tokens, self.page, stop=False)
+            if got is None and tail is not None and fetch.finished:
+                got = self.cache.end_fetch(fetch, tokens, fetch.first_page + tail)
+                assert tail or got == len(fetch.host_pages) * self.page
         if got:
             self.fetched += got
             self._check_match(tokens[:-1])
             self.flush_and_verify_all()  # the pages read hold their prefix's KV
 
     # more names for the same rule, so that runs fetch often (rules are drawn uniformly)
-    fetch_again = rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())(
-        lambda self, tokens, abort, clear_first: self.fetch(tokens, abort, clear_first))
+    fetch_again = rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans(),
+                       tail=st.none() | st.integers(0, 2))(
+        lambda self, tokens, abort, clear_first, tail: self.fetch(tokens, abort, clear_first,
+                                                                  tail))
     fetch_more = rule(tokens=prompts(), abort=st.booleans(), clear_first=st.booleans())(
         lambda self, tokens, abort, clear_first: self.fetch(tokens, abort, clear_first))
 

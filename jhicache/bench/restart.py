@@ -1,0 +1,109 @@
+"""The restart bench: multi-turn conversations on an engine with a storage tier, the engine
+closed and a new one started on the same directory midway, then the conversations' next turns;
+their hit rate against the same turns on an engine that was never restarted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from jhicache.async_engine import AsyncEngine
+from jhicache.bench import clients
+from jhicache.bench.backends import EngineBackend
+from jhicache.bench.compile_counter import CompileCounter
+from jhicache.bench.engines import make_engine
+from jhicache.bench.multiturn import (
+    clients_config,
+    device_tokens_for,
+    mode_overrides,
+    multiturn_spec,
+    turn_params,
+)
+from jhicache.bench.workload import MultiTurnSpec, user_turns
+from jhicache.engine import Engine
+from jhicache.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Leg:
+    """Rounds served by one engine, from the conversations held so far."""
+
+    run: clients.ClientsRun
+    stats: dict
+    compiles: int  # XLA compiles while it served (0: warm-up covered every step)
+
+
+def bench_restart(args: argparse.Namespace, vocab: int) -> dict:
+    """Straight: every round on one engine. Restarted: the rounds before `--restart-round` on
+    an engine, then, on a new engine over the same storage directory (the first closed after
+    its backups), the rest. Each engine is warmed up before it serves; each run has its own
+    directory under `--storage-dir`, removed after."""
+    spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
+    args._device_tokens = device_tokens_for(args, spec)
+    after = args.restart_round if args.restart_round is not None else spec.num_rounds // 2
+    if not 0 < after < spec.num_rounds:
+        raise ValueError(f"--restart-round {after}: expected 1..{spec.num_rounds - 1}")
+    turns, params = user_turns(spec), turn_params(spec)
+    root = Path(tempfile.mkdtemp(prefix="jhicache-restart-", dir=args.storage_dir))
+    try:
+        straight = _leg(args, spec, root / "straight", turns, params, None)
+        before = _leg(args, spec, root / "restarted", turns[:after], params[:after], None)
+        restarted = _leg(args, spec, root / "restarted", turns[after:], params[after:],
+                         before.run.histories)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    later = [t for t in straight.run.turns if t.round >= after]
+    result = {"restart_round": after, "spec": dataclasses.asdict(spec),
+              "straight": _hits(later), "restarted": _hits(restarted.run.turns),
+              "before_restart": _hits(before.run.turns),
+              "compiles": [straight.compiles, before.compiles, restarted.compiles],
+              "storage_pages_at_restart": before.stats["storage_pages"],
+              "same_answers": _answers(later) == _answers(restarted.run.turns, after)}
+    result["hit_rate_ratio"] = (result["restarted"]["hit_rate"]
+                                / result["straight"]["hit_rate"])
+    return result
+
+
+def _leg(args: argparse.Namespace, spec: MultiTurnSpec, storage: Path, turns: Sequence,
+         params: Sequence, histories: Sequence[Sequence[int]] | None) -> Leg:
+    """A new engine on `storage`, warmed up, serves `turns` (in process, as a server would),
+    then writes its backups and is closed."""
+    no_dir = argparse.Namespace(**{**vars(args), "storage_dir": None})  # (it makes none)
+    overrides = {**mode_overrides(no_dir, spec, "hierarchical"), "storage_dir": str(storage)}
+    if args.fetch_policy:
+        overrides["fetch_policy"] = args.fetch_policy
+    engine = make_engine(args, **overrides)
+    engine.warmup(progress=False)
+    with CompileCounter() as compiles:
+        run = asyncio.run(_serve(engine, turns, params, args, histories))
+    engine.flush_cache()  # every page is written to storage before the engine goes
+    stats = engine.stats().as_dict()
+    engine.close()
+    return Leg(run, stats, compiles.count)
+
+
+async def _serve(engine: Engine, turns: Sequence, params: Sequence[Sequence[SamplingParams]],
+                 args: argparse.Namespace,
+                 histories: Sequence[Sequence[int]] | None) -> clients.ClientsRun:
+    async with AsyncEngine(engine) as served:
+        return await clients.run_clients(EngineBackend(served), turns, params,
+                                         clients_config(args, args.seed), histories=histories)
+
+
+def _hits(turns: Sequence[clients.Turn]) -> dict:
+    """Prompt tokens hit in each tier, and in all, over these turns' prompt tokens."""
+    prompt = sum(t.prompt_len for t in turns)
+    tiers = {tier: sum(getattr(t, f"{tier}_hit_tokens") for t in turns) / prompt
+             for tier in ("device", "host", "storage")}
+    return {"prompt_tokens": prompt, "requests": len(turns),
+            **{f"{tier}_hit_rate": rate for tier, rate in tiers.items()},
+            "hit_rate": sum(tiers.values())}
+
+
+def _answers(turns: Sequence[clients.Turn], offset: int = 0) -> dict:
+    return {(t.client, t.round + offset): t.token_ids for t in turns}
