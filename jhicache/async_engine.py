@@ -36,6 +36,7 @@ from jhicache.engine_process import (
     engine_info,
     step_or_drain,
 )
+from jhicache.logprobs import TokenLogprob
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
 from jhicache.stats import EngineStats, Occupancy, StartupTimes
@@ -64,6 +65,7 @@ class _Sink:
     final_only: bool  # generate(): only the finished output is posted
     last: RequestOutput | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)  # with a process: so far
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # likewise
     done: bool = False
     error: BaseException | None = None  # the caller's: taken from the queue, not yet raised
 
@@ -577,6 +579,9 @@ class AsyncEngine:
             if self._process is not None and not out.finished:  # new tokens only: see Outputs
                 sink.tokens += out.new_token_ids
                 out = dataclasses.replace(out, token_ids=list(sink.tokens))
+                if out.logprobs is not None:
+                    sink.logprobs += out.logprobs
+                    out = dataclasses.replace(out, logprobs=list(sink.logprobs))
             sink.last = out
             if out.finished:
                 del self._sinks[out.request_id]

@@ -36,6 +36,8 @@ from jhicache.cache.storage import StorageNamespace
 from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
+from jhicache.logprobs import record as logprob_record
+from jhicache.logprobs import token_logprobs
 from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -436,17 +438,22 @@ class Engine:
         transfers.finish_loads()
         logits = self.runner.finish(hidden, inputs.meta, inputs.last_index)
         sampled = self._sample(logits, batch.chunks)
+        wanted = any(c.samples_token and c.request.logprobs is not None for c in batch.chunks)
+        logprobs = token_logprobs(logits, sampled) if wanted else None
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
-        return _Launched(batch, sampled, start, gated, inputs.shape)
+        return _Launched(batch, sampled, start, gated, inputs.shape, logprobs)
 
     def _end(self, step: _Launched) -> list[RequestOutput]:
-        """Reads a step's sampled tokens (waiting for that step alone) and commits them."""
-        ids = np.asarray(step.sampled)
+        """Reads a step's sampled tokens, and their log probabilities where asked for (waiting
+        for that step alone, in one read), and commits them."""
+        ids, logprobs = jax.device_get((step.sampled, step.logprobs))
         now = time.perf_counter()
         self.counters.record_forward(step.batch, now - step.dispatched_s, step.gated)
         gained = self.scheduler.commit(step.batch, ids, now)
+        if logprobs is not None:
+            self._add_logprobs(step.batch, set(gained), *logprobs)
         finished = [r for r in gained if r.finished]
         self.counters.record_finished(finished)
         for req in finished:
@@ -454,6 +461,17 @@ class Engine:
         if self.config.check_invariants_every_step:
             self.check_invariants()
         return [r.to_output([r.tokens[-1]]) for r in gained]
+
+    @staticmethod
+    def _add_logprobs(batch: Batch, gained: set[Request], chosen: np.ndarray,
+                      top_values: np.ndarray, top_ids: np.ndarray) -> None:
+        """Each request that gained a token and asked for log probabilities keeps its row's."""
+        for row, chunk in enumerate(batch.chunks):
+            req = chunk.request
+            if chunk.samples_token and req in gained and req.logprobs is not None:
+                n = req.params.logprobs or 0
+                req.logprobs.append(logprob_record(req.tokens[-1], chosen[row], top_values[row],
+                                                   top_ids[row], n))
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None
@@ -581,6 +599,7 @@ class _Launched(NamedTuple):
     dispatched_s: float
     gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
     shape: StepShape  # the grid shape it was padded to
+    logprobs: tuple[jax.Array, ...] | None = None  # `token_logprobs` of it, where asked for
 
 
 _STORAGE_WAIT_S = 0.01  # an idle step waits this long at most for a storage read to move on:

@@ -138,7 +138,8 @@ class Reply(msgspec.Struct, tag=True):
 
 class Outputs(msgspec.Struct, tag=True):
     """Every output of one step for a request the parent follows. A running request's output
-    carries its new tokens only (`token_ids` empty: the parent appends them to its own list),
+    carries its new tokens only (`token_ids` empty: the parent appends them to its own list;
+    `logprobs`, where asked for, those of the new tokens),
     so a step's message does not grow with the outputs' lengths; a final one carries all."""
 
     items: list[RequestOutput]
@@ -458,7 +459,9 @@ class _ChildLoop:
             if out.finished:
                 items.append(out)
             elif not final_only:  # its tokens so far are the parent's to keep (see Outputs)
-                items.append(dataclasses.replace(out, token_ids=[]))
+                new = len(out.new_token_ids)
+                logprobs = None if out.logprobs is None else out.logprobs[-new:] if new else []
+                items.append(dataclasses.replace(out, token_ids=[], logprobs=logprobs))
         if items:
             self.up.send(self.encoder.encode(Outputs(items)))
 

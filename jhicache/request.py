@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from jhicache.logprobs import TokenLogprob
 from jhicache.sampling import SamplingParams
 
 
@@ -37,6 +38,8 @@ class RequestOutput:
     ttft_s: float | None  # submission to first token known on the host; None before it
     finish_reason: str | None  # "length", "stop" or "abort"; None while running
     storage_hit_tokens: int = 0  # prompt tokens read from the storage tier, then loaded back
+    # with SamplingParams.logprobs: one record per generated token, as `token_ids`; else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,9 +76,11 @@ class Request:
     fetched_tokens: int | None = None  # tokens that read put in the tree (None: not asked)
     computed_len: int = 0  # prompt tokens it computed before taking the pages read after them
     prompt_len: int = dataclasses.field(init=False)
+    logprobs: list[TokenLogprob] | None = dataclasses.field(init=False)  # per output token
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
+        self.logprobs = [] if self.params.logprobs is not None else None
 
     @property
     def output(self) -> list[int]:
@@ -130,4 +135,5 @@ class Request:
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
             storage_hit_tokens=self.storage_hit_tokens,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

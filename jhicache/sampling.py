@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhicache.logprobs import MAX_LOGPROBS
+
 SEED_LIMIT = 2**63  # seeds are ints in [0, SEED_LIMIT), as in vLLM
 
 
@@ -49,6 +51,8 @@ class SamplingParams:
     request with a `seed` draws the same tokens however it is batched and whatever the cache
     mode; an unseeded one gets a fresh random seed when it is submitted. Generation stops after
     `max_new_tokens` tokens or at the first of `stop_token_ids`, which is kept in the output.
+    With `logprobs` (0 to MAX_LOGPROBS), each generated token comes with its log probability
+    and that many of the most likely alternatives (`RequestOutput.logprobs`).
     """
 
     max_new_tokens: int = 16
@@ -57,6 +61,7 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -73,6 +78,8 @@ class SamplingParams:
         if self.seed is not None:
             fix("seed", _int("seed", self.seed, low=0, high=SEED_LIMIT))
         fix("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        if self.logprobs is not None:
+            fix("logprobs", _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS + 1))
 
     @property
     def is_greedy(self) -> bool:

@@ -1,20 +1,20 @@
 """The warm-up: every program an engine's steps can dispatch, compiled before it serves.
 
 Two passes over the engine's `ShapeGrid`:
-1. Ahead of time, on a thread pool: for each shape, every program a step of it dispatches
-   (the forward's two programs, the samplers, a decode's patch of pending tokens and its
-   first program over the patched tokens), and each write-back gather size, lowered with
-   arguments typed as a real call's (the engine's own arrays, shardings included) and
-   compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
+1. Ahead of time, on a thread pool: for each shape, every program a step of it dispatches (the
+   forward's two programs, the samplers, the log probabilities, a decode's patch of pending
+   tokens and its first program over the patched tokens), and each write-back gather size,
+   lowered with arguments typed as a real call's (the engine's own arrays, shardings included)
+   and compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
    argument types). XLA times candidate kernels for each matmul on the GPU while it compiles,
    and keeps the winners in its in-process autotuning cache; timed beside other compiles, it
-   chose programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet
-   a token count or a request count (the matmuls' rows) compile one at a time, first; every
-   other program should then find its matmuls timed already, and compiles in parallel. That
-   the cache is hit is inferred from the decode speed measured after this order, not checked.
-   When the first shape's programs are all read back from JAX's persistent compilation cache
-   (a restart), nothing is timed: the executables carry the kernels chosen when they were
-   first compiled, and every other program is read back in parallel.
+   chose programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet a
+   token count or a request count (the matmuls' rows) compile one at a time, first; every other
+   program should then find its matmuls timed already, and compiles in parallel. That the cache
+   is hit is inferred from the decode speed measured after this order, not checked. When the
+   first shape's programs are all read back from JAX's persistent compilation cache (a restart),
+   nothing is timed: the executables carry the kernels chosen when they were first compiled, and
+   every other program is read back in parallel.
 2. One padding step per shape through the real step path, serially: it should compile
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
@@ -40,6 +40,7 @@ from tqdm import tqdm
 from jhicache.batch import padding_inputs, patch_tokens
 from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
+from jhicache.logprobs import token_logprobs
 from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sampling_arrays
 
@@ -96,6 +97,7 @@ def _step_programs(engine: Engine, shape: StepShape,
     logits = _compiled(programs.lower_rest(k, v, hidden, inputs.meta, inputs.last_index), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
     _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
+    _compiled(token_logprobs.lower(logits, sampled), lock)
     if inputs.patches is not None:
         patched = _compiled(patch_tokens.lower(inputs.tokens, *inputs.patches, sampled), lock)
         _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
@@ -159,6 +161,7 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
         logits = engine.runner.run(tokens, inputs.meta, inputs.last_index)
         sampled = greedy(logits, rows=rows)
         sample(logits, *sampling_arrays([], [], logits.shape[0]), rows=rows)
+        token_logprobs(logits, sampled)
     jax.block_until_ready(sampled)
 
 

@@ -41,6 +41,7 @@ class SamplingFields:
     stop: str | list[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
+    logprobs: int | None = None  # alternatives per token; None: no log probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +126,14 @@ class ServerContext:
         stop_ids = list(fields.stop_token_ids or ())
         if not fields.ignore_eos and self.tokenizer is not None:
             stop_ids += self.tokenizer.eos_token_ids
+        if fields.top_k == 0 or fields.top_k < -1:
+            raise ApiError(400, f"top_k={fields.top_k}: expected -1 (off) or at least 1",
+                           "top_k")
         try:
             return SamplingParams(max_new_tokens=fields.max_tokens, temperature=fields.temperature,
                                   top_k=fields.top_k if fields.top_k > 0 else None,
                                   top_p=fields.top_p if fields.top_p < 1 else None,
-                                  seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+                                  seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                                  logprobs=fields.logprobs)
         except ValueError as e:
             raise ApiError(400, str(e)) from None

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 
 from jhicache.async_engine import AsyncEngine
+from jhicache.logprobs import TokenLogprob
 from jhicache.request import FinishReason, RequestOutput
 from jhicache.sampling import SamplingParams
 from jhicache.serve.detokenizer import IncrementalDetokenizer
@@ -45,6 +46,10 @@ class Update:
     device_hit_tokens: int
     host_hit_tokens: int
     storage_hit_tokens: int = 0
+    # with logprobs asked for: the records of `token_ids`, and of `new_token_ids`, a stop
+    # token's left out (its text is not part of the output either)
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,9 +76,13 @@ class _TextState:
         reason = FinishReason(out.finish_reason) if out.finish_reason else None
         matched: int | str | None = None
         new = out.new_token_ids
+        logprobs = out.logprobs
+        new_logprobs = None if logprobs is None else logprobs[len(logprobs) - len(new):]
         if reason is FinishReason.STOP and new and new[-1] in self._stop_ids:
             matched = new[-1]
             new = new[:-1]  # a stop token's text is not part of the output (OpenAI, SGLang)
+            if logprobs is not None and new_logprobs is not None:
+                logprobs, new_logprobs = logprobs[:-1], new_logprobs[:-1]
         text = self._detokenize(new, reason is not None)
         hit = self._stops.find(text, self._searched)
         self._searched = len(text)
@@ -85,7 +94,8 @@ class _TextState:
                       new_token_ids=list(out.new_token_ids), finish_reason=reason,
                       matched_stop=matched, prompt_tokens=out.prompt_len,
                       device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
-                      storage_hit_tokens=out.storage_hit_tokens)
+                      storage_hit_tokens=out.storage_hit_tokens, logprobs=logprobs,
+                      new_logprobs=new_logprobs)
 
     def _detokenize(self, ids: Sequence[int], final: bool) -> str:
         if self._detok is None:

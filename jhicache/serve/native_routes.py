@@ -17,6 +17,7 @@ from jhicache.request import FinishReason
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
+from jhicache.serve.logprobs import TokenText, sglang_logprobs, token_text
 from jhicache.serve.protocol import GenerateRequest, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
@@ -57,14 +58,30 @@ async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Respo
     return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
-def _payload(rid: str, update: Update) -> dict[str, Any]:
-    meta = {"id": rid, "finish_reason": _finish_reason(update),
+def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]:
+    """The response (or a stream's event: text, ids and log probabilities cumulative)."""
+    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
             "cached_tokens": update.cached_tokens,
             "cached_tokens_details": {"device": update.device_hit_tokens,
                                       "host": update.host_hit_tokens,
                                       "storage": update.storage_hit_tokens}}
+    if update.logprobs is not None:
+        meta.update(sglang_logprobs(update.logprobs, text))
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
+
+
+def _logprobs(ctx: ServerContext, body: GenerateRequest) -> tuple[int | None, TokenText | None]:
+    """Alternatives per token (None: none asked for) and how a token's text is written."""
+    if body.token_ids_logprob is not None:
+        raise ApiError(400, "token_ids_logprob is not supported by this server",
+                       "token_ids_logprob")
+    if body.logprob_start_len != -1:
+        raise ApiError(400, f"logprob_start_len={body.logprob_start_len}: this server gives "
+                            f"the log probabilities of generated tokens only (-1)",
+                       "logprob_start_len")
+    text = token_text(ctx.tokenizer) if body.return_text_in_logprobs else None
+    return (body.top_logprobs_num if body.return_logprob else None), text
 
 
 def _limits(ctx: ServerContext) -> dict[str, Any]:
@@ -83,10 +100,11 @@ def native_router(ctx: ServerContext) -> APIRouter:
     @router.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         sp = body.sampling_params
+        logprobs, text = _logprobs(ctx, body)
         fields = SamplingFields(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                                 top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
                                 stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-                                ignore_eos=sp.ignore_eos)
+                                ignore_eos=sp.ignore_eos, logprobs=logprobs)
         gen = ctx.generation(await _prompt(ctx, body), fields, body.rid)
         rid = gen.spec.request_id
         updates = gen.updates()
@@ -95,13 +113,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
             return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
-                yield sse(_payload(rid, update))  # one per engine output: text is cumulative
+                yield sse(_payload(rid, update, text))  # one per output: text is cumulative
 
             return event_stream(first, updates, chunks, lambda _: ())
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(_payload(rid, last))
+        return JSONResponse(_payload(rid, last, text))
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -11,9 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from jhicache.logprobs import TokenLogprob
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
+from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, token_text
 from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
@@ -30,10 +32,33 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
     return prompt  # type: ignore[return-value]
 
 
-def _fields(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingFields:
+def _fields(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+            logprobs: int | None) -> SamplingFields:
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
     return SamplingFields(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=body.seed, stop=body.stop,
-                          stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+                          stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                          logprobs=logprobs)
+
+
+def _completion_fields(body: CompletionRequest) -> SamplingFields:
+    """The fields of a completion, refusing those it cannot honour."""
+    if body.best_of not in (None, 1):
+        raise ApiError(400, f"best_of={body.best_of}: this server returns one completion, "
+                            f"best_of must be 1", "best_of")
+    if body.suffix is not None:
+        raise ApiError(400, "suffix is not supported by this server", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs asks for the prompt's log probabilities, "
+                            "which this server does not compute yet", "echo")
+    return _fields(body, body.max_tokens, body.logprobs)
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _usage(update: Update) -> dict[str, Any]:
@@ -71,29 +96,44 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = await ctx.prompt_ids(_single_prompt(body.prompt), "prompt")
-        gen = ctx.generation(prompt_ids, _fields(body, body.max_tokens))
+        prompt = _single_prompt(body.prompt)
+        prompt_ids = await ctx.prompt_ids(prompt, "prompt")
+        fields = _completion_fields(body)
+        echoed = _prompt_text(ctx, prompt, prompt_ids) if body.echo else ""
+        gen = ctx.generation(prompt_ids, fields)
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
+        text_of = token_text(ctx.tokenizer)
         updates = gen.updates()
         first = await first_update(request, updates)
         if first is None:
             return Response(status_code=_CLIENT_GONE)
 
-        def choice(update: Update, text: str, ids: list[int]) -> dict[str, Any]:
+        def choice(update: Update, text: str, ids: list[int],
+                   records: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
+            logprobs = (None if records is None
+                        else completion_logprobs(records, text_of, offset))
             # token_ids: vLLM's extension, for clients that bring their own tokenizer
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(update),
-                    "token_ids": ids}
+            return {"index": 0, "text": text, "logprobs": logprobs,
+                    "finish_reason": _finish(update), "token_ids": ids}
 
         if body.stream:
+            offset = len(echoed)  # where the next token's text starts: its pieces so far
+
             def chunks(update: Update) -> Iterator[bytes]:
-                if update.delta or update.finished:
-                    yield sse(reply.body([choice(update, update.delta, update.new_token_ids)]))
+                nonlocal offset
+                head = echoed if update is first else ""
+                if head or update.delta or update.new_logprobs or update.finished:
+                    yield sse(reply.body([choice(update, head + update.delta,
+                                                 update.new_token_ids, update.new_logprobs,
+                                                 offset)]))
+                    offset += sum(len(text_of(r.token_id)) for r in update.new_logprobs or ())
 
             return event_stream(first, updates, chunks, _usage_chunk(body, reply))
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(reply.body([choice(last, last.text, last.token_ids)],
+        return JSONResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
+                                               last.logprobs, len(echoed))],
                                        usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
@@ -107,7 +147,11 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         # the template writes the special tokens itself: none are added around it
         prompt_ids = await ctx.encode(tokenizer, text, "messages", add_special_tokens=False)
         limit = body.max_completion_tokens or body.max_tokens or ctx.room(len(prompt_ids))
-        gen = ctx.generation(prompt_ids, _fields(body, limit))
+        gen = ctx.generation(prompt_ids, _fields(body, limit, _chat_logprobs(body)))
+        text_of = token_text(ctx.tokenizer)
+
+        def logprobs(records: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            return None if records is None else chat_logprobs(records, text_of)
         reply = _Reply("chatcmpl", "chat.completion", ctx.model.name)
         updates = gen.updates()
         first = await first_update(request, updates)
@@ -118,14 +162,15 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             reply.object = "chat.completion.chunk"
 
             def delta(update: Update, content: dict[str, str]) -> bytes:
-                return sse(reply.body([{"index": 0, "delta": content, "logprobs": None,
+                return sse(reply.body([{"index": 0, "delta": content,
+                                        "logprobs": logprobs(update.new_logprobs),
                                         "finish_reason": _finish(update)}]))
 
             def chunks(update: Update) -> Iterator[bytes]:
                 if update is first:  # the role comes first, alone, as OpenAI sends it
                     yield sse(reply.body([{"index": 0, "logprobs": None, "finish_reason": None,
                                            "delta": {"role": "assistant", "content": ""}}]))
-                if update.delta or update.finished:
+                if update.delta or update.new_logprobs or update.finished:
                     yield delta(update, {"content": update.delta} if update.delta else {})
 
             return event_stream(first, updates, chunks, _usage_chunk(body, reply))
@@ -133,10 +178,18 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if last is None:
             return Response(status_code=_CLIENT_GONE)
         message = {"role": "assistant", "content": last.text}
-        return JSONResponse(reply.body([{"index": 0, "message": message, "logprobs": None,
+        return JSONResponse(reply.body([{"index": 0, "message": message,
+                                         "logprobs": logprobs(last.logprobs),
                                          "finish_reason": _finish(last)}], usage=_usage(last)))
 
     return router
+
+
+def _prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> str:
+    """The prompt as `echo` repeats it: its text, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    return ctx.require_tokenizer("echo of a token-id prompt", "echo").decode(ids)
 
 
 def _usage_chunk(body: Any, reply: _Reply) -> Callable[[Update], Iterator[bytes]]:

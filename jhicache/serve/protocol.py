@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 PositiveInt = Annotated[int, Field(ge=1)]
+LogprobCount = Annotated[int, Field(ge=0, le=20)]  # jhicache.logprobs.MAX_LOGPROBS
 TokenIds = list[Annotated[int, Field(ge=0)]]
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -30,7 +31,7 @@ class _OpenAISampling(_Body):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: int = -1  # <= 0: off (vLLM's and SGLang's convention)
+    top_k: int = -1  # -1: off (vLLM's and SGLang's convention); 0 and below -1 are refused
     seed: Annotated[int, Field(ge=0)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
@@ -39,6 +40,9 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # refused when set (400 naming the field), not ignored: a client relying on them would
+    # get other results than it asked for
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -46,6 +50,10 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: PositiveInt = 16
+    logprobs: LogprobCount | None = None  # alternatives per token (0: the chosen one only)
+    echo: bool = False  # the prompt's text before the completion's
+    best_of: PositiveInt | None = None  # 1 only
+    suffix: str | None = None  # refused
 
 
 class ContentPart(_Body):
@@ -70,6 +78,8 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = None  # with logprobs: alternatives per token
 
 
 class NativeSampling(_Body):
@@ -87,13 +97,19 @@ class NativeSampling(_Body):
 
 
 class GenerateRequest(_Body):
-    """POST /generate: `text` or `input_ids` (one prompt; a list of one is accepted too)."""
+    """POST /generate: `text` or `input_ids` (one prompt; a list of one is accepted too).
+    `return_logprob` adds the generated tokens' log probabilities to `meta_info`."""
 
     text: str | list[str] | None = None
     input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: NativeSampling = NativeSampling()
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: LogprobCount = 0
+    logprob_start_len: int = -1  # -1: output tokens only (prompt positions: refused)
+    token_ids_logprob: TokenIds | None = None  # refused
+    return_text_in_logprobs: bool = False
 
 
 def error_body(message: str, status: int, param: str | None = None,

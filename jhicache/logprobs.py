@@ -1,0 +1,48 @@
+"""Log probabilities of sampled tokens: the per-token record, and the device program that takes
+them from a step's logits so that only [batch, MAX_LOGPROBS] values reach the host."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's and vLLM's cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the most likely alternatives at its position
+    (the log-softmax of the model's logits, before temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log probability), most likely first
+
+
+@jax.jit
+def token_logprobs(logits: jax.Array, sampled: jax.Array) -> tuple[jax.Array, ...]:
+    """For each row of `logits` [B, vocab] f32 and its token `sampled[row]` ([rows] int32, rows
+    >= B): (the token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and
+    their token ids [B, N], most likely first)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, sampled[:logits.shape[0], None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return chosen, top, ids.astype(jnp.int32)
+
+
+def reference_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+    """The same for one row in NumPy (float64): what the tests hold the program to."""
+    shifted = logits.astype(np.float64) - logits.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    order = np.argsort(-logp, kind="stable")[:n]
+    return TokenLogprob(token, float(logp[token]), [(int(i), float(logp[i])) for i in order])
+
+
+def record(token: int, chosen: float, top_values: np.ndarray, top_ids: np.ndarray,
+           n: int) -> TokenLogprob:
+    """One token's record from its row of `token_logprobs`' outputs, keeping `n` alternatives."""
+    return TokenLogprob(token, float(chosen),
+                        [(int(i), float(v)) for i, v in zip(top_ids[:n], top_values[:n])])

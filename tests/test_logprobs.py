@@ -1,0 +1,142 @@
+"""Log probabilities of generated tokens: the device program against NumPy on random logits;
+the engine's against a float64 reference forward of a checkpoint, in every cache mode, with the
+prefix on device, on host and not cached, with overlap on and off, beside requests that ask for
+none, and across the engine process boundary."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jhicache import AsyncEngine, Engine, EngineConfig, SamplingParams
+from jhicache.logprobs import MAX_LOGPROBS, TokenLogprob, reference_logprobs, token_logprobs
+from tests.models.numpy_reference import (
+    random_hf_weights,
+    reference_logits,
+    small_hf_config,
+    write_hf_checkpoint,
+)
+
+CFG = small_hf_config(tied=True, max_position_embeddings=256)
+ENGINE = dict(page_size=16, device_kv_tokens=320, host_kv_tokens=1280, dtype="float32",
+              max_running_requests=4, chunked_prefill_tokens=64, load_back_threshold=1)
+TOLERANCE = 2e-4  # float32 forward against float64, on log probabilities of magnitude ~5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    weights = random_hf_weights(CFG, seed=11)
+    return write_hf_checkpoint(tmp_path_factory.mktemp("lp"), CFG, weights), weights
+
+
+def test_the_program_matches_numpy_on_random_logits() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (3, 1000)).astype(np.float32)
+    logits[1, 10:14] = logits[1].max() + 1  # ties at the top
+    sampled = np.array([5, 11, 999, 0, 0, 0], np.int32)  # padded rows past the batch
+    chosen, top, ids = (np.asarray(a) for a in token_logprobs(jnp.asarray(logits),
+                                                              jnp.asarray(sampled)))
+    assert top.shape == ids.shape == (3, MAX_LOGPROBS)
+    for row in range(3):
+        want = reference_logprobs(logits[row], int(sampled[row]), MAX_LOGPROBS)
+        assert chosen[row] == pytest.approx(want.logprob, abs=1e-5)
+        np.testing.assert_allclose(top[row], [v for _, v in want.top], atol=1e-5)
+        tied = set(range(10, 14))
+        got_ids = [int(i) for i in ids[row]]
+        if row == 1:  # ties come in either order
+            assert set(got_ids[:4]) == tied
+            assert got_ids[4:] == [i for i, _ in want.top][4:]
+        else:
+            assert got_ids == [i for i, _ in want.top]
+
+
+def expected(weights: dict, prompt: list[int], output: list[int], n: int) -> list[TokenLogprob]:
+    """Each generated token's record from the float64 reference forward of what precedes it."""
+    tokens = prompt + output
+    logits = reference_logits(weights, CFG, tokens)
+    return [reference_logprobs(logits[len(prompt) + i - 1], output[i], n)
+            for i in range(len(output))]
+
+
+def assert_close(got: list[TokenLogprob] | None, want: list[TokenLogprob]) -> None:
+    assert got is not None and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_id == w.token_id
+        assert g.logprob == pytest.approx(w.logprob, abs=TOLERANCE)
+        assert [i for i, _ in g.top] == [i for i, _ in w.top]
+        np.testing.assert_allclose([v for _, v in g.top], [v for _, v in w.top], atol=TOLERANCE)
+
+
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, CFG["vocab_size"], 100)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("mode", ["off", "device", "hierarchical"])
+def test_logprobs_equal_the_reference_wherever_the_prefix_is(checkpoint, mode: str,
+                                                             overlap: bool) -> None:
+    """Not cached, then a device hit, then (hierarchical) a host hit: the same records, equal
+    to the reference's; a request beside them that asks for none gets None."""
+    path, weights = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode=mode,
+                                                            overlap_schedule=overlap, **ENGINE))
+    params = SamplingParams(max_new_tokens=5, logprobs=3)
+    other = SamplingParams(max_new_tokens=5)
+    placements = ["none", "device"] + (["host"] if mode == "hierarchical" else [])
+    want = None
+    for where in placements:
+        if where == "host":
+            engine.evict()
+        out, beside = engine.generate([PROMPT + [7, 8], PROMPT[:40]], [params, other])
+        assert beside.logprobs is None
+        if want is None:
+            want = expected(weights, PROMPT + [7, 8], out.token_ids, 3)
+        assert_close(out.logprobs, want)
+        hits = {"none": 0, "device": out.device_hit_tokens, "host": out.host_hit_tokens}
+        assert where == "none" or mode == "off" or hits[where] > 0
+
+
+def test_zero_asks_for_the_chosen_token_only_and_sampling_keeps_the_raw_values(
+        checkpoint) -> None:
+    """logprobs=0: no alternatives. A sampled token's value is that of the raw logits (before
+    temperature and top-k), as vLLM gives by default."""
+    path, weights = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
+    greedy, hot = engine.generate(
+        [PROMPT, PROMPT], [SamplingParams(max_new_tokens=3, logprobs=0),
+                           SamplingParams(max_new_tokens=3, logprobs=2, temperature=5.0,
+                                          top_k=50, seed=1)])
+    assert greedy.logprobs is not None and all(r.top == [] for r in greedy.logprobs)
+    assert_close(greedy.logprobs, expected(weights, PROMPT, greedy.token_ids, 0))
+    assert_close(hot.logprobs, expected(weights, PROMPT, hot.token_ids, 2))
+
+
+def test_logprobs_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=MAX_LOGPROBS + 1)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> None:
+    """Through AsyncEngine (in a thread or an engine process): each streamed output's records
+    cover its tokens so far, and the last ones equal the engine's own."""
+    path, weights = checkpoint
+    config = EngineConfig(cache_mode="hierarchical", **ENGINE)
+    params = SamplingParams(max_new_tokens=6, logprobs=2)
+
+    async def run() -> list:
+        async with AsyncEngine.from_pretrained(str(path), config, process=process) as served:
+            outs = [out async for out in served.stream(PROMPT, params)]
+            [final] = await served.generate([PROMPT[:50]], params)
+        return [*outs, final]
+
+    *outs, final = asyncio.run(run())
+    for out in outs:
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    assert_close(outs[-1].logprobs, expected(weights, PROMPT, outs[-1].token_ids, 2))
+    assert_close(final.logprobs, expected(weights, PROMPT[:50], final.token_ids, 2))

@@ -1,0 +1,171 @@
+"""Log probabilities through the server: /v1/completions and /v1/chat/completions with the
+official openai client (streamed and not), SGLang's /generate `return_logprob`, echo, and the
+fields the server refuses with a 400 naming them rather than ignoring them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+for _module in ("fastapi", "uvicorn", "httpx", "openai", "tokenizers"):
+    pytest.importorskip(_module)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from jhicache import Engine, SamplingParams  # noqa: E402
+from jhicache.logprobs import TokenLogprob  # noqa: E402
+from jhicache.serve.tokenizer import Tokenizer  # noqa: E402
+from tests.serve_support import (  # noqa: E402
+    ENGINE_CONFIG,
+    ServerThread,
+    start_server,
+    write_checkpoint,
+)
+
+MODEL = "tiny-test"
+PROMPT = "the quick brown fox jumps over"
+TOLERANCE = 1e-5  # the same engine configuration: only batching differs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[ServerThread]:
+    srv = start_server(checkpoint)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(checkpoint: Path) -> Tokenizer:
+    return Tokenizer.from_dir(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120.0,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, tok: Tokenizer) -> list[TokenLogprob]:
+    """What the engine itself gives for PROMPT's first 8 tokens (eos ignored), 3 alternatives."""
+    engine = Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG)
+    out = engine.generate([tok.encode(PROMPT)], SamplingParams(max_new_tokens=8, logprobs=3))[0]
+    assert out.logprobs is not None
+    return out.logprobs
+
+
+def text_of(tok: Tokenizer, token: int) -> str:
+    return tok.decode([token], skip_special_tokens=False)
+
+
+def test_completion_logprobs_equal_the_engine_streamed_or_not(client: openai.OpenAI,
+                                                              tok: Tokenizer, reference) -> None:
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                  extra_body={"ignore_eos": True})
+    got = client.completions.create(**kwargs).choices[0].logprobs
+    assert got.tokens == [text_of(tok, r.token_id) for r in reference]
+    assert got.token_logprobs == pytest.approx([r.logprob for r in reference], abs=TOLERANCE)
+    for alternatives, want in zip(got.top_logprobs, reference):
+        # by text: tokens whose text is the same (a partial UTF-8 sequence) share a key
+        by_text = {text_of(tok, i): v for i, v in want.top}
+        assert list(alternatives) == list(by_text)
+        assert list(alternatives.values()) == pytest.approx(list(by_text.values()),
+                                                            abs=TOLERANCE)
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(8)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.token_logprobs] == pytest.approx(
+        got.token_logprobs, abs=TOLERANCE)
+    assert [o for lp in streamed for o in lp.text_offset] == got.text_offset
+
+
+def test_chat_logprobs_in_openai_shape_streamed_or_not(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+    chunks = client.chat.completions.create(stream=True, **kwargs)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=TOLERANCE)
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_generate_return_logprob(http: httpx.Client, tok: Tokenizer, reference) -> None:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == [r.token_id for r in reference]
+    assert [t[0] for t in meta["output_token_logprobs"]] == pytest.approx(
+        [r.logprob for r in reference], abs=TOLERANCE)
+    assert [t[2] for t in meta["output_token_logprobs"]] == [text_of(tok, r.token_id)
+                                                             for r in reference]
+    assert [[a[1] for a in top] for top in meta["output_top_logprobs"]] == [
+        [i for i, _ in r.top] for r in reference]
+    assert meta["input_token_logprobs"] == []
+    events = [json.loads(line[len("data: "):]) for line in
+              http.post("/generate", json={**body, "stream": True}).iter_lines()
+              if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+    plain = http.post("/generate", json={**body, "return_logprob": False}).json()["meta_info"]
+    assert "output_token_logprobs" not in plain
+
+
+def test_echo_repeats_the_prompt(client: openai.OpenAI) -> None:
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    echo=True).choices[0]
+    alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                      temperature=0).choices[0]
+    assert got.text == PROMPT + alone.text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"best_of": 2}, "best_of"),
+    ({"suffix": "end"}, "suffix"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"n": 2}, "n"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"logprobs": 21}, "logprobs"),
+])
+def test_completion_fields_it_cannot_honour_are_refused(http: httpx.Client, extra: dict,
+                                                        param: str) -> None:
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                  "max_tokens": 2, **extra})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_chat_and_generate_refusals(http: httpx.Client) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = http.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    generate = {"text": PROMPT, "return_logprob": True}
+    for extra, param in (({"logprob_start_len": 0}, "logprob_start_len"),
+                         ({"token_ids_logprob": [1, 2]}, "token_ids_logprob")):
+        response = http.post("/generate", json={**generate, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
