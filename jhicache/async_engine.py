@@ -427,7 +427,8 @@ class AsyncEngine:
                     sink.error = later  # raised at the next call, after these tokens
                     break
                 item = dataclasses.replace(
-                    later, new_token_ids=item.new_token_ids + later.new_token_ids)
+                    later, new_token_ids=item.new_token_ids + later.new_token_ids,
+                    prompt_logprobs=later.prompt_logprobs or item.prompt_logprobs)
         if isinstance(item, BaseException):
             sink.done = True
             raise item

@@ -37,7 +37,7 @@ from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
 from jhicache.logprobs import record as logprob_record
-from jhicache.logprobs import token_logprobs
+from jhicache.logprobs import row_logprobs, token_logprobs
 from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -436,20 +436,31 @@ class Engine:
         start = time.perf_counter()
         hidden = self.runner.start(tokens, inputs.meta)
         transfers.finish_loads()
-        logits = self.runner.finish(hidden, inputs.meta, inputs.last_index)
+        logits, rows = self.runner.finish(hidden, inputs.meta, inputs.last_index)
         sampled = self._sample(logits, batch.chunks)
         wanted = any(c.samples_token and c.request.logprobs is not None for c in batch.chunks)
         logprobs = token_logprobs(logits, sampled) if wanted else None
+        prompt_rows = _prompt_rows(batch)
+        prompt = None
+        if prompt_rows:
+            targets = np.zeros(inputs.shape.tokens, np.int32)
+            for row, req, position in prompt_rows:
+                targets[row] = req.tokens[position]
+            on_device = jax.device_put(targets, rows.sharding)  # (replicated over a mesh)
+            prompt = self.runner.programs.head_rows(rows, on_device, row_logprobs)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
-        return _Launched(batch, sampled, start, gated, inputs.shape, logprobs)
+        return _Launched(batch, sampled, start, gated, inputs.shape, logprobs,
+                         tuple(prompt_rows), prompt)
 
     def _end(self, step: _Launched) -> list[RequestOutput]:
         """Reads a step's sampled tokens, and their log probabilities where asked for (waiting
         for that step alone, in one read), and commits them."""
-        ids, logprobs = jax.device_get((step.sampled, step.logprobs))
+        ids, logprobs, prompt = jax.device_get((step.sampled, step.logprobs, step.prompt))
         now = time.perf_counter()
+        if prompt is not None:
+            self._add_prompt_logprobs(step.prompt_rows, *prompt)
         self.counters.record_forward(step.batch, now - step.dispatched_s, step.gated)
         gained = self.scheduler.commit(step.batch, ids, now)
         if logprobs is not None:
@@ -472,6 +483,15 @@ class Engine:
                 n = req.params.logprobs or 0
                 req.logprobs.append(logprob_record(req.tokens[-1], chosen[row], top_values[row],
                                                    top_ids[row], n))
+
+    @staticmethod
+    def _add_prompt_logprobs(rows: tuple[tuple[int, Request, int], ...], chosen: np.ndarray,
+                             top_values: np.ndarray, top_ids: np.ndarray) -> None:
+        for row, req, position in rows:
+            assert req.prompt_logprobs is not None
+            n = req.params.prompt_logprobs or 0
+            req.prompt_logprobs[position - req.params.prompt_logprobs_start] = logprob_record(
+                req.tokens[position], chosen[row], top_values[row], top_ids[row], n)
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None
@@ -548,6 +568,10 @@ class Engine:
         if bad_stops:
             raise ValueError(f"SamplingParams.stop_token_ids for {where}: {bad_stops} not in the "
                              f"vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(tokens):
+            raise ValueError(f"SamplingParams.prompt_logprobs_start for {where}: "
+                             f"{params.prompt_logprobs_start} is past the prompt's "
+                             f"{len(tokens)} tokens")
         total = len(tokens) + params.max_new_tokens
         if total > self.grid.max_context_len:
             raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the context "
@@ -600,6 +624,22 @@ class _Launched(NamedTuple):
     gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
     shape: StepShape  # the grid shape it was padded to
     logprobs: tuple[jax.Array, ...] | None = None  # `token_logprobs` of it, where asked for
+    prompt_rows: tuple[tuple[int, Request, int], ...] = ()  # see `_prompt_rows`
+    prompt: tuple[jax.Array, ...] | None = None  # `row_logprobs` of every row, where asked for
+
+
+def _prompt_rows(batch: Batch) -> list[tuple[int, Request, int]]:
+    """(row of the step's tokens, request, prompt position) for each row whose logits give the
+    log probability of a prompt token its request asked for: the token after the row's."""
+    rows, offset = [], 0
+    for chunk in batch.chunks:
+        req = chunk.request
+        if req.prompt_logprobs is not None:
+            first = max(req.params.prompt_logprobs_start, 1) - 1  # the row before it
+            lo, hi = max(chunk.start, first), min(chunk.start + chunk.length, req.prompt_len - 1)
+            rows += [(offset + p - chunk.start, req, p + 1) for p in range(lo, hi)]
+        offset += chunk.length
+    return rows
 
 
 _STORAGE_WAIT_S = 0.01  # an idle step waits this long at most for a storage read to move on:

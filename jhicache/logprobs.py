@@ -22,15 +22,21 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, log probability), most likely first
 
 
-@jax.jit
-def token_logprobs(logits: jax.Array, sampled: jax.Array) -> tuple[jax.Array, ...]:
-    """For each row of `logits` [B, vocab] f32 and its token `sampled[row]` ([rows] int32, rows
-    >= B): (the token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and
-    their token ids [B, N], most likely first)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, sampled[:logits.shape[0], None], axis=-1)[:, 0]
+def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+    """For each row of `logits` [B, vocab] f32 and its token `targets[row]` ([B] int32): (the
+    token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and their token
+    ids [B, N], most likely first). Traced inside programs (the prompt's, `head_rows`)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     top, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     return chosen, top, ids.astype(jnp.int32)
+
+
+@jax.jit
+def token_logprobs(logits: jax.Array, sampled: jax.Array) -> tuple[jax.Array, ...]:
+    """`row_logprobs` of a step's logits [B, vocab] and its sampled tokens ([rows] int32, rows
+    >= B: the padding rows are dropped)."""
+    return row_logprobs(logits, sampled[:logits.shape[0]])
 
 
 def reference_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprob:

@@ -40,6 +40,9 @@ class RequestOutput:
     storage_hit_tokens: int = 0  # prompt tokens read from the storage tier, then loaded back
     # with SamplingParams.logprobs: one record per generated token, as `token_ids`; else None
     logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt position from its start on (None for
+    # position 0, which nothing precedes); given with the first token and with the last output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,10 +80,23 @@ class Request:
     computed_len: int = 0  # prompt tokens it computed before taking the pages read after them
     prompt_len: int = dataclasses.field(init=False)
     logprobs: list[TokenLogprob] | None = dataclasses.field(init=False)  # per output token
+    # per prompt position from params.prompt_logprobs_start, filled as its rows are computed
+    prompt_logprobs: list[TokenLogprob | None] | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
         self.logprobs = [] if self.params.logprobs is not None else None
+        start = self.params.prompt_logprobs_start
+        self.prompt_logprobs = (None if self.params.prompt_logprobs is None
+                                else [None] * (self.prompt_len - start))
+
+    @property
+    def match_tokens(self) -> list[int]:
+        """What the cache may match of it: with prompt log probabilities, only the prefix
+        before the first position whose logits they need (those positions are computed)."""
+        if self.prompt_logprobs is None:
+            return self.tokens
+        return self.tokens[:max(self.params.prompt_logprobs_start, 1)]
 
     @property
     def output(self) -> list[int]:
@@ -136,4 +152,6 @@ class Request:
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
             storage_hit_tokens=self.storage_hit_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=(list(self.prompt_logprobs) if self.prompt_logprobs is not None
+                             and (self.num_output <= 1 or self.finished) else None),
         )

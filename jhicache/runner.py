@@ -44,17 +44,18 @@ class ModelRunner:
         return hidden
 
     def finish(self, hidden: jax.Array, meta: AttentionMetadata,
-               last_index: jax.Array) -> jax.Array:
-        """Dispatches the rest of the forward after `start`: logits [B, vocab] float32 of the
-        rows `last_index`; every layer's KV pages updated in the pool."""
+               last_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Dispatches the rest of the forward after `start`: (logits [B, vocab] float32 of the
+        rows `last_index`, the last layer's hidden state of every row); every layer's KV pages
+        updated in the pool."""
         split = self.programs.first_layers
-        logits, new_k, new_v = self.programs.forward_rest(tuple(self.pool.k), tuple(self.pool.v),
-                                                          hidden, meta, last_index)
+        logits, new_k, new_v, rows = self.programs.forward_rest(
+            tuple(self.pool.k), tuple(self.pool.v), hidden, meta, last_index)
         for i, layer in enumerate(range(split, self.num_layers)):
             self.pool.set_layer(layer, new_k[i], new_v[i])
         self.pool.last_compute = logits  # pages freed from now on are fenced on this forward
-        return logits
+        return logits, rows
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:
-        """`start` then `finish`, with nothing between them."""
-        return self.finish(self.start(tokens, meta), meta, last_index)
+        """`start` then `finish`, with nothing between them: the logits."""
+        return self.finish(self.start(tokens, meta), meta, last_index)[0]

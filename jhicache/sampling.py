@@ -52,7 +52,9 @@ class SamplingParams:
     mode; an unseeded one gets a fresh random seed when it is submitted. Generation stops after
     `max_new_tokens` tokens or at the first of `stop_token_ids`, which is kept in the output.
     With `logprobs` (0 to MAX_LOGPROBS), each generated token comes with its log probability
-    and that many of the most likely alternatives (`RequestOutput.logprobs`).
+    and that many of the most likely alternatives (`RequestOutput.logprobs`); with
+    `prompt_logprobs`, so does each prompt token from position `prompt_logprobs_start` on
+    (`RequestOutput.prompt_logprobs`; the cached prefix is cut there, so they are computed).
     """
 
     max_new_tokens: int = 16
@@ -62,6 +64,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -80,6 +84,11 @@ class SamplingParams:
         fix("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         if self.logprobs is not None:
             fix("logprobs", _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS + 1))
+        if self.prompt_logprobs is not None:
+            fix("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, low=0,
+                                        high=MAX_LOGPROBS + 1))
+        fix("prompt_logprobs_start", _int("prompt_logprobs_start", self.prompt_logprobs_start,
+                                          low=0))
 
     @property
     def is_greedy(self) -> bool:

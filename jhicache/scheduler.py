@@ -137,8 +137,8 @@ class Scheduler:
         config = self.config
         for req in self.waiting:
             if req.fetched_tokens is None and req.storage_fetch is None:
-                match = self.cache.match(req.tokens, leave_last=True)
-                req.storage_fetch = self.cache.start_fetch(req.tokens, match,
+                match = self.cache.match(req.match_tokens, leave_last=True)
+                req.storage_fetch = self.cache.start_fetch(req.match_tokens, match,
                                                            config.fetch_threshold, self._split)
                 req.fetched_tokens = 0 if req.storage_fetch is None else None
                 continue
@@ -214,7 +214,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
         if req.storage_fetch is not None:  # split: the pages already read past the prefix
-            match = self.cache.match(req.tokens, leave_last=True)
+            match = self.cache.match(req.match_tokens, leave_last=True)
             stop = self._fetch_stop(req)
             cached = match.device_len + match.host_len
             if stop is not None and cached >= stop:
@@ -256,7 +256,7 @@ class Scheduler:
 
         None (nothing done) when its host run cannot be loaded now but running requests will free
         pages: waiting for them beats recomputing a prefix the host tier holds."""
-        match = self.cache.match(req.tokens, leave_last=True)
+        match = self.cache.match(req.match_tokens, leave_last=True)
         handle, pages, host_len = match.last_device_node, list(match.device_pages), 0
         self.cache.lock(handle)  # first, so the quota below cannot count this prefix as evictable
         if self.config.cache_mode is CacheMode.HIERARCHICAL and match.host_len:
@@ -301,7 +301,7 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or req.pending:
                 break
-            match = self.cache.match(req.tokens, leave_last=True)
+            match = self.cache.match(req.match_tokens, leave_last=True)
             budget -= req.num_tokens - match.device_len - match.host_len
             # Once per request: pages evicted again before it is admitted are not reloaded.
             small = match.host_len < max(self.config.load_back_threshold, self.page_size)

@@ -35,12 +35,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jhicache.batch import padding_inputs, patch_tokens
 from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
-from jhicache.logprobs import token_logprobs
+from jhicache.logprobs import row_logprobs, token_logprobs
 from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sampling_arrays
 
@@ -94,7 +95,14 @@ def _step_programs(engine: Engine, shape: StepShape,
         padding_inputs(shape, grid, engine.load_flags, patched=False)
     inputs = padding_inputs(shape, grid, engine.load_flags, patched=shape.decode)
     hidden = _compiled(programs.lower_first(k, v, inputs.tokens, inputs.meta), lock)
-    logits = _compiled(programs.lower_rest(k, v, hidden, inputs.meta, inputs.last_index), lock)
+    rest = programs.lower_rest(k, v, hidden, inputs.meta, inputs.last_index)
+    with lock:
+        compiled = rest.compile()
+    logits = output_type(rest, compiled)
+    if not shape.decode:  # prompt log probabilities: the head over every row of a prefill
+        hidden_rows = output_type(rest, compiled, 3)
+        targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden_rows.sharding)
+        _compiled(programs.lower_head_rows(hidden_rows, targets, row_logprobs), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
     _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
     _compiled(token_logprobs.lower(logits, sampled), lock)
@@ -150,15 +158,19 @@ def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
 
 
 def _padding_step(engine: Engine, shape: StepShape) -> None:
-    """Runs one all-padding step of `shape` as `Engine._launch` does, and the samplers and
-    patch that such a step or the next one can dispatch."""
+    """Runs one all-padding step of `shape` as `Engine._launch` does, and the samplers, log
+    probabilities and patch that such a step or the next one can dispatch."""
     rows, sampled = engine.grid.max_requests, None
     for patched in ((False, True) if shape.decode else (False,)):
         inputs = padding_inputs(shape, engine.grid, engine.load_flags, patched)
         tokens = inputs.tokens
         if inputs.patches is not None:  # fed by the sampled tokens of the step before
             tokens = patch_tokens(tokens, *inputs.patches, sampled)
-        logits = engine.runner.run(tokens, inputs.meta, inputs.last_index)
+        logits, hidden = engine.runner.finish(engine.runner.start(tokens, inputs.meta),
+                                              inputs.meta, inputs.last_index)
+        if not shape.decode:  # prompt log probabilities
+            targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden.sharding)
+            engine.runner.programs.head_rows(hidden, targets, row_logprobs)
         sampled = greedy(logits, rows=rows)
         sample(logits, *sampling_arrays([], [], logits.shape[0]), rows=rows)
         token_logprobs(logits, sampled)

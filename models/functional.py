@@ -33,6 +33,7 @@ from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 from jhicache.models.sharding import KV_PAGES_SPEC, LOCAL, Collectives, TensorParallel
 
 Leaves = list[jax.Array]
+HEAD_ROWS_BLOCK = 256  # rows a `head_rows` block takes: its logits are [block, vocab] float32
 Pages = tuple[jax.Array, ...]  # one [pages, page_size, kv_heads, head_dim] array per layer
 
 
@@ -47,10 +48,13 @@ class _Specs(NamedTuple):
 
 def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
               trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef],
-              comm: Collectives) -> tuple[Callable, Callable]:
+              comm: Collectives) -> tuple[Callable, Callable, Callable]:
     """The forward's two programs, unjitted, as one device runs them (`comm` its collectives):
-    `first` embeds the tokens and runs the first layers, `rest` the other layers and the head.
-    A call's layer count sets which layers a program holds; `start` is the first one's index."""
+    `first` embeds the tokens and runs the first layers, `rest` the other layers and the head
+    (and gives the last layer's hidden state of every row too). A call's layer count sets which
+    layers a program holds; `start` is the first one's index. The third, `head_rows`, runs the
+    head over every row of such a hidden state, `block` rows at a time, each block's logits
+    reduced by `reduce(logits, targets)` at once (a [rows, vocab] array never exists whole)."""
     embed_tree, layer_tree, head_tree = trees
 
     def layers(leaves: list[Leaves], hidden: jax.Array, ks: Pages, vs: Pages,
@@ -70,15 +74,27 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
 
     def rest(layers_l: list[Leaves], head_l: Leaves, k_pages: Pages, v_pages: Pages,
              hidden: jax.Array, meta: AttentionMetadata, rows: jax.Array,
-             start: int) -> tuple[jax.Array, Pages, Pages]:  # logits [B, vocab] f32 of `rows`
+             start: int) -> tuple[jax.Array, Pages, Pages, jax.Array]:  # logits [B, vocab] f32
         hidden, new_k, new_v = layers(layers_l, hidden, k_pages, v_pages, meta, start)
         head = nnx.merge(head_def, jax.tree.unflatten(head_tree, head_l))
-        return head(hidden[rows], comm), new_k, new_v
+        return head(hidden[rows], comm), new_k, new_v, hidden
 
-    return first, rest
+    def head_rows(head_l: Leaves, hidden: jax.Array, targets: jax.Array, *,
+                  reduce: Callable, block: int) -> Any:
+        head = nnx.merge(head_def, jax.tree.unflatten(head_tree, head_l))
+        rows = hidden.shape[0]
+        padded = -(-rows // block) * block
+        hidden = jax.numpy.pad(hidden, ((0, padded - rows), (0, 0)))
+        targets = jax.numpy.pad(targets, (0, padded - rows))
+        blocks = (hidden.reshape(padded // block, block, -1), targets.reshape(-1, block))
+        out = jax.lax.map(lambda b: reduce(head(b[0], comm), b[1]), blocks)
+        return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:rows], out)
+
+    return first, rest, head_rows
 
 
-def _over_mesh(first: Callable, rest: Callable, specs: _Specs) -> tuple[Callable, Callable]:
+def _over_mesh(first: Callable, rest: Callable, head_rows: Callable,
+               specs: _Specs) -> tuple[Callable, Callable, Callable]:
     """The two programs as `shard_map`s over the mesh: weights and pages enter as each device's
     shard, everything else (tokens, metadata, hidden states, logits) replicated.
 
@@ -103,17 +119,22 @@ def _over_mesh(first: Callable, rest: Callable, specs: _Specs) -> tuple[Callable
     def sharded_rest(layers_l, head_l, ks, vs, hidden, meta, rows, start):  # as _programs' rest
         pages = (kv,) * len(ks)
         in_specs = ([layer_s] * len(layers_l), head_s, pages, pages, rep, rep, rep)
-        return tp.shard_map(functools.partial(rest, start=start), in_specs, (rep, pages, pages))(
-            layers_l, head_l, ks, vs, hidden, meta, rows)
+        return tp.shard_map(functools.partial(rest, start=start), in_specs,
+                            (rep, pages, pages, rep))(layers_l, head_l, ks, vs, hidden, meta, rows)
 
-    return sharded_first, sharded_rest
+    def sharded_head_rows(head_l, hidden, targets, *, reduce, block):  # as _programs' head_rows
+        return tp.shard_map(functools.partial(head_rows, reduce=reduce, block=block),
+                            (head_s, rep, rep), rep)(head_l, hidden, targets)
+
+    return sharded_first, sharded_rest, sharded_head_rows
 
 
 class _Jitted(NamedTuple):
-    """The forward's two jitted programs (see `_programs`)."""
+    """The forward's two jitted programs and the head over every row (see `_programs`)."""
 
     first: Any  # jax.jit's wrapped functions (callable, with `.lower`)
     rest: Any
+    head_rows: Any
 
 
 @functools.lru_cache(maxsize=16)
@@ -122,11 +143,12 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     """The two programs for one model structure (and layout); cached so engines of the same
     shape share compiles. `specs` None: one device, no shard_map. The pages are donated."""
     comm = LOCAL if specs is None else specs.tp.collectives
-    first, rest = _programs(embed_def, layer_def, head_def, trees, comm)
+    first, rest, head_rows = _programs(embed_def, layer_def, head_def, trees, comm)
     if specs is not None:
-        first, rest = _over_mesh(first, rest, specs)
+        first, rest, head_rows = _over_mesh(first, rest, head_rows, specs)
     return _Jitted(jax.jit(first, donate_argnums=(2, 3)),
-                   jax.jit(rest, donate_argnums=(2, 3), static_argnames=("start",)))
+                   jax.jit(rest, donate_argnums=(2, 3), static_argnames=("start",)),
+                   jax.jit(head_rows, static_argnames=("reduce", "block")))
 
 
 def first_program_layers(num_layers: int) -> int:
@@ -181,7 +203,7 @@ class ModelPrograms:
         """The whole model, its two programs back to back: (logits [B, vocab] f32 of `rows`,
         new k, new v per layer)."""
         hidden, k_first, v_first = self.forward_first(k_pages, v_pages, tokens, meta)
-        logits, k_rest, v_rest = self.forward_rest(k_pages, v_pages, hidden, meta, rows)
+        logits, k_rest, v_rest, _ = self.forward_rest(k_pages, v_pages, hidden, meta, rows)
         return logits, k_first + k_rest, v_first + v_rest
 
     def forward_first(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array,
@@ -193,12 +215,27 @@ class ModelPrograms:
                                v_pages[:split], tokens, meta)
 
     def forward_rest(self, k_pages: Pages, v_pages: Pages, hidden: jax.Array,
-                     meta: AttentionMetadata, rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
+                     meta: AttentionMetadata,
+                     rows: jax.Array) -> tuple[jax.Array, Pages, Pages, jax.Array]:
         """The second program (the later layers and the head) over the later layers' pages:
-        (logits [B, vocab] f32 of `rows`, their new k, new v)."""
+        (logits [B, vocab] f32 of `rows`, their new k, new v, the last layer's hidden state of
+        every row, for `head_rows`)."""
         split = self.first_layers
         return self._jit.rest(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
                               v_pages[split:], hidden, meta, rows, start=split)
+
+    def head_rows(self, hidden: jax.Array, targets: jax.Array, reduce: Callable,
+                  block: int = HEAD_ROWS_BLOCK) -> Any:
+        """`reduce(logits, targets)` of the head over every row of `forward_rest`'s hidden
+        state, `block` rows at a time (`reduce` a module-level function: it keys the program),
+        its outputs joined back into one row per hidden row."""
+        return self._jit.head_rows(self.head_leaves, hidden, targets, reduce=reduce, block=block)
+
+    def lower_head_rows(self, hidden: Any, targets: Any, reduce: Callable,
+                        block: int = HEAD_ROWS_BLOCK) -> jax.stages.Lowered:
+        """As `lower_first`, for `head_rows`."""
+        return self._jit.head_rows.lower(self.head_leaves, hidden, targets, reduce=reduce,
+                                         block=block)
 
     def lower_first(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
                     meta: AttentionMetadata) -> jax.stages.Lowered:
@@ -226,12 +263,15 @@ class ModelPrograms:
         return first, self.lower_rest(k_pages, v_pages, first.out_info[0], meta, rows)
 
 
-def output_type(lowered: jax.stages.Lowered,
-                compiled: jax.stages.Compiled) -> jax.ShapeDtypeStruct:
-    """A compiled program's first output as a ShapeDtypeStruct with the sharding a call gives
-    it, so that a program lowered over it matches a later call over the real output."""
-    info = jax.tree.leaves(lowered.out_info)[0]
-    sharding = jax.tree.leaves(compiled.output_shardings)[0]
+def output_type(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled,
+                index: int = 0) -> jax.ShapeDtypeStruct:
+    """A compiled program's output `index` (its first by default) as a ShapeDtypeStruct with
+    the sharding a call gives it, so that a program lowered over it matches a later call over
+    the real output."""
+    infos, shardings = lowered.out_info, compiled.output_shardings
+    if index:  # a program of several outputs: its output `index`
+        infos, shardings = infos[index], shardings[index]
+    info, sharding = jax.tree.leaves(infos)[0], jax.tree.leaves(shardings)[0]
     return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
 
 

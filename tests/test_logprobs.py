@@ -140,3 +140,44 @@ def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> No
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     assert_close(outs[-1].logprobs, expected(weights, PROMPT, outs[-1].token_ids, 2))
     assert_close(final.logprobs, expected(weights, PROMPT[:50], final.token_ids, 2))
+
+
+def assert_prompt_close(got: list[TokenLogprob | None] | None, want: list) -> None:
+    assert got is not None and len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            assert_close([g], [w])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("start", [0, 40])
+@pytest.mark.parametrize("mode", ["off", "device", "hierarchical"])
+def test_prompt_logprobs_equal_the_reference_whatever_was_cached(checkpoint, mode: str,
+                                                                 start: int) -> None:
+    """Prompt log probabilities from `start`: the cache is matched only up to the page before
+    it, the rest computed (in chunks), with the same records whether the prompt was cached on
+    device, on host or not at all."""
+    path, weights = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode=mode, **ENGINE))
+    logits = reference_logits(weights, CFG, PROMPT)
+    want = [None if p == 0 else reference_logprobs(logits[p - 1], PROMPT[p], 2)
+            for p in range(start, len(PROMPT))]
+    params = SamplingParams(max_new_tokens=2, prompt_logprobs=2, prompt_logprobs_start=start)
+    engine.generate([PROMPT], SamplingParams(max_new_tokens=2))  # the prompt cached
+    placements = ["device"] + (["host"] if mode == "hierarchical" else [])
+    for where in placements:
+        if where == "host":
+            engine.evict()
+        out = engine.generate([PROMPT], params)[0]
+        assert_prompt_close(out.prompt_logprobs, want)
+        cached = out.device_hit_tokens + out.host_hit_tokens
+        assert cached == (0 if mode == "off" else (max(start, 1) - 1) // 16 * 16)
+    assert engine.generate([PROMPT], SamplingParams(max_new_tokens=1))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_start_past_the_prompt_is_refused(checkpoint) -> None:
+    path, _ = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
+    with pytest.raises(ValueError, match="prompt_logprobs_start"):
+        engine.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1, prompt_logprobs_start=3))

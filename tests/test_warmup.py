@@ -119,8 +119,8 @@ def reference_greedy(weights: dict, prompt: list[int], n: int) -> list[int]:
 
 def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
     """Conversations that grow to the context limit (device and host hits, chunked prefills),
-    then an online burst of any lengths with aborts and sampled rows. Returns (prompt, greedy
-    output) of every greedy request that finished."""
+    then an online burst of any lengths with aborts, sampled rows and log probabilities.
+    Returns (prompt, greedy output) of every greedy request that finished."""
     limit, vocab, done = engine.grid.max_context_len, CFG["vocab_size"], []
     chats: list[list[int]] = [[] for _ in range(3)]
     while min(len(c) for c in chats) < limit - 60:
@@ -138,7 +138,8 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
         prompt = prefix + rng.integers(0, vocab, length - len(prefix)).tolist()
         sampled = i == 3
         params = SamplingParams(max_new_tokens=n, temperature=1.0 if sampled else 0.0, top_k=5,
-                                seed=i)
+                                seed=i, logprobs=2 if i % 2 else None,  # their programs too
+                                prompt_logprobs=1 if i % 3 == 1 else None)
         ids[engine.add_request(prompt, params)] = (prompt, sampled)
         if i % 2:
             engine.step()
