@@ -134,6 +134,70 @@ def test_generate_return_logprob(http: httpx.Client, tok: Tokenizer, reference) 
     assert "output_token_logprobs" not in plain
 
 
+@pytest.fixture(scope="module")
+def prompt_reference(checkpoint: Path, tok: Tokenizer) -> list[TokenLogprob | None]:
+    """The engine's own prompt log probabilities of PROMPT, 2 alternatives."""
+    engine = Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG)
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=2)
+    out = engine.generate([tok.encode(PROMPT)], params)[0]
+    assert out.prompt_logprobs is not None
+    return out.prompt_logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, tok: Tokenizer,
+                                                     prompt_reference, stream: bool) -> None:
+    """What lm-evaluation-harness asks to score a continuation: the prompt's tokens, each with
+    its log probability (the first null) and its alternatives, and nothing generated."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=0, temperature=0, echo=True,
+                  logprobs=2)
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+                  if c.choices]
+        text = "".join(c.text for c in chunks)
+        lps = [c.logprobs for c in chunks if c.logprobs is not None]
+        tokens = [t for lp in lps for t in lp.tokens]
+        values = [v for lp in lps for v in lp.token_logprobs]
+    else:
+        got = client.completions.create(**kwargs)
+        assert got.usage.completion_tokens == 0
+        choice = got.choices[0]
+        text, tokens, values = choice.text, choice.logprobs.tokens, choice.logprobs.token_logprobs
+        assert choice.logprobs.top_logprobs[0] is None
+        assert len(choice.logprobs.top_logprobs[1]) <= 2
+        assert choice.model_extra["token_ids"] == []
+    ids = tok.encode(PROMPT)
+    assert text == PROMPT and tokens == [text_of(tok, i) for i in ids]
+    assert values[0] is None and prompt_reference[0] is None
+    assert values[1:] == pytest.approx([r.logprob for r in prompt_reference[1:]],
+                                       abs=TOLERANCE)
+
+
+def test_echo_with_logprobs_scores_prompt_and_completion(client: openai.OpenAI,
+                                                         tok: Tokenizer) -> None:
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    logprobs = got.choices[0].logprobs
+    assert len(logprobs.tokens) == len(tok.encode(PROMPT)) + 3
+    assert got.choices[0].text.startswith(PROMPT) and got.usage.completion_tokens == 3
+
+
+def test_generate_prompt_logprobs_from_a_start(http: httpx.Client, tok: Tokenizer,
+                                               prompt_reference) -> None:
+    ids = tok.encode(PROMPT)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert [t[1] for t in meta["input_token_logprobs"]] == ids
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert [t[0] for t in meta["input_token_logprobs"][1:]] == pytest.approx(
+        [r.logprob for r in prompt_reference[1:]], abs=TOLERANCE)
+    later = http.post("/generate", json={**body, "logprob_start_len": 3}).json()["meta_info"]
+    assert len(later["input_token_logprobs"]) == len(ids) - 3
+    past = http.post("/generate", json={**body, "logprob_start_len": len(ids)})
+    assert past.status_code == 400
+
+
 def test_echo_repeats_the_prompt(client: openai.OpenAI) -> None:
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                     echo=True).choices[0]
@@ -147,7 +211,7 @@ def test_echo_repeats_the_prompt(client: openai.OpenAI) -> None:
     ({"suffix": "end"}, "suffix"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"n": 2}, "n"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"top_k": 0}, "top_k"),
     ({"top_k": -2}, "top_k"),
     ({"logprobs": 21}, "logprobs"),
@@ -165,7 +229,7 @@ def test_chat_and_generate_refusals(http: httpx.Client) -> None:
     response = http.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
     generate = {"text": PROMPT, "return_logprob": True}
-    for extra, param in (({"logprob_start_len": 0}, "logprob_start_len"),
+    for extra, param in (({"logprob_start_len": -2}, "logprob_start_len"),
                          ({"token_ids_logprob": [1, 2]}, "token_ids_logprob")):
         response = http.post("/generate", json={**generate, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -42,6 +42,8 @@ class SamplingFields:
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
     logprobs: int | None = None  # alternatives per token; None: no log probabilities
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    prompt_logprobs_start: int = 0  # the first prompt position they are given for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,8 @@ class ServerContext:
                                   top_k=fields.top_k if fields.top_k > 0 else None,
                                   top_p=fields.top_p if fields.top_p < 1 else None,
                                   seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
-                                  logprobs=fields.logprobs)
+                                  logprobs=fields.logprobs,
+                                  prompt_logprobs=fields.prompt_logprobs,
+                                  prompt_logprobs_start=fields.prompt_logprobs_start)
         except ValueError as e:
             raise ApiError(400, str(e)) from None

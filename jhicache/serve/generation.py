@@ -50,6 +50,8 @@ class Update:
     # token's left out (its text is not part of the output either)
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    # with prompt log probabilities asked for: in the first update with tokens, and the last
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,7 +97,7 @@ class _TextState:
                       matched_stop=matched, prompt_tokens=out.prompt_len,
                       device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
                       storage_hit_tokens=out.storage_hit_tokens, logprobs=logprobs,
-                      new_logprobs=new_logprobs)
+                      new_logprobs=new_logprobs, prompt_logprobs=out.prompt_logprobs)
 
     def _detokenize(self, ids: Sequence[int], final: bool) -> str:
         if self._detok is None:

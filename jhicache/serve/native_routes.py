@@ -58,7 +58,8 @@ async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Respo
     return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
-def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]:
+def _payload(rid: str, update: Update, text: TokenText | None,
+             prompt_ids: list[int]) -> dict[str, Any]:
     """The response (or a stream's event: text, ids and log probabilities cumulative)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
@@ -67,21 +68,29 @@ def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]
                                       "host": update.host_hit_tokens,
                                       "storage": update.storage_hit_tokens}}
     if update.logprobs is not None:
-        meta.update(sglang_logprobs(update.logprobs, text))
+        meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs or (),
+                                    prompt_ids))
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
 
 
-def _logprobs(ctx: ServerContext, body: GenerateRequest) -> tuple[int | None, TokenText | None]:
-    """Alternatives per token (None: none asked for) and how a token's text is written."""
+def _logprobs(ctx: ServerContext, body: GenerateRequest,
+              fields: SamplingFields) -> tuple[SamplingFields, TokenText | None]:
+    """The fields with the log probabilities asked for (generated tokens; with
+    `logprob_start_len` >= 0 the prompt's from there on), and how a token's text is written."""
     if body.token_ids_logprob is not None:
         raise ApiError(400, "token_ids_logprob is not supported by this server",
                        "token_ids_logprob")
-    if body.logprob_start_len != -1:
-        raise ApiError(400, f"logprob_start_len={body.logprob_start_len}: this server gives "
-                            f"the log probabilities of generated tokens only (-1)",
-                       "logprob_start_len")
+    if body.logprob_start_len < -1:
+        raise ApiError(400, f"logprob_start_len={body.logprob_start_len}: expected -1 (output "
+                            f"tokens only) or a prompt position", "logprob_start_len")
     text = token_text(ctx.tokenizer) if body.return_text_in_logprobs else None
-    return (body.top_logprobs_num if body.return_logprob else None), text
+    if not body.return_logprob:
+        return fields, text
+    top = body.top_logprobs_num
+    if body.logprob_start_len >= 0:
+        fields = dataclasses.replace(fields, prompt_logprobs=top,
+                                     prompt_logprobs_start=body.logprob_start_len)
+    return dataclasses.replace(fields, logprobs=top), text
 
 
 def _limits(ctx: ServerContext) -> dict[str, Any]:
@@ -100,12 +109,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
     @router.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         sp = body.sampling_params
-        logprobs, text = _logprobs(ctx, body)
         fields = SamplingFields(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                                 top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
                                 stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-                                ignore_eos=sp.ignore_eos, logprobs=logprobs)
-        gen = ctx.generation(await _prompt(ctx, body), fields, body.rid)
+                                ignore_eos=sp.ignore_eos)
+        fields, text = _logprobs(ctx, body, fields)
+        prompt_ids = await _prompt(ctx, body)
+        gen = ctx.generation(prompt_ids, fields, body.rid)
         rid = gen.spec.request_id
         updates = gen.updates()
         first = await first_update(request, updates)
@@ -113,13 +123,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
             return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
-                yield sse(_payload(rid, update, text))  # one per output: text is cumulative
+                yield sse(_payload(rid, update, text, prompt_ids))  # text is cumulative
 
             return event_stream(first, updates, chunks, lambda _: ())
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(_payload(rid, last, text))
+        return JSONResponse(_payload(rid, last, text, prompt_ids))
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -3,6 +3,7 @@ GET /v1/models, in the shapes the official `openai` client reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -49,10 +50,13 @@ def _completion_fields(body: CompletionRequest) -> SamplingFields:
                             f"best_of must be 1", "best_of")
     if body.suffix is not None:
         raise ApiError(400, "suffix is not supported by this server", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs asks for the prompt's log probabilities, "
-                            "which this server does not compute yet", "echo")
-    return _fields(body, body.max_tokens, body.logprobs)
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens=0 needs echo: it asks for the prompt alone",
+                       "max_tokens")
+    fields = _fields(body, max(body.max_tokens, 1), body.logprobs)
+    if body.echo and body.logprobs is not None:  # the prompt's tokens scored too
+        fields = dataclasses.replace(fields, prompt_logprobs=body.logprobs)
+    return fields
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
@@ -61,8 +65,8 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _usage(update: Update) -> dict[str, Any]:
-    completion = len(update.token_ids)
+def _usage(update: Update, scoring: bool = False) -> dict[str, Any]:
+    completion = 0 if scoring else len(update.token_ids)
     return {"prompt_tokens": update.prompt_tokens, "completion_tokens": completion,
             "total_tokens": update.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": update.cached_tokens}}
@@ -108,33 +112,48 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if first is None:
             return Response(status_code=_CLIENT_GONE)
 
+        scoring = body.max_tokens == 0  # echo alone: the token generated is not returned
+        scores_prompt = body.echo and body.logprobs is not None
+
         def choice(update: Update, text: str, ids: list[int],
-                   records: list[TokenLogprob] | None, offset: int) -> dict[str, Any]:
+                   records: list[TokenLogprob | None] | None, offset: int) -> dict[str, Any]:
             logprobs = (None if records is None
-                        else completion_logprobs(records, text_of, offset))
+                        else completion_logprobs(records, text_of, offset, prompt_ids[0]))
             # token_ids: vLLM's extension, for clients that bring their own tokenizer
             return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": _finish(update), "token_ids": ids}
 
+        def records(update: Update, new: list[TokenLogprob] | None,
+                    with_prompt: bool) -> list[TokenLogprob | None] | None:
+            if body.logprobs is None:
+                return None
+            prompt_part = (update.prompt_logprobs or []) if with_prompt and scores_prompt else []
+            return [*prompt_part, *([] if scoring else new or [])]
+
         if body.stream:
-            offset = len(echoed)  # where the next token's text starts: its pieces so far
+            offset = 0  # where the next token's text starts: the pieces before it
 
             def chunks(update: Update) -> Iterator[bytes]:
                 nonlocal offset
                 head = echoed if update is first else ""
-                if head or update.delta or update.new_logprobs or update.finished:
-                    yield sse(reply.body([choice(update, head + update.delta,
-                                                 update.new_token_ids, update.new_logprobs,
-                                                 offset)]))
-                    offset += sum(len(text_of(r.token_id)) for r in update.new_logprobs or ())
+                delta = "" if scoring else update.delta
+                ids = [] if scoring else update.new_token_ids
+                part = records(update, update.new_logprobs, update is first)
+                if head or delta or part or update.finished:
+                    item = choice(update, head + delta, ids, part, offset)
+                    yield sse(reply.body([item]))
+                    if item["logprobs"] is not None:
+                        offset += sum(len(t) for t in item["logprobs"]["tokens"])
 
-            return event_stream(first, updates, chunks, _usage_chunk(body, reply))
+            return event_stream(first, updates, chunks, _usage_chunk(body, reply, scoring))
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
-                                               last.logprobs, len(echoed))],
-                                       usage=_usage(last)))
+        text = echoed + ("" if scoring else last.text)
+        ids = [] if scoring else last.token_ids
+        start = 0 if scores_prompt else len(echoed)
+        return JSONResponse(reply.body([choice(last, text, ids, records(last, last.logprobs, True),
+                                               start)], usage=_usage(last, scoring)))
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -192,9 +211,10 @@ def _prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) ->
     return ctx.require_tokenizer("echo of a token-id prompt", "echo").decode(ids)
 
 
-def _usage_chunk(body: Any, reply: _Reply) -> Callable[[Update], Iterator[bytes]]:
+def _usage_chunk(body: Any, reply: _Reply,
+                 scoring: bool = False) -> Callable[[Update], Iterator[bytes]]:
     """The stream's last chunk: usage alone, when the request's stream_options ask for it."""
     def end(update: Update) -> Iterator[bytes]:
         if body.stream_options and body.stream_options.include_usage:
-            yield sse(reply.body([], usage=_usage(update)))
+            yield sse(reply.body([], usage=_usage(update, scoring)))
     return end

@@ -49,7 +49,7 @@ class CompletionRequest(_OpenAISampling):
     """POST /v1/completions: one prompt, text or token ids (a list of one is accepted too)."""
 
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: PositiveInt = 16
+    max_tokens: Annotated[int, Field(ge=0)] = 16  # 0: with echo, the prompt scored alone
     logprobs: LogprobCount | None = None  # alternatives per token (0: the chosen one only)
     echo: bool = False  # the prompt's text before the completion's
     best_of: PositiveInt | None = None  # 1 only
@@ -107,7 +107,7 @@ class GenerateRequest(_Body):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: LogprobCount = 0
-    logprob_start_len: int = -1  # -1: output tokens only (prompt positions: refused)
+    logprob_start_len: int = -1  # -1: output tokens only; else the prompt's from there on
     token_ids_logprob: TokenIds | None = None  # refused
     return_text_in_logprobs: bool = False
 
