@@ -181,3 +181,26 @@ def test_prompt_logprobs_start_past_the_prompt_is_refused(checkpoint) -> None:
     engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
     with pytest.raises(ValueError, match="prompt_logprobs_start"):
         engine.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1, prompt_logprobs_start=3))
+
+
+def test_logprobs_equal_hf_transformers(checkpoint) -> None:
+    """Against transformers' own Qwen2 in float32 where torch and transformers are installed
+    (the GPU machine; CI's CPU environment has neither, so it skips there)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path, _ = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
+    params = SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=3)
+    out = engine.generate([PROMPT], params)[0]
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + out.token_ids])).logits[0]
+    logp = torch.log_softmax(logits.double(), dim=-1).numpy()
+    tokens = PROMPT + out.token_ids
+    assert out.prompt_logprobs is not None and out.logprobs is not None
+    for position, got in list(enumerate(out.prompt_logprobs))[1:] + [
+            (len(PROMPT) + i, r) for i, r in enumerate(out.logprobs)]:
+        assert got is not None
+        row = logp[position - 1]
+        assert got.logprob == pytest.approx(row[tokens[position]], abs=TOLERANCE)
+        assert [v for _, v in got.top] == pytest.approx(sorted(row)[::-1][:3], abs=TOLERANCE)
