@@ -344,3 +344,15 @@ def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
     assert result["hit_rate_ratio"] > 0.9 and result["same_answers"]
     assert result["compiles"] == [0, 0, 0]
     assert list(store.iterdir()) == []
+
+
+def test_multiturn_with_logprobs_asks_them_of_every_request(tmp_path) -> None:
+    out = tmp_path / "lp.json"
+    assert command.main(["multiturn", *TINY, "--modes", "hierarchical", "--logprobs", "2",
+                         "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["spec"]["logprobs"] == 2
+    result = run["modes"]["hierarchical"]
+    assert result["compiles_during_run"]["count"] == 0
+    with pytest.raises(SystemExit):
+        command.main(["multiturn", *TINY, "--logprobs", "21"])

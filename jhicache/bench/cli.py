@@ -27,6 +27,7 @@ from jhicache.bench.arg_types import (
 )
 from jhicache.bench.engines import engine_config
 from jhicache.config import EngineConfig, FetchPolicy, KVDtype, WritePolicy
+from jhicache.logprobs import MAX_LOGPROBS
 from jhicache.models.config import PRESETS
 
 DESCRIPTION = """\
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(unset: the system's temporary directory); multiturn: a storage tier "
                         "under the hierarchical mode, there (a temporary directory in it, "
                         "removed after)")
+    p.add_argument("--logprobs", type=non_negative_int, metavar="N", default=None,
+                   help="multiturn (in process): every request asks for its tokens' log "
+                        "probabilities, N alternatives each (at most 20)")
     p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
                    help="restart: the round before which the engine restarts on its storage "
                         "(unset: half the rounds)")
@@ -163,6 +167,8 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.plot and args.what not in ("multiturn", "all"):
         p.error("--plot draws the multiturn benchmark; use it with `multiturn` or `all`")
     check_url(p, args)
+    if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
+        p.error(f"--logprobs {args.logprobs}: at most {MAX_LOGPROBS}")
     if args.what == "serve-overhead":
         missing = [m for m in ("fastapi", "uvicorn", "httpx")
                    if importlib.util.find_spec(m) is None]
@@ -195,5 +201,7 @@ def check_url(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if engine_options:
         p.error(f"{', '.join(engine_options)} configure(s) an engine in this process; with --url "
                 "the server's own flags do (give them to `python -m jhicache.serve`)")
+    if args.logprobs is not None:
+        p.error("--logprobs asks the engine in this process; with --url it would be ignored")
     if importlib.util.find_spec("httpx") is None:
         p.error("--url needs httpx: pip install -e '.[serve]'")

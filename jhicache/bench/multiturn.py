@@ -85,7 +85,8 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     engine.warmup(progress=False)
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
     with CompileCounter() as compiles:
-        run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress)
+        run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress,
+                               getattr(args, "logprobs", None))
     engine.check_invariants()
     if "storage_dir" in overrides:  # the storage tier's pages are this run's alone
         assert engine.cache.storage is not None
@@ -130,23 +131,25 @@ def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig
 
 
 def drive_in_process(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                     progress: tqdm) -> clients.ClientsRun:
-    return asyncio.run(drive_clients(engine, spec, config, progress))
+                     progress: tqdm, logprobs: int | None = None) -> clients.ClientsRun:
+    return asyncio.run(drive_clients(engine, spec, config, progress, logprobs))
 
 
 async def drive_clients(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                        progress: tqdm) -> clients.ClientsRun:
+                        progress: tqdm, logprobs: int | None = None) -> clients.ClientsRun:
     """The clients' conversations through an AsyncEngine over `engine`, as a server drives it;
     closed at the end (its thread then lets go of the engine, whose stats the caller reads)."""
     async with AsyncEngine(engine) as served:
         return await clients.run_clients(EngineBackend(served), user_turns(spec),
-                                         turn_params(spec), config,
+                                         turn_params(spec, logprobs), config,
                                          on_turn=lambda turn: progress.update(1))
 
 
-def turn_params(spec: MultiTurnSpec) -> list[list[SamplingParams]]:
-    """Each turn's sampling: greedy, its drawn answer length."""
-    return [[SamplingParams(max_new_tokens=n) for n in row] for row in output_lengths(spec)]
+def turn_params(spec: MultiTurnSpec, logprobs: int | None = None) -> list[list[SamplingParams]]:
+    """Each turn's sampling: greedy, its drawn answer length (and `logprobs` alternatives per
+    token, where given)."""
+    return [[SamplingParams(max_new_tokens=n, logprobs=logprobs) for n in row]
+            for row in output_lengths(spec)]
 
 
 def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
@@ -173,4 +176,5 @@ def sending(args: argparse.Namespace) -> dict:
     no infinity)."""
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     return {"request_rate": rate, "max_parallel": args.max_parallel or args.clients,
-            "ready_queue_policy": args.ready_queue_policy, "round_barrier": args.round_barrier}
+            "ready_queue_policy": args.ready_queue_policy, "round_barrier": args.round_barrier,
+            "logprobs": getattr(args, "logprobs", None)}
