@@ -356,3 +356,14 @@ def test_multiturn_with_logprobs_asks_them_of_every_request(tmp_path) -> None:
     assert result["compiles_during_run"]["count"] == 0
     with pytest.raises(SystemExit):
         command.main(["multiturn", *TINY, "--logprobs", "21"])
+
+
+def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path) -> None:
+    out = tmp_path / "scoring.json"
+    assert command.main(["scoring", *TINY, "--scoring-prompt", "100", "--scoring-trials", "2",
+                         "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["scoring"]
+    assert len(result["trials"]) == 2 and result["prompt_tokens"] == 100
+    assert all(t["compiles"] == 0 for t in result["trials"])
+    assert result["scored_over_prefill"] == pytest.approx(
+        result["scored_ttft_s"] / result["prefill_ttft_s"])

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(given=frozenset())
     p.add_argument("what", nargs="?", default="all",
                    choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead",
-                            "storage-hit", "restart"),
+                            "storage-hit", "restart", "scoring"),
                    help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
                         "multiturn through the HTTP server and in process, side by side")
     p.add_argument("--url", type=server_url, metavar="URL", default=None,
@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-hit-trials", **count, default=3 if gpu else 1,
                    help="storage-hit: measured trials (after a warm-up one); the figures printed "
                         "are the median trial's by storage-hit TTFT")
+    p.add_argument("--scoring-prompt", **count, default=8192 if gpu else 256,
+                   help="scoring: the prompt tokens scored, and prefilled for comparison")
+    p.add_argument("--scoring-trials", **count, default=3 if gpu else 1,
+                   help="scoring: measured pairs (after a warm-up pair); the figures printed "
+                        "are the median pair's by ratio")
     p.add_argument("--storage-dir", metavar="DIR", default=None,
                    help="storage-hit: where its storage tier and the disk probe's files go "
                         "(unset: the system's temporary directory); multiturn: a storage tier "

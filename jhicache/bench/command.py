@@ -19,6 +19,7 @@ from jhicache.bench.model import bench_model
 from jhicache.bench.multiturn import bench_multiturn
 from jhicache.bench.remote_run import bench_remote
 from jhicache.bench.restart import bench_restart
+from jhicache.bench.scoring import bench_scoring
 from jhicache.bench.storage_hit import bench_storage_hit
 from jhicache.models.config import preset_config
 
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.what == "storage-hit":
         result["storage_hit"] = bench_storage_hit(args)
         print(report.storage_hit_table(result["storage_hit"]))
+    if args.what == "scoring":
+        result["scoring"] = bench_scoring(args)
+        print(report.scoring_table(result["scoring"]))
     if args.what == "restart":
         result["restart"] = bench_restart(args, model_vocab(args))
         print(report.restart_table(result["restart"]))

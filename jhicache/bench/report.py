@@ -202,6 +202,16 @@ def storage_hit_table(result: dict) -> str:
             f"{result['median_trial'] + 1}): {min(ttfts):.1f}-{max(ttfts):.1f} ms")
 
 
+def scoring_table(result: dict) -> str:
+    ratios = [t["scored_over_prefill"] for t in result["trials"]]
+    return (f"scoring a {result['prompt_tokens']}-token prompt (its tokens' log probabilities, "
+            f"one alternative each), nothing cached: TTFT {result['scored_ttft_s'] * 1e3:.1f} ms "
+            f"against its plain prefill {result['prefill_ttft_s'] * 1e3:.1f} ms, "
+            f"x {result['scored_over_prefill']:.3f} (median of {len(ratios)} pairs, "
+            f"{min(ratios):.3f}-{max(ratios):.3f}); compiles in the measured pairs "
+            f"{sum(t['compiles'] for t in result['trials'])}")
+
+
 def restart_table(result: dict) -> str:
     def hits(part: dict) -> str:
         return (f"{part['hit_rate']:.3f} (device {part['device_hit_rate']:.3f}, host "
