@@ -84,11 +84,13 @@ def _compiled(lowered: jax.stages.Lowered,
         return output_type(lowered, lowered.compile())
 
 
-def _step_programs(engine: Engine, shape: StepShape,
-                   lock: contextlib.AbstractContextManager) -> None:
+def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractContextManager,
+                   sampled_logprobs: bool = True, prompt_logprobs: bool = True) -> None:
     """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
     the inputs' transfer (run: it is small), the forward, both samplers and, for a decode, the
-    patch of pending tokens and the first program over patched tokens."""
+    patch of pending tokens and the first program over patched tokens; with the flags, the
+    log probabilities of the sampled tokens and (a prefill) of the prompt's rows, which other
+    shapes of the same request or token count share."""
     programs, grid = engine.runner.programs, engine.grid
     (k, v), rows = engine.device_pool.layer_types(), grid.max_requests
     if shape.decode:  # its inputs' transfer without patches (a lock-step decode)
@@ -99,13 +101,14 @@ def _step_programs(engine: Engine, shape: StepShape,
     with lock:
         compiled = rest.compile()
     logits = output_type(rest, compiled)
-    if not shape.decode:  # prompt log probabilities: the head over every row of a prefill
+    if prompt_logprobs and not shape.decode:  # the head over every row of a prefill
         hidden_rows = output_type(rest, compiled, 3)
         targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden_rows.sharding)
         _compiled(programs.lower_head_rows(hidden_rows, targets, row_logprobs), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
     _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
-    _compiled(token_logprobs.lower(logits, sampled), lock)
+    if sampled_logprobs:
+        _compiled(token_logprobs.lower(logits, sampled), lock)
     if inputs.patches is not None:
         patched = _compiled(patch_tokens.lower(inputs.tokens, *inputs.patches, sampled), lock)
         _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
@@ -140,15 +143,32 @@ def read_back(compiles: int, cache_hits: int) -> bool:
     return compiles > 0 and cache_hits == compiles
 
 
+def _logprob_shapes(shapes: tuple[StepShape, ...]) -> tuple[set[StepShape], set[StepShape]]:
+    """The shapes that compile the log-probability programs for the others: the first of each
+    request count (the sampled tokens', typed by the logits' rows) and the first prefill of
+    each token count (the prompt's, typed by its hidden rows)."""
+    by_requests: dict[int, StepShape] = {}
+    by_tokens: dict[int, StepShape] = {}
+    for shape in shapes:
+        by_requests.setdefault(shape.requests, shape)
+        if not shape.decode:
+            by_tokens.setdefault(shape.tokens, shape)
+    return set(by_requests.values()), set(by_tokens.values())
+
+
 def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
     """A task per shape and per write-back gather size: those that compile one at a time,
     then those that compile in parallel after them."""
     timing = timing_shapes(engine.grid.shapes())
-    alone: list[Task] = [(f"step {shape}", functools.partial(_step_programs, engine, shape))
-                         for shape in timing]
-    parallel: list[Task] = [
-        (f"step {shape}", functools.partial(_step_programs, engine, shape))
-        for shape in engine.grid.shapes() if shape not in timing]
+    by_requests, by_tokens = _logprob_shapes(engine.grid.shapes())
+
+    def task(shape: StepShape) -> Task:
+        return (f"step {shape}", functools.partial(
+            _step_programs, engine, shape, sampled_logprobs=shape in by_requests,
+            prompt_logprobs=shape in by_tokens))
+
+    alone: list[Task] = [task(shape) for shape in timing]
+    parallel: list[Task] = [task(shape) for shape in engine.grid.shapes() if shape not in timing]
     transfers = engine.cache.transfers
     if transfers is not None:  # gathers have no matmuls
         for size in transfers.writes.gather_sizes():
