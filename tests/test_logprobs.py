@@ -124,10 +124,12 @@ def test_logprobs_out_of_range_are_refused() -> None:
 @pytest.mark.parametrize("process", [False, True])
 def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> None:
     """Through AsyncEngine (in a thread or an engine process): each streamed output's records
-    cover its tokens so far, and the last ones equal the engine's own."""
+    cover its tokens so far, and the last ones equal the reference's; the prompt's come with
+    the first token and the last output."""
     path, weights = checkpoint
     config = EngineConfig(cache_mode="hierarchical", **ENGINE)
-    params = SamplingParams(max_new_tokens=6, logprobs=2)
+    params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=1,
+                            prompt_logprobs_start=10)
 
     async def run() -> list:
         async with AsyncEngine.from_pretrained(str(path), config, process=process) as served:
@@ -140,6 +142,11 @@ def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> No
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     assert_close(outs[-1].logprobs, expected(weights, PROMPT, outs[-1].token_ids, 2))
     assert_close(final.logprobs, expected(weights, PROMPT[:50], final.token_ids, 2))
+    logits = reference_logits(weights, CFG, PROMPT)
+    want = [reference_logprobs(logits[p - 1], PROMPT[p], 1) for p in range(10, len(PROMPT))]
+    assert_prompt_close(outs[0].prompt_logprobs, want)  # with the first token, and the last
+    assert_prompt_close(outs[-1].prompt_logprobs, want)
+    assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == 40
 
 
 def assert_prompt_close(got: list[TokenLogprob | None] | None, want: list) -> None:
