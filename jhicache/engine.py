@@ -457,7 +457,10 @@ class Engine:
     def _end(self, step: _Launched) -> list[RequestOutput]:
         """Reads a step's sampled tokens, and their log probabilities where asked for (waiting
         for that step alone, in one read), and commits them."""
-        ids, logprobs, prompt = jax.device_get((step.sampled, step.logprobs, step.prompt))
+        if step.logprobs is None and step.prompt is None:  # the usual step: one array to read
+            ids, logprobs, prompt = np.asarray(step.sampled), None, None
+        else:
+            ids, logprobs, prompt = jax.device_get((step.sampled, step.logprobs, step.prompt))
         now = time.perf_counter()
         if prompt is not None:
             self._add_prompt_logprobs(step.prompt_rows, *prompt)
