@@ -145,10 +145,10 @@ class Scheduler:
             fetch = req.storage_fetch
             if fetch is None:
                 continue
-            if self._split:  # reads start once storage answers; all read, it ends (the
-                stop = self._fetch_stop(req)  # pages go into the tree as host pages)
-                if req.storage_fetch is not None and stop == fetch.first_page * self.page_size:
-                    req.fetched_tokens = self.cache.end_fetch(fetch, req.tokens, fetch.first_page)
+            if self._split:  # reads start once storage answers; when they have all ended, the
+                self._fetch_stop(req)  # pages read from the first go into the tree as host
+                if req.storage_fetch is not None and fetch.finished:  # pages (all, or to a
+                    req.fetched_tokens = self.cache.end_fetch(fetch, req.tokens)  # failed one)
                     req.storage_fetch = None
                 continue
             if config.fetch_policy is FetchPolicy.BEST_EFFORT:

@@ -127,7 +127,8 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     assert_idle_and_consistent(again)
 
 
-def test_damaged_pages_are_recomputed_not_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["wait_complete", "split"])
+def test_damaged_pages_are_recomputed_not_served(tmp_path: Path, policy: str) -> None:
     first = storage_engine(tmp_path)
     run_chats(first)
     first.flush_cache()
@@ -139,7 +140,7 @@ def test_damaged_pages_are_recomputed_not_served(tmp_path: Path) -> None:
         elif i % 3 == 1:
             data[-3] ^= 1  # a flipped bit
             page.write_bytes(data)
-    again = storage_engine(tmp_path)
+    again = storage_engine(tmp_path, fetch_policy=policy)
     assert run_chats(again) == reference_histories()
     stats = again.stats()
     assert stats.storage_truncated_pages + stats.storage_corrupt_pages > 0

@@ -455,13 +455,13 @@ class PrefixCache:
     def end_fetch(self, fetch: StorageFetch, tokens: Sequence[int] | None,
                   from_page: int | None = None) -> int:
         """Ends `fetch`: the pages read from the first go into the tree under its anchor (none
-        with `tokens` None: an aborted request); a fetch `from_tail` gives its pages from
-        `from_page` (of the prompt) on, if they were all read, and the prefix before them must
-        be cached by then. Returns the tokens they hold."""
+        with `tokens` None: an aborted request); with `from_page` (a fetch from the tail), its
+        pages from that page of the prompt on, if they were all read, and the prefix before them
+        must be cached by then. Returns the tokens they hold."""
         assert self.storage is not None and self.host is not None
         if fetch.state is FetchState.ENDED:
             return 0
-        first = 0 if from_page is None else from_page - fetch.first_page
+        first = None if from_page is None else from_page - fetch.first_page
         lo, hi = self.storage.end_fetch(fetch, first)
         self._pin(fetch.anchor, False)  # type: ignore[arg-type]
         pages = fetch.host_pages[lo:hi]

@@ -74,14 +74,15 @@ class StorageFetch:
 
     @property
     def tail_completed(self) -> int:
-        """Pages read, from the last, down to the first chunk not (fully) read."""
+        """Pages read, from the last, down to the first chunk not fully read (a chunk read in
+        part holds the pages at its start: they do not join the tail)."""
         with self._lock:
             done = 0
             for i in reversed(range(len(self._read))):
                 size = min(FETCH_CHUNK_PAGES, len(self.host_pages) - i * FETCH_CHUNK_PAGES)
-                done += max(self._read[i], 0)
                 if self._read[i] != size:
                     break
+                done += size
             return done
 
     @property
@@ -260,15 +261,15 @@ class StorageTier:
         self._progress.wait(timeout_s)
         self._progress.clear()
 
-    def end_fetch(self, fetch: StorageFetch, first: int = 0) -> tuple[int, int]:
-        """Terminates `fetch`: the pages read so far become the caller's, those from the first
-        or, with `from_tail`, those from index `first` to the last if all of them were read;
-        the rest are freed by a later `poll` once no thread writes them. Returns the range of
-        `host_pages` that is the caller's."""
+    def end_fetch(self, fetch: StorageFetch, first: int | None = None) -> tuple[int, int]:
+        """Terminates `fetch`: the pages read so far become the caller's, those read without a
+        gap from the first or, with `first` (a fetch from the tail), those from index `first`
+        to the last if all of them were read; the rest are freed by a later `poll` once no
+        thread writes them. Returns the range of `host_pages` that is the caller's."""
         fetch._cancel.set()
         if fetch.state is FetchState.FETCHING:
             n = len(fetch.host_pages)
-            if not fetch.from_tail:
+            if first is None:
                 fetch.kept = (0, fetch.completed)
             elif n - fetch.tail_completed <= first < n:
                 fetch.kept = (first, n)
