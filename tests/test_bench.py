@@ -144,6 +144,14 @@ def test_unknown_mode_is_a_clear_error(capsys) -> None:
     assert "unknown mode" in capsys.readouterr().err
 
 
+def test_a_storage_dir_that_cannot_be_made_is_a_clear_error(tmp_path, capsys) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["multiturn", *TINY, "--storage-dir", str(blocker / "store")])
+    assert "cannot make this directory" in capsys.readouterr().err
+
+
 def test_multiturn_saves_finished_modes_when_a_later_one_fails(tmp_path, monkeypatch) -> None:
     def only_off(args, spec, mode, progress):  # stands in for a run cut short after its first mode
         if mode != "off":
@@ -332,8 +340,7 @@ def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -
 def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
     """Half the rounds, a new engine on the same storage directory, the other half: their hits
     come from storage, as many as without the restart, with the same answers."""
-    out, store = tmp_path / "restart.json", tmp_path / "store"
-    store.mkdir()
+    out, store = tmp_path / "restart.json", tmp_path / "not" / "yet"  # the bench makes it
     args = ["restart", *TINY, "--request-length", "300", "--write-policy", "write_through",
             "--storage-dir", str(store), "--out", str(out)]
     assert command.main(args) == 0

@@ -38,6 +38,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def storage_directory(text: str) -> str:
+    """argparse type: a directory for the storage tier's files, made (with its parents) if it
+    does not exist yet."""
+    try:
+        Path(text).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot make this directory ({e})") from e
+    return text
+
+
 def range_ratio(text: str) -> float:
     value = _parsed(float, text)
     if not 0.0 < value <= 1.0:

@@ -24,6 +24,7 @@ from jhicache.bench.arg_types import (
     range_ratio,
     request_rate,
     server_url,
+    storage_directory,
 )
 from jhicache.bench.engines import engine_config
 from jhicache.config import EngineConfig, FetchPolicy, KVDtype, WritePolicy
@@ -133,11 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring-trials", **count, default=3 if gpu else 1,
                    help="scoring: measured pairs (after a warm-up pair); the figures printed "
                         "are the median pair's by ratio")
-    p.add_argument("--storage-dir", metavar="DIR", default=None,
+    p.add_argument("--storage-dir", type=storage_directory, metavar="DIR", default=None,
                    help="storage-hit: where its storage tier and the disk probe's files go "
                         "(unset: the system's temporary directory); multiturn: a storage tier "
                         "under the hierarchical mode, there (a temporary directory in it, "
-                        "removed after)")
+                        "removed after; made if missing)")
     p.add_argument("--logprobs", type=non_negative_int, metavar="N", default=None,
                    help="multiturn (in process): every request asks for its tokens' log "
                         "probabilities, N alternatives each (at most 20)")
