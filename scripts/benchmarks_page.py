@@ -364,6 +364,32 @@ def storage_hit(files: list[Json], args: Json) -> Figures:
                                           "fetch_read_over_disk": over_disk})
 
 
+def scoring(files: list[Json], args: Json) -> Figures:
+    """A prompt scored (its tokens' log probabilities) against the same length's plain prefill,
+    nothing cached: the bench's median pair by ratio, the range over every pair."""
+    run = files[0]["scoring"]
+    ratios = [t["scored_over_prefill"] for t in run["trials"]]
+    compiles = sum(t["compiles"] for t in run["trials"])
+    text = (f"scored {ms(run['scored_ttft_s'])} ms against prefill {ms(run['prefill_ttft_s'])} "
+            f"ms: {run['scored_over_prefill']:.3f}x ({span(ratios, 3)}); "
+            f"{plural(len(ratios), 'pair')}, {plural(compiles, 'compile')}")
+    return Figures(text, checks={"ratio": ratios})
+
+
+def restart(files: list[Json], args: Json) -> Figures:
+    """The rounds after a restart on the same storage directory against the same rounds on an
+    engine never restarted: hit rates, their ratio, where the hits came from."""
+    run = files[0]["restart"]
+    after, straight = run["restarted"], run["straight"]
+    text = (f"hit rate {after['hit_rate']:.3f} after the restart (storage "
+            f"{after['storage_hit_rate']:.3f}) against {straight['hit_rate']:.3f} never "
+            f"restarted: {run['hit_rate_ratio']:.3f}; "
+            f"{'the same answers' if run['same_answers'] else 'answers differ'}; "
+            f"{run['storage_pages_at_restart']:,} pages in storage at the restart; compiles "
+            f"{'/'.join(str(c) for c in run['compiles'])}")
+    return Figures(text, checks={"ratio": [run["hit_rate_ratio"]]})
+
+
 def step_vs_forward(files: list[Json], args: Json) -> Figures:
     """The engine's step (overlap on, and lock-step) against its forward alone."""
     case, key = args["case"], args["key"]
@@ -463,8 +489,8 @@ EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_modes,
         multiturn_stream, serve_paths, host_hit, load_back, write_back_host_hit,
-        write_back_head, device_hit_beside, storage_hit, step_vs_forward, attention,
-        forward_floor, fresh_vs_hf, gather, programs_ab, note)
+        write_back_head, device_hit_beside, storage_hit, scoring, restart, step_vs_forward,
+        attention, forward_floor, fresh_vs_hf, gather, programs_ab, note)
 }
 
 
