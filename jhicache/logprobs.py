@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's and vLLM's cap)
+# The largest k that XLA's GPU TopK kernel takes: a larger k is lowered to a sort of every row
+# (the whole vocabulary), many times slower than a pass of the kernel.
+TOP_K_PASS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +31,24 @@ def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]
     ids [B, N], most likely first). Traced inside programs (the prompt's, `head_rows`)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    top, ids = top_k_in_passes(logp, MAX_LOGPROBS)
     return chosen, top, ids.astype(jnp.int32)
+
+
+def top_k_in_passes(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(values, k)` of each row of [B, n], in passes of at most `TOP_K_PASS`,
+    each taking the next values after the passes before have masked theirs to -inf, so that
+    every pass is one of XLA's GPU TopK kernel rather than a sort of each row."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    tops, ids = [], []
+    while k > 0:
+        top, idx = jax.lax.top_k(values, min(k, TOP_K_PASS))
+        tops.append(top)
+        ids.append(idx)
+        k -= top.shape[-1]
+        if k:
+            values = values.at[rows, idx].set(-jnp.inf)
+    return jnp.concatenate(tops, axis=-1), jnp.concatenate(ids, axis=-1)
 
 
 @jax.jit

@@ -8,12 +8,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jhicache import AsyncEngine, Engine, EngineConfig, SamplingParams
-from jhicache.logprobs import MAX_LOGPROBS, TokenLogprob, reference_logprobs, token_logprobs
+from jhicache.logprobs import (
+    MAX_LOGPROBS,
+    TokenLogprob,
+    reference_logprobs,
+    token_logprobs,
+    top_k_in_passes,
+)
 from tests.models.numpy_reference import (
     random_hf_weights,
     reference_logits,
@@ -37,6 +44,9 @@ def test_the_program_matches_numpy_on_random_logits() -> None:
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 3, (3, 1000)).astype(np.float32)
     logits[1, 10:14] = logits[1].max() + 1  # ties at the top
+    # 20 ranks, four of them tied across the boundary of top_k_in_passes' first pass (16)
+    logits[2, 100:120] = np.arange(40, 20, -1)
+    logits[2, 113:117] = 27.0
     sampled = np.array([5, 11, 999, 0, 0, 0], np.int32)  # padded rows past the batch
     chosen, top, ids = (np.asarray(a) for a in token_logprobs(jnp.asarray(logits),
                                                               jnp.asarray(sampled)))
@@ -45,13 +55,30 @@ def test_the_program_matches_numpy_on_random_logits() -> None:
         want = reference_logprobs(logits[row], int(sampled[row]), MAX_LOGPROBS)
         assert chosen[row] == pytest.approx(want.logprob, abs=1e-5)
         np.testing.assert_allclose(top[row], [v for _, v in want.top], atol=1e-5)
-        tied = set(range(10, 14))
         got_ids = [int(i) for i in ids[row]]
         if row == 1:  # ties come in either order
-            assert set(got_ids[:4]) == tied
+            assert set(got_ids[:4]) == set(range(10, 14))
             assert got_ids[4:] == [i for i, _ in want.top][4:]
+        elif row == 2:
+            assert got_ids[:13] == list(range(100, 113))
+            assert set(got_ids[13:17]) == set(range(113, 117))
+            assert got_ids[17:] == list(range(117, 120))
         else:
             assert got_ids == [i for i, _ in want.top]
+
+
+@pytest.mark.parametrize("k", [1, 16, 17, 20, 33])
+def test_top_k_in_passes_equals_top_k_on_random_rows(k: int) -> None:
+    """Fresh random rows with repeated values, against jax.lax.top_k's values and ids."""
+    rng = np.random.default_rng(k)
+    values = jnp.asarray(rng.integers(0, 50, (4, 300)).astype(np.float32))  # many ties
+    top, ids = top_k_in_passes(values, k)
+    want_top, _ = jax.lax.top_k(values, k)
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
+    for row in range(4):  # each id names its value, none twice
+        assert len(set(np.asarray(ids[row]).tolist())) == k
+        np.testing.assert_array_equal(np.asarray(values[row])[np.asarray(ids[row])],
+                                      np.asarray(top[row]))
 
 
 def expected(weights: dict, prompt: list[int], output: list[int], n: int) -> list[TokenLogprob]:
