@@ -186,6 +186,26 @@ def multiturn(files: list[Json], args: Json) -> Figures:
     return Figures(text, checks=checks, fields=fig_fields)
 
 
+def multiturn_cost(files: list[Json], args: Json) -> Figures:
+    """A variant's multi-turn runs (the first `args["variants"]` files) against runs without it
+    in the same call (the rest): each run's throughput and ITL p50, and the throughput ratio of
+    every variant run to every run without (checked)."""
+    name, count = args.get("mode", "hierarchical"), args["variants"]
+    runs = [f["modes"][name] for f in files]
+    variant, base = runs[:count], runs[count:]
+    ratios = [v["throughput_tokens_per_s"] / b["throughput_tokens_per_s"]
+              for v in variant for b in base]
+
+    def listed(group: list[Json]) -> str:
+        return "; ".join(_tok_itl(m) for m in group)
+
+    compiles = sum(m["compiles_during_run"]["count"] for m in runs)
+    text = (f"{args['label']}: {listed(variant)}. Without: {listed(base)}. Throughput ratio "
+            f"{span(ratios, 3)} ({plural(len(ratios), 'pair')}); "
+            f"{plural(compiles, 'compile')} in the runs")
+    return Figures(text, checks={"ratio": ratios})
+
+
 def multiturn_modes(files: list[Json], args: Json) -> Figures:
     """Cache off against hierarchical in one run; a second file: the same from an earlier one."""
     modes = files[0]["modes"]
@@ -487,8 +507,8 @@ def note(files: list[Json], args: Json) -> Figures:
 
 EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
-        server_start, serving_compiles, multiturn_http, multiturn, multiturn_modes,
-        multiturn_stream, serve_paths, host_hit, load_back, write_back_host_hit,
+        server_start, serving_compiles, multiturn_http, multiturn, multiturn_cost,
+        multiturn_modes, multiturn_stream, serve_paths, host_hit, load_back, write_back_host_hit,
         write_back_head, device_hit_beside, storage_hit, scoring, restart, step_vs_forward,
         attention, forward_floor, fresh_vs_hf, gather, programs_ab, note)
 }
