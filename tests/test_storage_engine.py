@@ -13,7 +13,6 @@ import pytest
 
 from jhicache import Engine, SamplingParams
 from jhicache.cache.page_keys import chain_keys
-from jhicache.cache.storage_tier import FETCH_CHUNK_PAGES
 from tests.test_engine import (
     assert_idle_and_consistent,
     make_engine,
@@ -83,7 +82,7 @@ def _wait_until(condition, timeout_s: float = 10.0) -> None:
 
 
 def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
-    """Split policy, with the reads of the first chunk of pages held back: the request computes
+    """Split policy, with the reads of the first 8 pages held back: the request computes
     its head, stops where the pages read from the tail begin, and takes those from storage;
     its tokens are those of no cache, and the held-back pages go back to the free list."""
     prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
@@ -95,10 +94,11 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     again = storage_engine(tmp_path, fetch_policy="split", chunked_prefill_tokens=64)
     tier = again.cache.storage
     assert tier is not None
-    head = set(chain_keys(prompt[:FETCH_CHUNK_PAGES * 16], 16))
+    held = 8  # pages
+    head = set(chain_keys(prompt[:held * 16], 16))
     release, get = threading.Event(), tier.storage.get
 
-    def held_get(keys, host_pages):  # the chunk of the first pages waits for the test
+    def held_get(keys, host_pages):  # a read of the first pages waits for the test
         if keys[0] in head:
             release.wait(10)
         return get(keys, host_pages)
@@ -110,7 +110,7 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     fetch = req.storage_fetch
     _wait_until(lambda: fetch.queried)
     again.step()  # the reads start, last chunk first; computes [64, 128)
-    _wait_until(lambda: fetch.tail_completed == 20 - FETCH_CHUNK_PAGES)
+    _wait_until(lambda: fetch.tail_completed == 20 - held)
     outputs = []  # it meets the pages read at 128, takes them, computes the last token
     for _ in range(20):
         outputs += again.step()
@@ -119,10 +119,10 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     (output,) = [o for o in outputs if o.request_id == rid and o.finished]
     assert output.token_ids == expected
     assert (output.device_hit_tokens, output.host_hit_tokens) == (0, 0)
-    assert output.storage_hit_tokens == (20 - FETCH_CHUNK_PAGES) * 16
+    assert output.storage_hit_tokens == (20 - held) * 16
     release.set()
     _wait_until(lambda: fetch.finished)
-    again.step()  # frees the held-back chunk's pages
+    again.step()  # frees the held-back pages
     assert tier.held_pages() == []
     assert_idle_and_consistent(again)
 
@@ -154,6 +154,15 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> N
     first.generate([prompt], SamplingParams(max_new_tokens=2))
     first.flush_cache()
     again = storage_engine(tmp_path, fetch_policy=policy, chunked_prefill_tokens=32)
+    tier = again.cache.storage
+    assert tier is not None
+    release, get = threading.Event(), tier.storage.get
+
+    def held_get(keys, host_pages):  # every read waits for the abort (a fetch in flight)
+        release.wait(10)
+        return get(keys, host_pages)
+
+    tier.storage.get = held_get  # type: ignore[method-assign]
     rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
     again.step()  # the request asks storage for its pages and waits (split: computes meanwhile)
     running = [r for r in again.scheduler.running if r.storage_fetch is not None]
@@ -161,7 +170,8 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> N
     assert again.abort(rid)
     outputs = again.drain()
     assert [o.finish_reason for o in outputs] == ["abort"]
-    again.cache.storage.wait_backups()  # type: ignore[union-attr]
+    release.set()
+    again.cache.wait_for_backups()  # the held reads end; their pages go back to the free list
     for _ in range(3):  # the read threads end; their pages go back to the free list
         again.cache.wait_for_storage(1.0)
         again.step()

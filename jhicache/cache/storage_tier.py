@@ -19,10 +19,12 @@ STORAGE_TIER_COUNTERS = ("backup_pages", "backup_failures", "fetches", "fetch_re
                          "fetch_full", "fetch_partial", "fetch_no_host", "fetched_pages",
                          "fetch_read_s")
 FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk's queue full
-# A fetch from the tail keeps this many reads in flight, the next started as one ends: its
-# chunks then end in order, so that the pages read from the last grow steadily (all at once,
-# every chunk would share the disk and end at about the same time).
-TAIL_READS_IN_FLIGHT = 2
+# A fetch from the tail reads one page a task, with as many tasks in flight as the pool has
+# threads, the next started as one ends: the disk's queue stays as full as a fetch from the
+# first keeps it, while the pages end about in order, so that those read from the last grow
+# steadily (every chunk started at once would share the disk and end at about the same time;
+# two chunks of 8 pages in flight read at 0.56-0.70 of the disk, benchmarks/LOG.md).
+TAIL_CHUNK_PAGES = 1
 
 
 class FetchState(enum.Enum):
@@ -44,6 +46,7 @@ class StorageFetch:
     anchor: object  # the pinned tree node the pages go under (the prefix cache's)
     started_s: float
     from_tail: bool = False
+    chunk_pages: int = FETCH_CHUNK_PAGES  # pages a read task takes (from the tail: one)
     state: FetchState = FetchState.QUERYING
     found: int | None = None
     host_pages: list[int] = dataclasses.field(default_factory=list)
@@ -66,7 +69,7 @@ class StorageFetch:
         with self._lock:
             done = 0
             for i, read in enumerate(self._read):
-                size = min(FETCH_CHUNK_PAGES, len(self.host_pages) - i * FETCH_CHUNK_PAGES)
+                size = min(self.chunk_pages, len(self.host_pages) - i * self.chunk_pages)
                 done += max(read, 0)
                 if read != size:
                     break
@@ -79,7 +82,7 @@ class StorageFetch:
         with self._lock:
             done = 0
             for i in reversed(range(len(self._read))):
-                size = min(FETCH_CHUNK_PAGES, len(self.host_pages) - i * FETCH_CHUNK_PAGES)
+                size = min(self.chunk_pages, len(self.host_pages) - i * self.chunk_pages)
                 if self._read[i] != size:
                     break
                 done += size
@@ -119,6 +122,7 @@ class StorageTier:
         self._lock_pages, self._unlock_pages = lock, unlock
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jhicache-storage-write")
         self._readers = concurrent.futures.ThreadPoolExecutor(io_threads, "jhicache-storage-read")
+        self._io_threads = io_threads
         self._planned: collections.deque[_Backup] = collections.deque()
         self._writing: collections.deque[tuple[_Backup, concurrent.futures.Future[int]]] = (
             collections.deque())
@@ -198,7 +202,8 @@ class StorageTier:
     def start_fetch(self, keys: list[bytes], first_page: int, anchor: object,
                     from_tail: bool = False) -> StorageFetch:
         """Asks the backend, on a thread, how many of `keys` it holds."""
-        fetch = StorageFetch(keys, first_page, anchor, time.perf_counter(), from_tail)
+        fetch = StorageFetch(keys, first_page, anchor, time.perf_counter(), from_tail,
+                             TAIL_CHUNK_PAGES if from_tail else FETCH_CHUNK_PAGES)
         with fetch._lock:
             fetch._pending = 1
         self.counters["fetches"] += 1
@@ -221,7 +226,7 @@ class StorageTier:
         assert fetch.state is FetchState.QUERYING and fetch.queried
         fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
         self._holding.append(fetch)
-        chunks = range(0, len(host_pages), FETCH_CHUNK_PAGES)
+        chunks = range(0, len(host_pages), fetch.chunk_pages)
         started = time.perf_counter()
         with fetch._lock:
             fetch._read = [0] * len(chunks)
@@ -231,12 +236,12 @@ class StorageTier:
         if fetch.from_tail:
             fetch._queued.extend(reversed(order))
             order = [fetch._queued.popleft()
-                     for _ in range(min(TAIL_READS_IN_FLIGHT, len(fetch._queued)))]
+                     for _ in range(min(self._io_threads, len(fetch._queued)))]
         for i, start in order:
             self._readers.submit(self._read_chunk, fetch, i, start)
 
     def _read_chunk(self, fetch: StorageFetch, i: int, start: int) -> None:
-        end = min(start + FETCH_CHUNK_PAGES, len(fetch.host_pages))
+        end = min(start + fetch.chunk_pages, len(fetch.host_pages))
         read = -1
         try:
             if not fetch._cancel.is_set():
@@ -246,6 +251,9 @@ class StorageTier:
         with fetch._lock:
             fetch._read[i] = read
             fetch._pending -= 1
+            if fetch._cancel.is_set():  # an ended fetch starts no more reads
+                fetch._pending -= len(fetch._queued)
+                fetch._queued.clear()
             if fetch._pending == 0:
                 fetch.read_s += time.perf_counter()
             queued = fetch._queued.popleft() if fetch._queued else None
