@@ -29,10 +29,13 @@ def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]
     """For each row of `logits` [B, vocab] f32 and its token `targets[row]` ([B] int32): (the
     token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and their token
     ids [B, N], most likely first). Traced inside programs (the prompt's, `head_rows`)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-    top, ids = top_k_in_passes(logp, MAX_LOGPROBS)
-    return chosen, top, ids.astype(jnp.int32)
+    # log_softmax is logits - logsumexp: the top entries are the logits' own, so the [B, vocab]
+    # log probabilities are never written out, only each row's logsumexp
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    top, ids = top_k_in_passes(logits, MAX_LOGPROBS)
+    return chosen, top - lse[:, None], ids.astype(jnp.int32)
 
 
 def top_k_in_passes(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
