@@ -72,3 +72,17 @@ def start_server(checkpoint: Path | None, tokenizer: bool = True, process: bool 
     tok = serve_tokenizer.Tokenizer.from_dir(checkpoint) if tokenizer else None
     ctx = ServerContext.create(engine, tok, "tiny-test", str(checkpoint))
     return ServerThread(ctx, **server).start()
+
+
+def metric(http: Any, name: str, missing: float | None = None, **labels: str) -> float:
+    """A sample of the server's /metrics (`http` an httpx.Client on it); `missing` when it is
+    absent (a labelled counter never incremented)."""
+    from prometheus_client.parser import text_string_to_metric_families  # the serve extra's
+
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    if missing is None:
+        raise KeyError(name)
+    return missing

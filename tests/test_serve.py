@@ -22,7 +22,6 @@ for _module in ("fastapi", "uvicorn", "httpx", "openai", "tokenizers", "promethe
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from jhicache import Engine, SamplingParams
 from jhicache.serve.tokenizer import Tokenizer
@@ -30,6 +29,7 @@ from tests.serve_support import (
     ENGINE_CONFIG,
     POOL_TOKENS,
     ServerThread,
+    metric,
     start_server,
     write_checkpoint,
 )
@@ -86,17 +86,6 @@ def sse_events(response: httpx.Response) -> list[str]:
             assert line.startswith("data: "), line
             events.append(line[len("data: "):])
     return events
-
-
-def metric(http: httpx.Client, name: str, missing: float | None = None, **labels: str) -> float:
-    """A sample of /metrics; `missing` when it is absent (a labelled counter never incremented)."""
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    if missing is None:
-        raise KeyError(name)
-    return missing
 
 
 def busy(server: ServerThread) -> bool:

@@ -33,7 +33,7 @@ class ModelInfo:
 class SamplingFields:
     """The sampling fields of a request, whichever API named them."""
 
-    max_tokens: int
+    max_tokens: int  # 0: the prompt scored alone (one token generated for it, not returned)
     temperature: float
     top_p: float
     top_k: int
@@ -121,7 +121,8 @@ class ServerContext:
         if stops and self.tokenizer is None:
             self.require_tokenizer("a stop string", "stop")
         spec = GenerationInput(request_id=request_id or uuid.uuid4().hex, prompt_ids=prompt_ids,
-                               params=self._params(fields), stop_strings=tuple(stops))
+                               params=self._params(fields), stop_strings=tuple(stops),
+                               returns_tokens=fields.max_tokens > 0)
         return Generation(self.engine, self.tokenizer, self.metrics, spec)
 
     def _params(self, fields: SamplingFields) -> SamplingParams:
@@ -132,7 +133,8 @@ class ServerContext:
             raise ApiError(400, f"top_k={fields.top_k}: expected -1 (off) or at least 1",
                            "top_k")
         try:
-            return SamplingParams(max_new_tokens=fields.max_tokens, temperature=fields.temperature,
+            return SamplingParams(max_new_tokens=max(fields.max_tokens, 1),
+                                  temperature=fields.temperature,
                                   top_k=fields.top_k if fields.top_k > 0 else None,
                                   top_p=fields.top_p if fields.top_p < 1 else None,
                                   seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)),

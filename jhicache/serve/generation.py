@@ -29,6 +29,9 @@ class GenerationInput:
     prompt_ids: list[int]
     params: SamplingParams
     stop_strings: tuple[str, ...] = ()
+    # False: a prompt scored alone (OpenAI's max_tokens 0): the one token generated for its log
+    # probabilities is left out of every update, of the usage, the metrics and the log line
+    returns_tokens: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +74,14 @@ class _TextState:
                        if tokenizer is not None else None)
         self._stops = StopStrings(spec.stop_strings)
         self._stop_ids = frozenset(spec.params.stop_token_ids)
+        self._returns_tokens = spec.returns_tokens
         self._released = 0
         self._searched = 0
 
     def advance(self, out: RequestOutput) -> Update:
+        if not self._returns_tokens:
+            out = dataclasses.replace(out, token_ids=[], new_token_ids=[],
+                                      logprobs=None if out.logprobs is None else [])
         reason = FinishReason(out.finish_reason) if out.finish_reason else None
         matched: int | str | None = None
         new = out.new_token_ids
@@ -127,8 +134,8 @@ class Generation:
         refused = False
         try:
             async for out in stream:
-                self._time(len(out.new_token_ids))
                 last = self._text.advance(out)
+                self._time(len(last.new_token_ids))  # the tokens returned (none when scoring)
                 yield last
                 if last.finished:
                     return

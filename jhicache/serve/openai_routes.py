@@ -53,7 +53,7 @@ def _completion_fields(body: CompletionRequest) -> SamplingFields:
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens=0 needs echo: it asks for the prompt alone",
                        "max_tokens")
-    fields = _fields(body, max(body.max_tokens, 1), body.logprobs)
+    fields = _fields(body, body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:  # the prompt's tokens scored too
         fields = dataclasses.replace(fields, prompt_logprobs=body.logprobs)
     return fields
@@ -65,8 +65,8 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _usage(update: Update, scoring: bool = False) -> dict[str, Any]:
-    completion = 0 if scoring else len(update.token_ids)
+def _usage(update: Update) -> dict[str, Any]:
+    completion = len(update.token_ids)
     return {"prompt_tokens": update.prompt_tokens, "completion_tokens": completion,
             "total_tokens": update.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": update.cached_tokens}}
@@ -112,7 +112,6 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if first is None:
             return Response(status_code=_CLIENT_GONE)
 
-        scoring = body.max_tokens == 0  # echo alone: the token generated is not returned
         scores_prompt = body.echo and body.logprobs is not None
 
         def choice(update: Update, text: str, ids: list[int],
@@ -128,7 +127,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             if body.logprobs is None:
                 return None
             prompt_part = (update.prompt_logprobs or []) if with_prompt and scores_prompt else []
-            return [*prompt_part, *([] if scoring else new or [])]
+            return [*prompt_part, *(new or [])]
 
         if body.stream:
             offset = 0  # where the next token's text starts: the pieces before it
@@ -136,24 +135,21 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             def chunks(update: Update) -> Iterator[bytes]:
                 nonlocal offset
                 head = echoed if update is first else ""
-                delta = "" if scoring else update.delta
-                ids = [] if scoring else update.new_token_ids
                 part = records(update, update.new_logprobs, update is first)
-                if head or delta or part or update.finished:
-                    item = choice(update, head + delta, ids, part, offset)
+                if head or update.delta or part or update.finished:
+                    item = choice(update, head + update.delta, update.new_token_ids, part, offset)
                     yield sse(reply.body([item]))
                     if item["logprobs"] is not None:
                         offset += sum(len(t) for t in item["logprobs"]["tokens"])
 
-            return event_stream(first, updates, chunks, _usage_chunk(body, reply, scoring))
+            return event_stream(first, updates, chunks, _usage_chunk(body, reply))
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        text = echoed + ("" if scoring else last.text)
-        ids = [] if scoring else last.token_ids
         start = 0 if scores_prompt else len(echoed)
-        return JSONResponse(reply.body([choice(last, text, ids, records(last, last.logprobs, True),
-                                               start)], usage=_usage(last, scoring)))
+        return JSONResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
+                                               records(last, last.logprobs, True), start)],
+                                       usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -211,10 +207,9 @@ def _prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) ->
     return ctx.require_tokenizer("echo of a token-id prompt", "echo").decode(ids)
 
 
-def _usage_chunk(body: Any, reply: _Reply,
-                 scoring: bool = False) -> Callable[[Update], Iterator[bytes]]:
+def _usage_chunk(body: Any, reply: _Reply) -> Callable[[Update], Iterator[bytes]]:
     """The stream's last chunk: usage alone, when the request's stream_options ask for it."""
     def end(update: Update) -> Iterator[bytes]:
         if body.stream_options and body.stream_options.include_usage:
-            yield sse(reply.body([], usage=_usage(update, scoring)))
+            yield sse(reply.body([], usage=_usage(update)))
     return end
