@@ -36,8 +36,8 @@ from jhicache.cache.storage import StorageNamespace
 from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
+from jhicache.logprobs import prompt_reduction, token_logprobs
 from jhicache.logprobs import record as logprob_record
-from jhicache.logprobs import row_logprobs, token_logprobs
 from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -447,7 +447,8 @@ class Engine:
             for row, req, position in prompt_rows:
                 targets[row] = req.tokens[position]
             on_device = jax.device_put(targets, rows.sharding)  # (replicated over a mesh)
-            prompt = self.runner.programs.head_rows(rows, on_device, row_logprobs)
+            most = max(req.params.prompt_logprobs or 0 for _, req, _ in prompt_rows)
+            prompt = self.runner.programs.head_rows(rows, on_device, prompt_reduction(most))
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
@@ -628,7 +629,7 @@ class _Launched(NamedTuple):
     shape: StepShape  # the grid shape it was padded to
     logprobs: tuple[jax.Array, ...] | None = None  # `token_logprobs` of it, where asked for
     prompt_rows: tuple[tuple[int, Request, int], ...] = ()  # see `_prompt_rows`
-    prompt: tuple[jax.Array, ...] | None = None  # `row_logprobs` of every row, where asked for
+    prompt: tuple[jax.Array, ...] | None = None  # `prompt_reduction`'s of every row, if asked
 
 
 def _prompt_rows(batch: Batch) -> list[tuple[int, Request, int]]:

@@ -4,6 +4,7 @@ them from a step's logits so that only [batch, MAX_LOGPROBS] values reach the ho
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,31 @@ def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]
     """For each row of `logits` [B, vocab] f32 and its token `targets[row]` ([B] int32): (the
     token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and their token
     ids [B, N], most likely first). Traced inside programs (the prompt's, `head_rows`)."""
+    return _row_logprobs(logits, targets, MAX_LOGPROBS)
+
+
+def row_logprobs_top1(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+    """`row_logprobs` with the most likely alternative alone ([B, 1]): all that a prompt scored
+    with at most one alternative a token needs (an evaluation's log-likelihood), in one pass
+    over each row rather than a top-20's two."""
+    return _row_logprobs(logits, targets, 1)
+
+
+def prompt_reduction(alternatives: int) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    """The `head_rows` reduction for a step whose prompt rows ask for at most `alternatives`."""
+    return row_logprobs_top1 if alternatives <= 1 else row_logprobs
+
+
+PROMPT_REDUCTIONS = (row_logprobs_top1, row_logprobs)  # every program `prompt_reduction` picks
+
+
+def _row_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, ...]:
     # log_softmax is logits - logsumexp: the top entries are the logits' own, so the [B, vocab]
     # log probabilities are never written out, only each row's logsumexp
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-    top, ids = top_k_in_passes(logits, MAX_LOGPROBS)
+    top, ids = top_k_in_passes(logits, k)
     return chosen, top - lse[:, None], ids.astype(jnp.int32)
 
 

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from jhicache.batch import padding_inputs, patch_tokens
 from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
-from jhicache.logprobs import row_logprobs, token_logprobs
+from jhicache.logprobs import PROMPT_REDUCTIONS, token_logprobs
 from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sampling_arrays
 
@@ -104,7 +104,8 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
     if prompt_logprobs and not shape.decode:  # the head over every row of a prefill
         hidden_rows = output_type(rest, compiled, 3)
         targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden_rows.sharding)
-        _compiled(programs.lower_head_rows(hidden_rows, targets, row_logprobs), lock)
+        for reduction in PROMPT_REDUCTIONS:
+            _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
     _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
     if sampled_logprobs:
@@ -190,7 +191,8 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
                                               inputs.meta, inputs.last_index)
         if not shape.decode:  # prompt log probabilities
             targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden.sharding)
-            engine.runner.programs.head_rows(hidden, targets, row_logprobs)
+            for reduction in PROMPT_REDUCTIONS:
+                engine.runner.programs.head_rows(hidden, targets, reduction)
         sampled = greedy(logits, rows=rows)
         sample(logits, *sampling_arrays([], [], logits.shape[0]), rows=rows)
         token_logprobs(logits, sampled)

@@ -210,6 +210,23 @@ def test_prompt_logprobs_equal_the_reference_whatever_was_cached(checkpoint, mod
     assert engine.generate([PROMPT], SamplingParams(max_new_tokens=1))[0].prompt_logprobs is None
 
 
+@pytest.mark.parametrize("asked", [(1,), (0, 1), (1, 3), (3,)])
+def test_prompt_logprobs_in_one_step_equal_the_reference_whatever_each_asks(checkpoint,
+                                                                           asked) -> None:
+    """Requests prefilled in one step, each asking for its own number of alternatives per prompt
+    token (at most one: the step takes the top-1 program; more: the top-20's)."""
+    path, weights = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
+    prompts = [PROMPT[:20 + 7 * i] for i in range(len(asked))]
+    params = [SamplingParams(max_new_tokens=1, prompt_logprobs=n) for n in asked]
+    for prompt, n, out in zip(prompts, asked, engine.generate(prompts, params)):
+        logits = reference_logits(weights, CFG, prompt)
+        want = [None] + [reference_logprobs(logits[p - 1], prompt[p], n)
+                         for p in range(1, len(prompt))]
+        assert_prompt_close(out.prompt_logprobs, want)
+        assert all(len(r.top) == n for r in out.prompt_logprobs[1:])  # type: ignore[union-attr]
+
+
 def test_prompt_logprobs_start_past_the_prompt_is_refused(checkpoint) -> None:
     path, _ = checkpoint
     engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))

@@ -139,7 +139,7 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
         sampled = i == 3
         params = SamplingParams(max_new_tokens=n, temperature=1.0 if sampled else 0.0, top_k=5,
                                 seed=i, logprobs=2 if i % 2 else None,  # their programs too
-                                prompt_logprobs=1 if i % 3 == 1 else None)
+                                prompt_logprobs=(1 + 2 * (i % 2)) if i % 3 == 1 else None)
         ids[engine.add_request(prompt, params)] = (prompt, sampled)
         if i % 2:
             engine.step()
