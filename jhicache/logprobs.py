@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's and vLLM's cap)
-# The largest k that XLA's GPU TopK kernel takes: a larger k is lowered to a sort of every row
-# (the whole vocabulary), many times slower than a pass of the kernel.
+# The largest k that XLA's GPU TopK kernel takes (TopkSpecializer): XLA turns a larger k into a
+# sort of every row, the whole vocabulary (TopkDecomposer).
 TOP_K_PASS = 16
 
 
