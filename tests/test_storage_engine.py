@@ -1,7 +1,7 @@
 """The storage tier in the engine: a restart on the same directory hits from storage with the
 tokens of no cache at all, under each fetch policy (split: computing the head while the tail is
-read); damaged pages are recomputed; an abort
-during a fetch leaks nothing; an unusable directory is a clear error at start."""
+read), bfloat16 pages bit for bit; damaged pages are recomputed; an abort during a fetch leaks
+nothing; an unusable directory is a clear error at start."""
 
 from __future__ import annotations
 
@@ -79,6 +79,22 @@ def _wait_until(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the storage threads did not get there"
         time.sleep(0.001)
+
+
+def test_bfloat16_pages_come_back_from_storage_bit_for_bit(tmp_path: Path) -> None:
+    """The GPU's page dtype: one request at a time (no batching to differ), a restart's
+    storage hits give the tokens of no cache at all."""
+    prompts = [[(7 * i + 3 * j) % 200 + 1 for j in range(100)] for i in range(3)]
+    params = SamplingParams(max_new_tokens=8)
+    expected = [make_engine(cache_mode="off", dtype="bfloat16").generate([p], params)[0].token_ids
+                for p in prompts]
+    first = storage_engine(tmp_path, dtype="bfloat16")
+    assert [first.generate([p], params)[0].token_ids for p in prompts] == expected
+    first.close()
+    again = storage_engine(tmp_path, dtype="bfloat16")
+    outputs = [again.generate([p], params)[0] for p in prompts]
+    assert [o.storage_hit_tokens for o in outputs] == [96] * 3
+    assert [o.token_ids for o in outputs] == expected
 
 
 def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
