@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from jhicache.models import init_random, preset_config, save_checkpoint
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -31,6 +33,7 @@ ENGINE_CONFIG = EngineConfig(page_size=16, device_kv_tokens=1024, host_kv_tokens
                              dtype="float32", max_running_requests=8)
 POOL_TOKENS = 1024
 CONTEXT = 4096
+TIMEOUT_S = 120.0  # a test server's clients wait this long for an answer
 
 
 def train_tokenizer(directory: Path) -> Tokenizer:
@@ -86,3 +89,39 @@ def metric(http: Any, name: str, missing: float | None = None, **labels: str) ->
     if missing is None:
         raise KeyError(name)
     return missing
+
+
+def server_fixtures(process: bool) -> tuple[Callable[..., Any], ...]:
+    """A server test module's fixtures, each once per module: (checkpoint, server, tok, http,
+    client), the server's engine in a thread or (`process`) an engine process. The module
+    assigns them to those names (httpx and openai imported only then: the serve extra's)."""
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+    @pytest.fixture(scope="module")
+    def server(checkpoint: Path) -> Iterator[ServerThread]:
+        srv = start_server(checkpoint, process=process)
+        yield srv
+        srv.stop()
+
+    @pytest.fixture(scope="module")
+    def tok(checkpoint: Path) -> serve_tokenizer.Tokenizer:
+        return serve_tokenizer.Tokenizer.from_dir(checkpoint)
+
+    @pytest.fixture(scope="module")
+    def http(server: ServerThread) -> Iterator[Any]:
+        import httpx
+
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
+            yield c
+
+    @pytest.fixture(scope="module")
+    def client(server: ServerThread) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
+                             max_retries=0)
+
+    return checkpoint, server, tok, http, client

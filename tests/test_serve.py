@@ -10,7 +10,6 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,49 +27,23 @@ from jhicache.serve.tokenizer import Tokenizer
 from tests.serve_support import (
     ENGINE_CONFIG,
     POOL_TOKENS,
+    TIMEOUT_S,
     ServerThread,
     metric,
+    server_fixtures,
     start_server,
-    write_checkpoint,
 )
 
 MODEL = "tiny-test"
-TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint: Path) -> Iterator[ServerThread]:
-    srv = start_server(checkpoint, process=True)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(checkpoint: Path) -> Tokenizer:
-    return Tokenizer.from_dir(checkpoint)
+checkpoint, server, tok, http, client = server_fixtures(process=True)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path) -> Engine:
     """A second engine over the same checkpoint: what the server's outputs must equal."""
     return Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
-                         max_retries=0)
 
 
 def greedy(reference: Engine, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> list[int]:

@@ -5,7 +5,6 @@ fields the server refuses with a 400 naming them rather than ignoring them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,8 @@ from jhicache.logprobs import TokenLogprob  # noqa: E402
 from jhicache.serve.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_support import (  # noqa: E402
     ENGINE_CONFIG,
-    ServerThread,
     metric,
-    start_server,
-    write_checkpoint,
+    server_fixtures,
 )
 
 MODEL = "tiny-test"
@@ -32,33 +29,7 @@ PROMPT = "the quick brown fox jumps over"
 TOLERANCE = 1e-5  # the same engine configuration: only batching differs
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint: Path) -> Iterator[ServerThread]:
-    srv = start_server(checkpoint)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(checkpoint: Path) -> Tokenizer:
-    return Tokenizer.from_dir(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120.0,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120.0) as c:
-        yield c
+checkpoint, server, tok, http, client = server_fixtures(process=False)
 
 
 @pytest.fixture(scope="module")
