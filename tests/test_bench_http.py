@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 # The serve extra (`pip install -e '.[test,serve]'`, as `make test` does); the GPU machine's
 # preinstalled packages may lack it: skip these tests there rather than fail collection.
-for _module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
+for _module in ("fastapi", "uvicorn", "aiohttp", "prometheus_client"):
     pytest.importorskip(_module)
 
 import jax  # noqa: E402
@@ -200,6 +200,12 @@ def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -
     assert "tokens identical in process and over HTTP (both ways)" in printed
     assert "HTTP+proc - in" in printed and "device hit TTFT p50" in printed
     assert "XLA compiles during the measured run" in printed
+    # the clients' own CPU time, where they ran alone in a process (not beside the engine)
+    assert here["clients_cpu_s"] is None and here["clients_cpu_per_request_s"] is None
+    for run in (http, proc):
+        assert run["clients_cpu_per_request_s"] == pytest.approx(run["clients_cpu_s"] / 6)
+        assert run["clients_cpu_s"] > 0
+    assert "the HTTP clients' own CPU time per request" in printed
 
 
 def test_compile_counter_counts_only_inside_its_block() -> None:

@@ -1,5 +1,5 @@
 """Backend: where the multi-turn bench clients send a turn and how its answer streams back; the
-in-process one (AsyncEngine) is here, the HTTP one in remote (it needs httpx)."""
+in-process one (AsyncEngine) is here, the HTTP one in remote (it needs aiohttp)."""
 
 from __future__ import annotations
 

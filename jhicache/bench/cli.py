@@ -176,7 +176,7 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
         p.error(f"--logprobs {args.logprobs}: at most {MAX_LOGPROBS}")
     if args.what == "serve-overhead":
-        missing = [m for m in ("fastapi", "uvicorn", "httpx")
+        missing = [m for m in ("fastapi", "uvicorn", "aiohttp")
                    if importlib.util.find_spec(m) is None]
         if missing:
             p.error(f"serve-overhead needs {', '.join(missing)}: pip install -e '.[serve]'")
@@ -209,5 +209,5 @@ def check_url(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "the server's own flags do (give them to `python -m jhicache.serve`)")
     if args.logprobs is not None:
         p.error("--logprobs asks the engine in this process; with --url it would be ignored")
-    if importlib.util.find_spec("httpx") is None:
-        p.error("--url needs httpx: pip install -e '.[serve]'")
+    if importlib.util.find_spec("aiohttp") is None:
+        p.error("--url needs aiohttp: pip install -e '.[serve]'")

@@ -32,7 +32,7 @@ async def drive_url(url: str, spec: MultiTurnSpec, config: clients.ClientsConfig
                     progress: tqdm) -> clients.ClientsRun:
     """The clients' conversations through the server at `url`: POST /generate, streamed, with
     the sampling params the in-process path gives the engine."""
-    from jhicache.bench import remote  # httpx: in the serve and test extras, not the base install
+    from jhicache.bench import remote  # aiohttp: in the serve extra, not the base install
 
     connections = config.max_parallel or spec.num_clients
     async with remote.http_backend(url, connections) as backend:

@@ -128,6 +128,11 @@ def serve_overhead_table(result: dict) -> str:
                      f"{tok_s[2]:>10,.0f}{ratios[0]:>18}{ratios[1]:>16}")
         lines.append("  XLA compiles during the measured run (their seconds count as latency): "
                      + ", ".join(_compiles(path, m[path]) for path in _PATHS))
+        cpu = [m[path].get("clients_cpu_per_request_s") for path in _PATHS[1:]]
+        if None not in cpu:
+            lines.append("  the HTTP clients' own CPU time per request (their process, part of "
+                         f"the latency it measures): HTTP {cpu[0] * 1e3:.2f} ms, HTTP+proc "
+                         f"{cpu[1] * 1e3:.2f} ms")
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines)
 
 

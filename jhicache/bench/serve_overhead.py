@@ -26,7 +26,7 @@ from jhicache.serve.context import ServerContext
 from jhicache.serve.thread import ServerThread
 
 HOW = ("in process: clients -> AsyncEngine, in this process; HTTP: clients (a process of "
-       "their own) -> httpx -> 127.0.0.1 -> uvicorn (a thread of this process) -> POST /generate "
+       "their own) -> aiohttp -> 127.0.0.1 -> uvicorn (a thread of this process) -> POST /generate "
        "-> AsyncEngine, its engine stepped in a thread of this process; HTTP + engine process: "
        "the same, the engine built and stepped in a child process (run first, while this process "
        "holds no GPU memory; JAX's preallocation off in both); each path on a fresh engine of the "
@@ -36,10 +36,13 @@ HOW = ("in process: clients -> AsyncEngine, in this process; HTTP: clients (a pr
 
 @dataclasses.dataclass(frozen=True)
 class Runs:
-    """A path's two runs on one engine: the workload, then the device-hit probe."""
+    """A path's two runs on one engine: the workload, then the device-hit probe; over HTTP,
+    the CPU time of the clients' process during the workload (None where the clients share
+    the engine's process)."""
 
     workload: clients.ClientsRun
     probe: clients.ClientsRun
+    client_cpu_s: float | None = None
 
 
 def probe_spec(args: argparse.Namespace, spec: MultiTurnSpec) -> MultiTurnSpec:
@@ -49,6 +52,13 @@ def probe_spec(args: argparse.Namespace, spec: MultiTurnSpec) -> MultiTurnSpec:
     return dataclasses.replace(spec, num_clients=1, num_rounds=args.device_hit_turns,
                                request_length=args.page_size, output_length=4,
                                seed=spec.seed + 1, range_ratio=1.0)
+
+
+def clients_cpu(runs: Runs) -> dict:
+    """The clients' CPU time per workload request (a share of its latency that is the clients'
+    own, not the server's), where they ran alone in a process."""
+    per = None if runs.client_cpu_s is None else runs.client_cpu_s / len(runs.workload.turns)
+    return {"clients_cpu_s": runs.client_cpu_s, "clients_cpu_per_request_s": per}
 
 
 def probe_summary(run: clients.ClientsRun) -> dict:
@@ -61,11 +71,16 @@ def probe_summary(run: clients.ClientsRun) -> dict:
 
 
 async def drive_both(drive: Callable[[MultiTurnSpec, clients.ClientsConfig], Awaitable[
-        clients.ClientsRun]], args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
-    """The workload, then the probe, through one path."""
+        clients.ClientsRun]], args: argparse.Namespace, spec: MultiTurnSpec,
+        own_process: bool = False) -> Runs:
+    """The workload, then the probe, through one path; with `own_process` (the clients alone
+    in this process), the process's CPU time during the workload too."""
+    cpu = time.process_time()
     workload = await drive(spec, multiturn.clients_config(args, args.seed))
+    cpu = time.process_time() - cpu
     return Runs(workload, await drive(probe_spec(args, spec),
-                                      multiturn.clients_config(args, args.seed + 1)))
+                                      multiturn.clients_config(args, args.seed + 1)),
+                cpu if own_process else None)
 
 
 def drive_url_elsewhere(url: str, args: argparse.Namespace, spec: MultiTurnSpec,
@@ -82,7 +97,8 @@ def drive_url_elsewhere(url: str, args: argparse.Namespace, spec: MultiTurnSpec,
 def _drive_url(url: str, args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
     with tqdm(disable=True) as progress:
         return asyncio.run(drive_both(
-            lambda turns, config: drive_url(url, turns, config, progress), args, spec))
+            lambda turns, config: drive_url(url, turns, config, progress), args, spec,
+            own_process=True))
 
 
 def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progress: tqdm,
@@ -110,7 +126,7 @@ def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progres
     measured = multiturn.MeasuredRun(runs.workload, engine, overrides["device_kv_tokens"],
                                      compiles.count, compiles.seconds, tuple(compiles.programs))
     return {**multiturn.measured_summary(measured, spec), "device_hit": probe_summary(runs.probe),
-            "histories": runs.workload.histories}
+            **clients_cpu(runs), "histories": runs.workload.histories}
 
 
 def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
@@ -139,7 +155,8 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
             "device_kv_tokens": overrides["device_kv_tokens"],
             "warmup": None if warmup is None else dataclasses.asdict(warmup),
             "compiles_during_run": {"count": compiles, "seconds": None, "programs": []},
-            "device_hit": probe_summary(runs.probe), "histories": runs.workload.histories}
+            "device_hit": probe_summary(runs.probe), **clients_cpu(runs),
+            "histories": runs.workload.histories}
 
 
 def overhead(here: dict, http: dict) -> dict:
