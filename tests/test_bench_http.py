@@ -76,8 +76,11 @@ def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread) -> No
         assert (turn.token_ids, turn.prompt_len) == (twin.token_ids, twin.prompt_len)
         assert (turn.device_hit_tokens, turn.host_hit_tokens) == (twin.device_hit_tokens,
                                                                   twin.host_hit_tokens)
-        assert len(turn.token_ids) == 3 and turn.engine_ttft_s is None
+        assert len(turn.token_ids) == 3 and twin.server_ttft_s is None
         assert 0 < turn.ttft_s <= turn.e2e_s
+        # the server's and its engine's own TTFT (meta_info): each inside the one around it
+        assert turn.engine_ttft_s is not None and turn.server_ttft_s is not None
+        assert 0 < turn.engine_ttft_s <= turn.server_ttft_s <= turn.ttft_s
         # a gap per later output; a client that lags the steps gets outputs merged: fewer
         assert len(turn.itl_s) <= 2 and all(gap > 0 for gap in turn.itl_s)
     assert all(t.device_hit_tokens > 0 for t in over_http.turns if t.round == 1)
@@ -99,7 +102,7 @@ def test_multiturn_url_command_writes_the_servers_run(server: ServerThread, tmp_
     assert run["e2e"]["mean_s"] >= run["ttft"]["mean_s"] and run["throughput_tokens_per_s"] > 0
     first, second = run["rounds"]
     assert first["device_hit_rate"] == 0 < second["device_hit_rate"]
-    assert second["engine_mean_ttft_s"] is None  # the server's own TTFT is not in its answers
+    assert 0 < second["engine_mean_ttft_s"] < second["mean_ttft_s"]  # from meta_info
     assert "server: " in printed and "engine counters: see the server's /metrics" in printed
 
 
@@ -184,6 +187,11 @@ def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -
         assert run["compiles_during_run"]["count"] == 0
         hit = run["device_hit"]  # the probe: 3 turns, the last two hitting the device
         assert hit["turns"] == 2 and hit["device_hit_rate"] > 0 and hit["ttft"]["p50_s"] > 0
+        assert 0 < hit["engine_ttft_p50_s"] <= hit["ttft"]["p50_s"]
+    assert here["device_hit"]["server_ttft_p50_s"] is None  # no server in process
+    for run in (http, proc):
+        hit = run["device_hit"]
+        assert hit["engine_ttft_p50_s"] <= hit["server_ttft_p50_s"] <= hit["ttft"]["p50_s"]
     gap = mode["overhead"]
     assert gap["mean_e2e_s"] == pytest.approx(http["e2e"]["mean_s"] - here["e2e"]["mean_s"])
     assert gap["mean_ttft_s"] == pytest.approx(http["ttft"]["mean_s"] - here["ttft"]["mean_s"])
@@ -206,6 +214,7 @@ def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -
         assert run["clients_cpu_per_request_s"] == pytest.approx(run["clients_cpu_s"] / 6)
         assert run["clients_cpu_s"] > 0
     assert "the HTTP clients' own CPU time per request" in printed
+    assert "device hit TTFT p50 as the clients / the server / the engine saw it" in printed
 
 
 def test_compile_counter_counts_only_inside_its_block() -> None:

@@ -194,6 +194,9 @@ def test_generate_stream_format(http: httpx.Client, reference: Engine, tok: Toke
     assert last["meta_info"]["prompt_tokens"] == 6
     assert last["meta_info"]["completion_tokens"] == 8
     assert {"id", "cached_tokens"} <= set(last["meta_info"])
+    # the server's and the engine's own TTFT, once the first token is out
+    meta = last["meta_info"]
+    assert 0 < meta["engine_ttft_s"] <= meta["server_ttft_s"]
 
 
 def test_generate_text_stop_token_ids(http: httpx.Client, tok: Tokenizer, reference: Engine):

@@ -24,6 +24,7 @@ class Chunk:
     host_hit_tokens: int
     engine_ttft_s: float | None  # the engine's own TTFT, where the backend can see it
     storage_hit_tokens: int = 0
+    server_ttft_s: float | None = None  # a server's own TTFT, where it says it
 
 
 class Backend(Protocol):

@@ -51,8 +51,9 @@ class Turn:
     device_hit_tokens: int
     host_hit_tokens: int
     engine_ttft_s: float | None  # the engine's own (submission to first token on the host);
-    # None where the backend cannot see it (over HTTP)
+    # None where the backend cannot see it (a server that does not say it)
     storage_hit_tokens: int = 0
+    server_ttft_s: float | None = None  # a server's own (its route to its first event)
 
     @property
     def ttft_s(self) -> float:
@@ -189,7 +190,7 @@ class _Clients:
         assert final is not None and first is not None, "a stream ended without tokens"
         return Turn(client, index, sent, first, arrived, tuple(itl), max_gap, final.token_ids,
                     final.prompt_len, final.device_hit_tokens, final.host_hit_tokens,
-                    final.engine_ttft_s, final.storage_hit_tokens)
+                    final.engine_ttft_s, final.storage_hit_tokens, final.server_ttft_s)
 
     def _answered(self, client: int, index: int) -> None:
         """The client's answer arrived: its next turn is ready (with the barrier, once every

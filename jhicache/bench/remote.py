@@ -56,8 +56,9 @@ def parse_chunk(payload: dict[str, Any], before: tuple[int, ...]) -> Chunk:
         device, host, storage = meta.get("cached_tokens", 0), 0, 0
     return Chunk(new_token_ids=ids[len(before):], token_ids=ids,
                  finished=meta.get("finish_reason") is not None, prompt_len=prompt_len,
-                 device_hit_tokens=device, host_hit_tokens=host, engine_ttft_s=None,
-                 storage_hit_tokens=storage)
+                 device_hit_tokens=device, host_hit_tokens=host,
+                 engine_ttft_s=meta.get("engine_ttft_s"), storage_hit_tokens=storage,
+                 server_ttft_s=meta.get("server_ttft_s"))
 
 
 def _json(data: bytes, what: str = "a /generate event") -> dict[str, Any]:

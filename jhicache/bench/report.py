@@ -128,12 +128,22 @@ def serve_overhead_table(result: dict) -> str:
                      f"{tok_s[2]:>10,.0f}{ratios[0]:>18}{ratios[1]:>16}")
         lines.append("  XLA compiles during the measured run (their seconds count as latency): "
                      + ", ".join(_compiles(path, m[path]) for path in _PATHS))
+        lines.append("  device hit TTFT p50 as the clients / the server / the engine saw it: "
+                     + "; ".join(_probe_split(path, m[path]["device_hit"]) for path in _PATHS))
         cpu = [m[path].get("clients_cpu_per_request_s") for path in _PATHS[1:]]
         if None not in cpu:
             lines.append("  the HTTP clients' own CPU time per request (their process, part of "
                          f"the latency it measures): HTTP {cpu[0] * 1e3:.2f} ms, HTTP+proc "
                          f"{cpu[1] * 1e3:.2f} ms")
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines)
+
+
+def _probe_split(path: str, hit: dict) -> str:
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+    return (f"{_PATH_NAMES[path].split(' (')[0]} {ms(hit['ttft']['p50_s'])} / "
+            f"{ms(hit.get('server_ttft_p50_s'))} / {ms(hit.get('engine_ttft_p50_s'))} ms")
 
 
 def _compiles(path: str, summary: dict) -> str:

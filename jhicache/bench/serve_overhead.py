@@ -62,11 +62,19 @@ def clients_cpu(runs: Runs) -> dict:
 
 
 def probe_summary(run: clients.ClientsRun) -> dict:
-    """TTFT of the probe's device hits (every turn but the first) and how much of their
-    prompts the device held."""
+    """TTFT of the probe's device hits (every turn but the first) as the clients saw it, as the
+    server (over HTTP) and the engine saw it where they say it, and how much of their prompts
+    the device held."""
     hits = [t for t in run.turns if t.round > 0]
     prompt = sum(t.prompt_len for t in hits)
+
+    def p50(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return clients.percentiles(known, (50,))["p50_s"] if len(known) == len(values) else None
+
     return {"turns": len(hits), "ttft": clients.percentiles([t.ttft_s for t in hits], (50, 90)),
+            "server_ttft_p50_s": p50([t.server_ttft_s for t in hits]),
+            "engine_ttft_p50_s": p50([t.engine_ttft_s for t in hits]),
             "device_hit_rate": sum(t.device_hit_tokens for t in hits) / prompt if prompt else 0.0}
 
 
@@ -95,6 +103,8 @@ def drive_url_elsewhere(url: str, args: argparse.Namespace, spec: MultiTurnSpec,
 
 
 def _drive_url(url: str, args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
+    from jhicache.bench import remote  # noqa: F401 (imported here: not in the clients' CPU time)
+
     with tqdm(disable=True) as progress:
         return asyncio.run(drive_both(
             lambda turns, config: drive_url(url, turns, config, progress), args, spec,

@@ -55,6 +55,10 @@ class Update:
     new_logprobs: list[TokenLogprob] | None = None
     # with prompt log probabilities asked for: in the first update with tokens, and the last
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # once the first token is out: the server's TTFT (the route's submission to the update on
+    # the event loop) and the engine's own (its `add_request` to the token on its host)
+    server_ttft_s: float | None = None
+    engine_ttft_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,7 +82,7 @@ class _TextState:
         self._released = 0
         self._searched = 0
 
-    def advance(self, out: RequestOutput) -> Update:
+    def advance(self, out: RequestOutput, server_ttft_s: float | None) -> Update:
         if not self._returns_tokens:
             out = dataclasses.replace(out, token_ids=[], new_token_ids=[],
                                       logprobs=None if out.logprobs is None else [])
@@ -104,7 +108,8 @@ class _TextState:
                       matched_stop=matched, prompt_tokens=out.prompt_len,
                       device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
                       storage_hit_tokens=out.storage_hit_tokens, logprobs=logprobs,
-                      new_logprobs=new_logprobs, prompt_logprobs=out.prompt_logprobs)
+                      new_logprobs=new_logprobs, prompt_logprobs=out.prompt_logprobs,
+                      server_ttft_s=server_ttft_s, engine_ttft_s=out.ttft_s)
 
     def _detokenize(self, ids: Sequence[int], final: bool) -> str:
         if self._detok is None:
@@ -134,8 +139,8 @@ class Generation:
         refused = False
         try:
             async for out in stream:
-                last = self._text.advance(out)
-                self._time(len(last.new_token_ids))  # the tokens returned (none when scoring)
+                self._time(len(out.new_token_ids) if self.spec.returns_tokens else 0)
+                last = self._text.advance(out, self._ttft_s)
                 yield last
                 if last.finished:
                     return
@@ -149,6 +154,7 @@ class Generation:
                 self._end(last)
 
     def _time(self, new_tokens: int) -> None:
+        """Metrics of the tokens an output returns (none when scoring)."""
         now = time.perf_counter()
         if new_tokens and self._ttft_s is None:
             self._ttft_s = now - self._arrival

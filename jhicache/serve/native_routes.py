@@ -66,7 +66,8 @@ def _payload(rid: str, update: Update, text: TokenText | None,
             "cached_tokens": update.cached_tokens,
             "cached_tokens_details": {"device": update.device_hit_tokens,
                                       "host": update.host_hit_tokens,
-                                      "storage": update.storage_hit_tokens}}
+                                      "storage": update.storage_hit_tokens},
+            "server_ttft_s": update.server_ttft_s, "engine_ttft_s": update.engine_ttft_s}
     if update.logprobs is not None:
         meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs or (),
                                     prompt_ids))
