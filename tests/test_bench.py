@@ -102,10 +102,11 @@ def test_storage_hit_with_the_split_policy_computes_what_it_does_not_read(tmp_pa
     out = tmp_path / "split.json"
     args = ["storage-hit", *TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
             "--storage-hit-trials", "1", "--storage-dir", str(tmp_path), "--out", str(out),
-            "--fetch-policy", "split"]
+            "--fetch-policy", "split", "--storage-io-threads", "3"]
     assert command.main(args) == 0
     hit = json.loads(out.read_text())["storage_hit"]
     assert hit["fetch_policy"] == "split" and hit["device_hit_tokens"] == 0
+    assert hit["storage_io_threads"] == 3
     assert 0 <= hit["storage_hit_tokens"] <= 64 and hit["storage_hit_tokens"] % 8 == 0
 
 

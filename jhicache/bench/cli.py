@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-policy", default=None, choices=_values(FetchPolicy),
                    help="how a request waits for its pages from storage (unset: storage-hit "
                         "reads them in full first; multiturn and restart take the engine's own)")
+    p.add_argument("--storage-io-threads", type=positive_int, metavar="N", default=None,
+                   help="storage-hit: the storage tier's reader threads, so its reads in flight "
+                        "(unset: the engine's own)")
     p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the random weights and the prompts")
     p.add_argument("--out", type=output_file, metavar="FILE", default=None,

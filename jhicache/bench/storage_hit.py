@@ -88,11 +88,13 @@ def storage_engine(args: argparse.Namespace, root: Path) -> Engine:
     prompt and two pages."""
     tokens = 4 * (args.storage_hit_prefix + args.storage_hit_turn + 2 * args.page_size)
     through = argparse.Namespace(**{**vars(args), "write_policy": "write_through"})
+    threads = {} if args.storage_io_threads is None else {
+        "storage_io_threads": args.storage_io_threads}
     return make_engine(through, cache_mode="hierarchical", device_kv_tokens=tokens,
                        load_back_threshold=1,
                        storage_dir=str(root),
                        fetch_policy=args.fetch_policy or FetchPolicy.WAIT_COMPLETE.value,
-                       fetch_threshold=args.page_size)
+                       fetch_threshold=args.page_size, **threads)
 
 
 def storage_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Namespace,
@@ -145,6 +147,7 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
     result = {**trials[median], **disk, "trials": trials, "median_trial": median,
               "prefix_tokens": args.storage_hit_prefix, "turn_tokens": args.storage_hit_turn,
               "fetch_policy": FetchPolicy(engine.config.fetch_policy).value,
+              "storage_io_threads": engine.config.storage_io_threads,
               "disk_read_ceiling_bps": ceiling}
     result["fetch_read_over_disk"] = result["fetch_read_bps"] / ceiling
     return result
