@@ -49,7 +49,15 @@ from jhicache.models.qwen2_weights import read_config
 from jhicache.models.sharding import TensorParallel
 from jhicache.request import Request, RequestOutput
 from jhicache.runner import ModelRunner
-from jhicache.sampling import SEED_LIMIT, SamplingParams, greedy, sample, sampling_arrays
+from jhicache.sampling import (
+    SEED_LIMIT,
+    SamplingParams,
+    greedy,
+    has_filters,
+    sample,
+    sample_unfiltered,
+    sampling_arrays,
+)
 from jhicache.scheduler import Scheduler
 from jhicache.stats import EngineStats, Occupancy, StartupTimes, StepCounters
 from jhicache.warmup import WarmupReport, warm_up
@@ -612,11 +620,15 @@ class Engine:
         """Dispatches the sampling of one token per row: [grid.max_requests] int32 (rows past
         the batch's are padding)."""
         out_rows = self.grid.max_requests
-        if all(c.request.params.is_greedy for c in rows):
+        params = [c.request.params for c in rows]
+        if all(p.is_greedy for p in params):
             return greedy(logits, rows=out_rows)
         steps = [c.sample_index or 0 for c in rows]
-        arrays = sampling_arrays([c.request.params for c in rows], steps, logits.shape[0])
-        return sample(logits, *arrays, rows=out_rows)  # host arrays: a transfer, no program
+        temperature, top_k, top_p, seeds = sampling_arrays(params, steps, logits.shape[0])
+        if not has_filters(params):  # no sort of the vocabulary
+            return sample_unfiltered(logits, temperature, seeds, rows=out_rows)
+        # host arrays: a transfer, no program
+        return sample(logits, temperature, top_k, top_p, seeds, rows=out_rows)
 
 
 class _Launched(NamedTuple):

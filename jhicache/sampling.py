@@ -131,6 +131,20 @@ def _row_key(words: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, words[2])
 
 
+def _gumbel(seeds: jax.Array, vocab: int) -> jax.Array:  # [B, 3] -> [B, vocab] float32
+    """Each row's Gumbel noise, by token id: a draw is the argmax of the tempered logits plus
+    this over the tokens a filter keeps (the Gumbel-max trick, as `jax.random.categorical`),
+    so a row that filters nothing draws the same token from either sampler below."""
+    return jax.vmap(lambda words: jax.random.gumbel(_row_key(words), (vocab,)))(seeds)
+
+
+def has_filters(params: list[SamplingParams]) -> bool:
+    """Whether a sampled row asks for top-k or top-p < 1 (then `sample`, which sorts, is
+    needed)."""
+    return any(not p.is_greedy and (p.top_k is not None or (p.top_p or 1.0) < 1.0)
+               for p in params)
+
+
 @functools.partial(jax.jit, static_argnames="rows")
 def sample(
     logits: jax.Array,  # [B, vocab] float32
@@ -153,7 +167,23 @@ def sample(
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    picked = jax.vmap(jax.random.categorical)(jax.vmap(_row_key)(seeds), masked)
+    noise = jnp.take_along_axis(_gumbel(seeds, logits.shape[-1]), order, axis=-1)
+    picked = jnp.argmax(jnp.where(keep, sorted_logits + noise, -jnp.inf), axis=-1)
     sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)
+
+
+@functools.partial(jax.jit, static_argnames="rows")
+def sample_unfiltered(
+    logits: jax.Array,  # [B, vocab] float32
+    temperature: jax.Array,  # [B]
+    seeds: jax.Array,  # [B, 3] uint32
+    *,
+    rows: int,
+) -> jax.Array:  # [rows] int32
+    """`sample` for a batch where no row asks for top-k or top-p: the same token for each row,
+    without sorting the vocabulary."""
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    sampled = jnp.argmax(scaled + _gumbel(seeds, logits.shape[-1]), axis=-1).astype(jnp.int32)
     return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)

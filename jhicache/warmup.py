@@ -43,7 +43,7 @@ from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
 from jhicache.logprobs import PROMPT_REDUCTIONS, token_logprobs
 from jhicache.models.functional import output_type
-from jhicache.sampling import greedy, sample, sampling_arrays
+from jhicache.sampling import greedy, sample, sample_unfiltered, sampling_arrays
 
 if TYPE_CHECKING:
     from jhicache.cache.write_back import WriteBacks
@@ -87,7 +87,7 @@ def _compiled(lowered: jax.stages.Lowered,
 def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractContextManager,
                    sampled_logprobs: bool = True, prompt_logprobs: bool = True) -> None:
     """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
-    the inputs' transfer (run: it is small), the forward, both samplers and, for a decode, the
+    the inputs' transfer (run: it is small), the forward, the samplers and, for a decode, the
     patch of pending tokens and the first program over patched tokens; with the flags, the
     log probabilities of the sampled tokens and (a prefill) of the prompt's rows, which other
     shapes of the same request or token count share."""
@@ -107,7 +107,9 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
         for reduction in PROMPT_REDUCTIONS:
             _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
-    _compiled(sample.lower(logits, *sampling_arrays([], [], shape.requests), rows=rows), lock)
+    temperature, top_k, top_p, seeds = sampling_arrays([], [], shape.requests)
+    _compiled(sample.lower(logits, temperature, top_k, top_p, seeds, rows=rows), lock)
+    _compiled(sample_unfiltered.lower(logits, temperature, seeds, rows=rows), lock)
     if sampled_logprobs:
         _compiled(token_logprobs.lower(logits, sampled), lock)
     if inputs.patches is not None:
@@ -194,7 +196,9 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
             for reduction in PROMPT_REDUCTIONS:
                 engine.runner.programs.head_rows(hidden, targets, reduction)
         sampled = greedy(logits, rows=rows)
-        sample(logits, *sampling_arrays([], [], logits.shape[0]), rows=rows)
+        temperature, top_k, top_p, seeds = sampling_arrays([], [], logits.shape[0])
+        sample(logits, temperature, top_k, top_p, seeds, rows=rows)
+        sample_unfiltered(logits, temperature, seeds, rows=rows)
         token_logprobs(logits, sampled)
     jax.block_until_ready(sampled)
 

@@ -6,15 +6,47 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jhicache.sampling import SamplingParams, greedy, sample, sampling_arrays
+from jhicache.sampling import (
+    SamplingParams,
+    greedy,
+    has_filters,
+    sample,
+    sample_unfiltered,
+    sampling_arrays,
+)
 
 
-def _sample(logits: np.ndarray, params: list[SamplingParams], step: int = 0) -> np.ndarray:
-    arrays = sampling_arrays(params, [step] * len(params), logits.shape[0])
+def _sample(logits: np.ndarray, params: list[SamplingParams], step: int = 0,
+            unfiltered: bool = False) -> np.ndarray:
+    temperature, top_k, top_p, seeds = map(jnp.asarray, sampling_arrays(
+        params, [step] * len(params), logits.shape[0]))
     rows = logits.shape[0] + 3  # padded past the batch, as the engine pads to its grid
-    out = np.asarray(sample(jnp.asarray(logits), *map(jnp.asarray, arrays), rows=rows))
+    if unfiltered:
+        out = sample_unfiltered(jnp.asarray(logits), temperature, seeds, rows=rows)
+    else:
+        out = sample(jnp.asarray(logits), temperature, top_k, top_p, seeds, rows=rows)
+    out = np.asarray(out)
     np.testing.assert_array_equal(out[logits.shape[0]:], 0)
     return out[: logits.shape[0]]
+
+
+def test_a_row_that_filters_nothing_draws_the_same_token_from_either_sampler() -> None:
+    """The sort-free sampler, for batches where no row filters, draws what the sorting one does
+    for each row; so a seeded row's token does not depend on its neighbours' filters."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 301)).astype(np.float32) * 3
+    plain = [SamplingParams(temperature=float(t), seed=int(s))
+             for t, s in zip(rng.uniform(0.3, 2.0, 6), rng.integers(0, 2**40, 6))]
+    params = [SamplingParams(), *plain, SamplingParams(top_p=1.0, temperature=0.7, seed=5)]
+    assert not has_filters(params)
+    for step in (0, 9):
+        alone = _sample(logits, params, step, unfiltered=True)
+        np.testing.assert_array_equal(alone, _sample(logits, params, step))
+        # beside rows that filter (the sorting sampler then runs for the whole batch)
+        mixed = [*params[:-1], SamplingParams(temperature=1.0, top_k=3, seed=8)]
+        assert has_filters(mixed)
+        np.testing.assert_array_equal(_sample(logits, mixed, step)[:-1], alone[:-1])
+    assert len(set(alone[1:7].tolist())) > 1  # the rows do sample
 
 
 def test_greedy_and_filters_that_leave_one_token_pick_the_argmax() -> None:
@@ -68,10 +100,12 @@ def test_joint_top_k_top_p_draws_follow_the_renormalised_distribution() -> None:
     assert freq[3] == 0 and np.all(np.abs(freq - expected) <= 4 * sigma + 1e-9), freq
 
 
-def test_temperature_alone_draws_from_the_tempered_softmax() -> None:
+@pytest.mark.parametrize("unfiltered", [False, True])
+def test_temperature_alone_draws_from_the_tempered_softmax(unfiltered: bool) -> None:
     n, probs = 4000, np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(np.asarray([probs] * n, np.float32))
-    draws = _sample(logits, [SamplingParams(temperature=2.0, seed=s) for s in range(n)])
+    draws = _sample(logits, [SamplingParams(temperature=2.0, seed=s) for s in range(n)],
+                    unfiltered=unfiltered)
     tempered = probs ** 0.5 / np.sum(probs ** 0.5)
     freq = np.bincount(draws, minlength=4) / n
     assert np.all(np.abs(freq - tempered) <= 4 * np.sqrt(tempered * (1 - tempered) / n)), freq

@@ -136,8 +136,9 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
         length = [1, limit - n, int(rng.integers(1, limit - n))][i % 3]
         prefix = chats[i % 3][:length] if i % 2 else []
         prompt = prefix + rng.integers(0, vocab, length - len(prefix)).tolist()
-        sampled = i == 3
-        params = SamplingParams(max_new_tokens=n, temperature=1.0 if sampled else 0.0, top_k=5,
+        sampled = i in (3, 5)  # with top-k (the sorting sampler), and without
+        params = SamplingParams(max_new_tokens=n, temperature=1.0 if sampled else 0.0,
+                                top_k=5 if i != 5 else None,
                                 seed=i, logprobs=2 if i % 2 else None,  # their programs too
                                 prompt_logprobs=(1 + 2 * (i % 2)) if i % 3 == 1 else None)
         ids[engine.add_request(prompt, params)] = (prompt, sampled)
