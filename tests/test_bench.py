@@ -375,3 +375,14 @@ def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path) -> None:
     assert all(t["compiles"] == 0 for t in result["trials"])
     assert result["scored_over_prefill"] == pytest.approx(
         result["scored_ttft_s"] / result["prefill_ttft_s"])
+
+
+def test_turn_params_seed_each_sampled_turn_by_its_place() -> None:
+    spec = MultiTurnSpec(num_clients=3, num_rounds=2, output_length=5)
+    greedy = multiturn.turn_params(spec)
+    assert all(p.is_greedy and p.seed is None and p.top_p is None for row in greedy for p in row)
+    sampled = multiturn.turn_params(spec, multiturn.TurnSampling(0.8, 0.9, logprobs=2))
+    flat = [p for row in sampled for p in row]
+    assert [p.seed for p in flat] == list(range(6))  # [round][client]: round * clients + client
+    assert {(p.temperature, p.top_p, p.logprobs, p.max_new_tokens) for p in flat} == {
+        (0.8, 0.9, 2, 5)}

@@ -55,6 +55,18 @@ def test_sending_choices(capsys, option: str) -> None:
     assert f"argument {option}: invalid choice" in usage_error(capsys, [option, "lifo"])
 
 
+@pytest.mark.parametrize(("option", "value"), [("--temperature", "-0.5"), ("--temperature", "nan"),
+                                               ("--top-p", "0"), ("--top-p", "1.5")])
+def test_sampling_options_take_their_ranges(capsys, option: str, value: str) -> None:
+    assert f"argument {option}:" in usage_error(capsys, ["multiturn", option, value])
+
+
+def test_top_p_needs_a_temperature(capsys) -> None:
+    assert "--top-p filters sampled answers" in usage_error(capsys, ["--top-p", "0.9"])
+    args = cli.parse_args(["--temperature", "0.7", "--top-p", "0.9"])
+    assert (args.temperature, args.top_p) == (0.7, 0.9)
+
+
 def test_seed_may_be_zero_but_not_negative(capsys) -> None:
     assert cli.parse_args(["--seed", "0"]).seed == 0
     assert "argument --seed:" in usage_error(capsys, ["--seed", "-1"])

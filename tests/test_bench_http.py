@@ -61,15 +61,18 @@ def usage_error(capsys, argv: list[str]) -> str:
 
 # ---- the --url path ------------------------------------------------------------------------
 
-def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread) -> None:
+@pytest.mark.parametrize("sampling", [multiturn.TurnSampling(),
+                                      multiturn.TurnSampling(temperature=0.8, top_p=0.9)])
+def test_url_run_gets_the_in_process_tokens_and_hits(server: ServerThread,
+                                                     sampling: multiturn.TurnSampling) -> None:
     args = bench_args()
     spec, config = multiturn.multiturn_spec(args, 512), multiturn.clients_config(args, args.seed)
     progress = tqdm(disable=True)
     engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=512)
-    here = asyncio.run(multiturn.drive_clients(engine, spec, config, progress))
+    here = asyncio.run(multiturn.drive_clients(engine, spec, config, progress, sampling))
     remote.flush_cache(server.url)  # nothing cached by other tests
-    over_http = asyncio.run(remote_run.drive_url(server.url, spec, config, progress))
-    assert over_http.histories == here.histories
+    over_http = asyncio.run(remote_run.drive_url(server.url, spec, config, progress, sampling))
+    assert over_http.histories == here.histories  # a sampled turn's seed crosses HTTP too
     by_turn = {(t.client, t.round): t for t in here.turns}
     for turn in over_http.turns:
         twin = by_turn[(turn.client, turn.round)]

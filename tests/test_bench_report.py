@@ -45,6 +45,13 @@ def test_small_amounts_never_read_zero() -> None:
     assert not re.search(r"(?<![\d.])0 MB", summary) and "(164 kB)" in summary
 
 
+def test_the_table_says_when_answers_were_sampled() -> None:
+    result = multiturn_result(ONE_ROUND)
+    assert "sampled" not in report.multiturn_table(result)
+    result["spec"].update(temperature=0.8, top_p=0.9)
+    assert "answers sampled at temperature 0.8, top-p 0.9" in report.multiturn_table(result)
+
+
 def test_title_names_the_model_and_device_and_flags_a_cpu_run() -> None:
     result = multiturn_result(ONE_ROUND)
     assert report.plot_title(result).startswith("tiny on cpu: 2 clients x 1 rounds")

@@ -30,6 +30,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _parsed(float, text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     value = _parsed(float, text)
@@ -48,7 +56,8 @@ def storage_directory(text: str) -> str:
     return text
 
 
-def range_ratio(text: str) -> float:
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
     value = _parsed(float, text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")

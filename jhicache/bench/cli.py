@@ -15,13 +15,14 @@ from jhicache.bench.arg_types import (
     MODES,
     Given,
     checkpoint_dir,
+    fraction,
     mode_list,
+    non_negative_float,
     non_negative_int,
     output_file,
     positive_float,
     positive_int,
     preset_name,
-    range_ratio,
     request_rate,
     server_url,
     storage_directory,
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-hit-turns", **count, default=16 if gpu else 3,
                    help="serve-overhead: turns of the device-hit probe after the workload (one "
                         "conversation, one request at a time)")
-    p.add_argument("--range-ratio", type=range_ratio, metavar="R", default=1.0,
+    p.add_argument("--range-ratio", type=fraction, metavar="R", default=1.0,
                    help="multiturn: each turn's request and output lengths drawn uniformly "
                         "from [R x length, length] (SGLang's --range-ratio); 1: fixed")
     p.add_argument("--max-running-requests", action=Given, **count, default=64 if gpu else 8,
@@ -142,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=non_negative_int, metavar="N", default=None,
                    help="multiturn (in process): every request asks for its tokens' log "
                         "probabilities, N alternatives each (at most 20)")
+    p.add_argument("--temperature", type=non_negative_float, metavar="T", default=0.0,
+                   help="multiturn, serve-overhead: every answer sampled at this temperature, "
+                        "each turn with a seed of its own (0: greedy)")
+    p.add_argument("--top-p", type=fraction, metavar="P", default=None,
+                   help="multiturn, serve-overhead: sampled answers from this nucleus (needs "
+                        "--temperature > 0)")
     p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
                    help="restart: the round before which the engine restarts on its storage "
                         "(unset: half the rounds)")
@@ -178,6 +185,8 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     check_url(p, args)
     if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
         p.error(f"--logprobs {args.logprobs}: at most {MAX_LOGPROBS}")
+    if args.top_p is not None and args.temperature == 0:
+        p.error("--top-p filters sampled answers: give --temperature > 0 too")
     if args.what == "serve-overhead":
         missing = [m for m in ("fastapi", "uvicorn", "aiohttp")
                    if importlib.util.find_spec(m) is None]

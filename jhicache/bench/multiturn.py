@@ -86,7 +86,7 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
     with CompileCounter() as compiles:
         run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress,
-                               getattr(args, "logprobs", None))
+                               turn_sampling(args))
     engine.check_invariants()
     if "storage_dir" in overrides:  # the storage tier's pages are this run's alone
         assert engine.cache.storage is not None
@@ -124,6 +124,21 @@ def run_summary(run: clients.ClientsRun, spec: MultiTurnSpec) -> dict:
             "send_order": [[t.client, t.round] for t in run.turns]}
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnSampling:
+    """How every turn's answer is drawn: greedy, or at `temperature` (> 0) from the `top_p`
+    nucleus with a seed per turn; with `logprobs` alternatives per token where given."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    logprobs: int | None = None
+
+
+def turn_sampling(args: argparse.Namespace) -> TurnSampling:
+    return TurnSampling(getattr(args, "temperature", 0.0), getattr(args, "top_p", None),
+                        getattr(args, "logprobs", None))
+
+
 def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig:
     return clients.ClientsConfig(request_rate=args.request_rate, max_parallel=args.max_parallel,
                                  ready_queue_policy=args.ready_queue_policy,
@@ -131,25 +146,32 @@ def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig
 
 
 def drive_in_process(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                     progress: tqdm, logprobs: int | None = None) -> clients.ClientsRun:
-    return asyncio.run(drive_clients(engine, spec, config, progress, logprobs))
+                     progress: tqdm, sampling: TurnSampling = TurnSampling()
+                     ) -> clients.ClientsRun:
+    return asyncio.run(drive_clients(engine, spec, config, progress, sampling))
 
 
 async def drive_clients(engine: Engine, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                        progress: tqdm, logprobs: int | None = None) -> clients.ClientsRun:
+                        progress: tqdm, sampling: TurnSampling = TurnSampling()
+                        ) -> clients.ClientsRun:
     """The clients' conversations through an AsyncEngine over `engine`, as a server drives it;
     closed at the end (its thread then lets go of the engine, whose stats the caller reads)."""
     async with AsyncEngine(engine) as served:
         return await clients.run_clients(EngineBackend(served), user_turns(spec),
-                                         turn_params(spec, logprobs), config,
+                                         turn_params(spec, sampling), config,
                                          on_turn=lambda turn: progress.update(1))
 
 
-def turn_params(spec: MultiTurnSpec, logprobs: int | None = None) -> list[list[SamplingParams]]:
-    """Each turn's sampling: greedy, its drawn answer length (and `logprobs` alternatives per
-    token, where given)."""
-    return [[SamplingParams(max_new_tokens=n, logprobs=logprobs) for n in row]
-            for row in output_lengths(spec)]
+def turn_params(spec: MultiTurnSpec, sampling: TurnSampling = TurnSampling()
+                ) -> list[list[SamplingParams]]:
+    """Each turn's sampling (`[round][client]`): its drawn answer length, and `sampling`, a
+    sampled turn seeded by its place (the same tokens whichever path serves it)."""
+    sampled = sampling.temperature > 0
+    return [[SamplingParams(max_new_tokens=n, temperature=sampling.temperature,
+                            top_p=sampling.top_p if sampled else None,
+                            seed=r * spec.num_clients + c if sampled else None,
+                            logprobs=sampling.logprobs)
+             for c, n in enumerate(row)] for r, row in enumerate(output_lengths(spec))]
 
 
 def bench_multiturn(args: argparse.Namespace, vocab: int, save: Callable[[dict], None]) -> dict:
@@ -177,4 +199,4 @@ def sending(args: argparse.Namespace) -> dict:
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     return {"request_rate": rate, "max_parallel": args.max_parallel or args.clients,
             "ready_queue_policy": args.ready_queue_policy, "round_barrier": args.round_barrier,
-            "logprobs": getattr(args, "logprobs", None)}
+            **dataclasses.asdict(turn_sampling(args))}

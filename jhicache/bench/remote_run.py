@@ -11,11 +11,13 @@ from tqdm import tqdm
 
 from jhicache.bench import clients
 from jhicache.bench.multiturn import (
+    TurnSampling,
     clients_config,
     multiturn_spec,
     run_summary,
     sending,
     turn_params,
+    turn_sampling,
 )
 from jhicache.bench.workload import MultiTurnSpec, user_turns
 from jhicache.models.config import preset_config
@@ -29,15 +31,16 @@ REMOTE_NOTE = ("--url: one measured run against the server as it was started (wa
 
 
 async def drive_url(url: str, spec: MultiTurnSpec, config: clients.ClientsConfig,
-                    progress: tqdm) -> clients.ClientsRun:
+                    progress: tqdm, sampling: TurnSampling = TurnSampling()
+                    ) -> clients.ClientsRun:
     """The clients' conversations through the server at `url`: POST /generate, streamed, with
     the sampling params the in-process path gives the engine."""
     from jhicache.bench import remote  # aiohttp: in the serve extra, not the base install
 
     connections = config.max_parallel or spec.num_clients
     async with remote.http_backend(url, connections) as backend:
-        return await clients.run_clients(backend, user_turns(spec), turn_params(spec), config,
-                                         on_turn=lambda turn: progress.update(1))
+        return await clients.run_clients(backend, user_turns(spec), turn_params(spec, sampling),
+                                         config, on_turn=lambda turn: progress.update(1))
 
 
 def bench_remote(args: argparse.Namespace) -> dict:
@@ -53,7 +56,8 @@ def bench_remote(args: argparse.Namespace) -> dict:
               disable=None) as progress:
         remote.flush_cache(args.url)  # as a fresh engine: nothing cached from before
         before = remote.serving_compiles(args.url)
-        run = asyncio.run(drive_url(args.url, spec, clients_config(args, args.seed), progress))
+        run = asyncio.run(drive_url(args.url, spec, clients_config(args, args.seed), progress,
+                                    turn_sampling(args)))
         after = remote.serving_compiles(args.url)
     server = {"url": args.url, "model_info": info, "vocab_size": vocab,
               "vocab_from": "/get_model_info" if info.get("vocab_size") else "--preset",

@@ -45,6 +45,11 @@ def multiturn_table(result: dict) -> str:
         lines.append(f"  sent at {spec['request_rate']} req/s, at most {spec['max_parallel']} in "
                      f"flight, {spec['ready_queue_policy']} ready queue, "
                      f"round barrier {spec['round_barrier']}")
+    if spec.get("temperature"):
+        top_p = spec.get("top_p")
+        lines.append(f"  answers sampled at temperature {spec['temperature']}"
+                     + (f", top-p {top_p}" if top_p is not None else "")
+                     + ", a seed per turn")
     lines += _round_rows(modes, spec["num_rounds"])
     for name, m in modes.items():
         lines += _mode_lines(name, m)

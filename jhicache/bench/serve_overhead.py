@@ -107,7 +107,8 @@ def _drive_url(url: str, args: argparse.Namespace, spec: MultiTurnSpec) -> Runs:
 
     with tqdm(disable=True) as progress:
         return asyncio.run(drive_both(
-            lambda turns, config: drive_url(url, turns, config, progress), args, spec,
+            lambda turns, config: drive_url(url, turns, config, progress,
+                                            multiturn.turn_sampling(args)), args, spec,
             own_process=True))
 
 
@@ -123,7 +124,8 @@ def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progres
 
     async def in_process(turns: MultiTurnSpec, config: clients.ClientsConfig
                          ) -> clients.ClientsRun:
-        return await multiturn.drive_clients(engine, turns, config, progress)
+        return await multiturn.drive_clients(engine, turns, config, progress,
+                                             multiturn.turn_sampling(args))
 
     with CompileCounter() as compiles:
         if over_http:
