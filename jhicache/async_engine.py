@@ -704,9 +704,8 @@ class AsyncEngine:
 def _wire(command: _Command, call: int) -> Any:
     """`command` as the message the engine process takes."""
     if isinstance(command, _Add):
-        return Add(call, [sink.request_id for sink in command.sinks],
-                   [_plain_prompt(p) for p in command.prompts], command.params,
-                   command.sinks[0].final_only)
+        return Add(call, [sink.request_id for sink in command.sinks], command.prompts,
+                   command.params, command.sinks[0].final_only)
     if isinstance(command, _Abort):
         return Abort(call, command.request_id)
     if isinstance(command, _Cancel):
@@ -714,16 +713,6 @@ def _wire(command: _Command, call: int) -> Any:
     if isinstance(command, _Warmup):
         return Call(call, "warmup", command.progress)
     return Call(call, command.name)
-
-
-def _plain_prompt(prompt: object) -> object:
-    """A prompt as msgpack carries it (numpy arrays and ints as Python ones); the engine
-    process checks it."""
-    if isinstance(prompt, np.ndarray):
-        return prompt.tolist()
-    if isinstance(prompt, (list, tuple)):
-        return [t.item() if isinstance(t, np.generic) else t for t in prompt]
-    return prompt
 
 
 def _prompt_list(prompts: object) -> list:

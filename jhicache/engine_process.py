@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
 from jhicache.cache.invariants import InvariantError
@@ -79,7 +80,7 @@ class Add(msgspec.Struct, tag=True):
 
     call: int
     ids: list[str]
-    prompts: list[Any]  # as the caller gave them (lists of ints): the child validates them
+    prompts: list[Any]  # as the caller gave them (numpy sent as Python): the child checks them
     params: list[SamplingParams]
     final_only: bool
 
@@ -180,6 +181,14 @@ def step_or_drain(engine: Any, stepped: bool) -> tuple[list[RequestOutput] | Non
     return None, False
 
 
+def _numpy_as_python(obj: Any) -> Any:
+    """What a caller may pass in a prompt besides Python ints: numpy arrays and numbers, sent
+    as Python's (the child checks them as an engine in process would)."""
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not a token id")
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed, exited or could not start."""
 
@@ -202,7 +211,7 @@ class EngineProcess:
         self._up = self._ctx.socket(zmq.PULL)
         self._up.bind(f"ipc://{self._dir}/up")
         self._send_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_numpy_as_python)
         self._decoder = msgspec.msgpack.Decoder(ToParent)
         self._closing = False
         context = multiprocessing.get_context("spawn")  # JAX does not survive a fork
@@ -235,6 +244,8 @@ class EngineProcess:
         raise EngineProcessError(f"the engine process did not start within {timeout:.0f} s")
 
     def send(self, message: ToChild) -> None:
+        """Sends `message`; TypeError for what msgpack cannot carry (numpy arrays and numbers
+        go as Python's)."""
         data = self._encoder.encode(message)
         with self._send_lock:
             try:

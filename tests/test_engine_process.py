@@ -13,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from jhicache import AsyncEngine, SamplingParams
@@ -70,6 +71,15 @@ def test_bad_input_is_refused_and_the_process_serves_on(shared: AsyncEngine) -> 
     assert shared.occupancy().waiting_requests == 0
     assert run(lambda: shared.generate([PROMPTS[0]], PARAMS[0]))[0].token_ids \
         == list(expected()[0])
+
+
+def test_numpy_prompts_cross_to_the_engine_process(shared: AsyncEngine) -> None:
+    """An array, and a list of numpy numbers, as `Engine.generate` takes them in process."""
+    prompts = [np.asarray(PROMPTS[0], np.int32), [np.int64(t) for t in PROMPTS[1]]]
+    outs = run(lambda: shared.generate(prompts, PARAMS[:2]))
+    assert tuple(tuple(o.token_ids) for o in outs) == expected()[:2]
+    with pytest.raises(ValueError, match="integer token ids"):
+        run(lambda: shared.generate([[1, np.float32(2.5)]]))
 
 
 def test_abort_by_id_ends_the_stream_with_an_abort_output(shared: AsyncEngine) -> None:
