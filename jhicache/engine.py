@@ -624,10 +624,10 @@ class Engine:
         if all(p.is_greedy for p in params):
             return greedy(logits, rows=out_rows)
         steps = [c.sample_index or 0 for c in rows]
+        # host arrays, passed as they are: a transfer, no program
         temperature, top_k, top_p, seeds = sampling_arrays(params, steps, logits.shape[0])
         if not has_filters(params):  # no sort of the vocabulary
             return sample_unfiltered(logits, temperature, seeds, rows=out_rows)
-        # host arrays: a transfer, no program
         return sample(logits, temperature, top_k, top_p, seeds, rows=out_rows)
 
 
