@@ -128,6 +128,42 @@ def test_a_refused_request_raises_server_error_with_the_status(server: ServerThr
         asyncio.run(send())
 
 
+def test_a_stream_event_longer_than_aiohttps_default_line_is_read() -> None:
+    """A long answer's last event carries every output id (SGLang's stream): 40,000 here, some
+    230 kB on one line, past aiohttp's default limit of 128 kB."""
+    from aiohttp import web
+
+    ids = list(range(40_000))
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        event = {"output_ids": ids, "meta_info": {"prompt_tokens": 3, "finish_reason": "x"}}
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def stream() -> list:
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.SockSite(runner, free_socket())
+        await site.start()
+        try:
+            async with remote.http_backend(site.name, 1) as backend:
+                return [chunk async for chunk in backend.stream(
+                    [1, 2, 3], SamplingParams(max_new_tokens=2), "long")]
+        finally:
+            await runner.cleanup()
+
+    [chunk] = asyncio.run(stream())
+    assert chunk.token_ids == tuple(ids) and chunk.finished and chunk.prompt_len == 3
+    ids = list(range(400_000))  # 2.6 MB: a clear error, not a traceback from aiohttp
+    with pytest.raises(ServerError, match="an event too long to read"):
+        asyncio.run(stream())
+
+
 def test_events_are_checked_and_a_server_without_tier_split_counts_device_hits() -> None:
     sglang = {"output_ids": [5, 6], "meta_info": {"prompt_tokens": 9, "cached_tokens": 4,
                                                   "finish_reason": None}}

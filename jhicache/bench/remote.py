@@ -13,13 +13,14 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import HttpProcessingError
 
 from jhicache.bench.backends import Chunk, ServerError
 from jhicache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # a turn's prefill on a loaded server: slow, but not a hang
-LINE_BYTES = 1 << 20  # the longest stream event read (aiohttp's default stops at 128 KiB)
+LINE_BYTES = 1 << 20  # aiohttp's read buffer: events up to twice it (its default: 128 KiB)
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -103,6 +104,8 @@ class HttpBackend:
                     yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ServerError(f"POST {url} failed: {e!r}") from e
+        except (ValueError, HttpProcessingError) as e:  # a line past twice the read buffer
+            raise ServerError(f"POST {url}: an event too long to read ({e!r})") from e
         if not finished:
             raise ServerError(f"{request_id}: the /generate stream ended before its last event")
 
