@@ -675,7 +675,7 @@ def _file_storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool)
         layout=(f"layer_first layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
                 f"head_dim={layout.head_dim} shards={host_pool.shards}"),
         page_bytes=layout.page_bytes, tensor_parallel_size=host_pool.shards)
-    return FileStorage(config.storage_dir, namespace, host_pool.page_segments,
+    return FileStorage(config.storage_dir, namespace, host_pool.page_views,
                        config.storage_capacity_bytes)
 
 

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from jhicache.cache.storage import Storage, StorageCounters, StorageNamespace, StorageUsage
 
 logger = logging.getLogger("jhicache.storage")
@@ -27,7 +29,7 @@ _MAGIC = b"JHKV"
 HIGH_WATERMARK = 0.95  # a write that takes the directory past this share of its cap ...
 LOW_WATERMARK = 0.85  # ... starts eviction down to this share, least recently used first
 
-Segments = Callable[[int], list[memoryview]]
+PageViews = Callable[[int], list[np.ndarray]]
 
 
 class StorageDirError(RuntimeError):
@@ -36,8 +38,14 @@ class StorageDirError(RuntimeError):
 
 class FileStorage(Storage):
     """Pages under `root/<namespace digest>/`, each `<key hex>.kv`: a header (magic, version,
-    size, CRC-32, key) and the page's bytes in the host tier's layout, gathered from and
-    scattered to its segments (`segments(host_page)`, writable views) by vectored I/O.
+    size, CRC-32, key) and the page's bytes in the host tier's layout: its views' bytes
+    (`views(host_page)`, writable uint8 arrays), in order.
+
+    A page goes through a contiguous buffer of the calling thread's: copied into it, checked
+    and written in one call each; read into it, checked, then copied out. So a page costs its
+    thread a handful of waits for the interpreter lock, not one per layer's K or V, each of which
+    a busy engine thread can stretch to its switch interval (numpy's copies let go of the lock);
+    and a page that fails its check never reaches the host page.
 
     Writes go to a temporary file renamed into place, so a reader (here or in another server
     sharing the directory) sees a whole page or none. A read checks the size, the header and the
@@ -46,16 +54,17 @@ class FileStorage(Storage):
     stale across restarts; pages other servers write are found by `exists` on the file system.
     """
 
-    def __init__(self, root: str | Path, namespace: StorageNamespace, segments: Segments,
+    def __init__(self, root: str | Path, namespace: StorageNamespace, views: PageViews,
                  capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < namespace.page_bytes:
             raise ValueError(f"storage capacity {capacity_bytes} bytes holds no page of "
                              f"{namespace.page_bytes} bytes")
         self.namespace, self.capacity_bytes = namespace, capacity_bytes
         self.dir = Path(root) / namespace.digest
-        self._segments = segments
+        self._views = views
         self.page_file_bytes = _HEADER.size + namespace.page_bytes  # one page on disk
         self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's page buffer
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._bytes = 0
         self._counters = StorageCounters()
@@ -148,12 +157,12 @@ class FileStorage(Storage):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
+        buffer = self._buffer()
         try:
             if os.fstat(fd).st_size != self.page_file_bytes:
                 return "truncated"
             header = bytearray(_HEADER.size)
-            segments = self._segments(page)
-            if os.preadv(fd, [header, *segments], 0) != self.page_file_bytes:
+            if os.preadv(fd, [header, buffer.data], 0) != self.page_file_bytes:
                 return "truncated"
             os.utime(fd)  # its last use, for the LRU order a later scan rebuilds
         finally:
@@ -162,9 +171,17 @@ class FileStorage(Storage):
         if (magic, version, size, stored_key) != (_MAGIC, self.namespace.format_version,
                                                   self.namespace.page_bytes, key):
             return "corrupt"
-        if _crc(segments) != crc:
+        if zlib.crc32(buffer.data) != crc:
             return "corrupt"
+        _scatter(buffer, self._views(page))
         return None
+
+    def _buffer(self) -> np.ndarray:
+        """This thread's buffer of one page's bytes."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = self._local.buffer = np.empty(self.namespace.page_bytes, np.uint8)
+        return buffer
 
     def _miss(self, key: bytes, problem: str) -> None:
         """Counts and logs a page that could not be served; a bad file is deleted."""
@@ -203,14 +220,15 @@ class FileStorage(Storage):
         return len(keys)
 
     def _write(self, key: bytes, page: int) -> None:
-        segments = self._segments(page)
+        buffer = self._buffer()
+        _gather(self._views(page), buffer)
         header = _HEADER.pack(_MAGIC, self.namespace.format_version,
-                              self.namespace.page_bytes, _crc(segments), key)
+                              self.namespace.page_bytes, zlib.crc32(buffer.data), key)
         final = self._path(key)
         temporary = self.dir / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            written = os.pwritev(fd, [header, *segments], 0)
+            written = os.pwritev(fd, [header, buffer.data], 0)
         finally:
             os.close(fd)
         if written != self.page_file_bytes:
@@ -275,11 +293,27 @@ def _key_of(name: str) -> bytes | None:
     return key if len(key) == 32 else None
 
 
-def _crc(segments: Sequence[memoryview]) -> int:
-    crc = 0
-    for segment in segments:
-        crc = zlib.crc32(segment, crc)
-    return crc
+def _gather(views: Sequence[np.ndarray], buffer: np.ndarray) -> None:
+    """Copies `views`, in order, into `buffer`."""
+    for view, start in zip(views, _offsets(views, buffer)):
+        np.copyto(buffer[start:start + view.size].reshape(view.shape), view)
+
+
+def _scatter(buffer: np.ndarray, views: Sequence[np.ndarray]) -> None:
+    """Copies `buffer` into `views`, in order."""
+    for view, start in zip(views, _offsets(views, buffer)):
+        np.copyto(view, buffer[start:start + view.size].reshape(view.shape))
+
+
+def _offsets(views: Sequence[np.ndarray], buffer: np.ndarray) -> list[int]:
+    """Where each view starts in a page's bytes; ValueError unless they fill `buffer`."""
+    starts, end = [], 0
+    for view in views:
+        starts.append(end)
+        end += view.size
+    if end != buffer.size:
+        raise ValueError(f"a page's views hold {end} bytes, not {buffer.size}")
+    return starts
 
 
 def _unlink(path: Path) -> None:

@@ -75,14 +75,15 @@ class HostPool:
                  for b in self.blocks]
         return views[0] if self.shards == 1 else np.concatenate(views, axis=4)
 
-    def page_segments(self, page: int) -> list[memoryview]:
-        """Writable views of one page's bytes, in the order a stored page keeps them: shard by
-        shard, each layer's K then V (`2 * layers * shards` blocks of `layer_page_bytes`)."""
+    def page_views(self, page: int) -> list[np.ndarray]:
+        """Writable views of one page's bytes, in the order a stored page keeps them (each
+        view's, row by row): one per shard, [2 * layers, layer_page_bytes], each layer's K then
+        V. Strided, so that a copy of a page into or out of a buffer is one numpy call per
+        shard, which lets go of the interpreter lock while it copies."""
         if not 0 <= page < self.layout.num_pages:
             raise ValueError(f"host page {page} out of range [0, {self.layout.num_pages})")
         rows = 2 * self.num_layers
-        return [memoryview(b.array.reshape(rows, self.layout.num_pages, -1)[row, page])
-                for b in self.blocks for row in range(rows)]
+        return [b.array.reshape(rows, self.layout.num_pages, -1)[:, page] for b in self.blocks]
 
     def read_pages(self, layer: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Copies of `pages` of one layer's K and V (only meaningful once their writes are done)."""

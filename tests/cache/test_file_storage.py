@@ -1,6 +1,7 @@
 """Page keys and FileStorage on fresh random pages: round trips through host pages, prefixes
-that stop at their first gap, truncated, corrupt, renamed and foreign files as misses, a restart
-that finds every page, the size cap, an unusable directory, and concurrent writers."""
+that stop at their first gap, truncated, corrupt, renamed and foreign files as misses that leave
+the host page untouched, a restart that finds every page, the size cap, an unusable directory,
+and concurrent writers."""
 
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ def filled(seed: int, shards: int = 1) -> HostPool:
 
 
 def page_bytes(pool: HostPool, page: int) -> bytes:
-    return b"".join(bytes(s) for s in pool.page_segments(page))
+    return b"".join(v.tobytes() for v in pool.page_views(page))
 
 
 def storage(root: Path, pool: HostPool, **kw) -> FileStorage:
-    return FileStorage(root, namespace(pool), pool.page_segments, **kw)
+    return FileStorage(root, namespace(pool), pool.page_views, **kw)
 
 
 def test_chain_keys_chain_sha256_over_little_endian_token_ids() -> None:
@@ -60,10 +61,10 @@ def test_chain_keys_chain_sha256_over_little_endian_token_ids() -> None:
 def test_pages_round_trip_through_host_pages(tmp_path: Path, shards: int) -> None:
     source, target = filled(1, shards), filled(2, shards)
     keys = chain_keys(list(range(5 * 4)), 4)
-    store = FileStorage(tmp_path, namespace(source), source.page_segments)
+    store = FileStorage(tmp_path, namespace(source), source.page_views)
     assert store.set(keys, [3, 0, 7, 11, 5]) == 5
     assert store.exists(keys) == 5 and store.exists(keys[:2]) == 2
-    reader = FileStorage(tmp_path, namespace(target), target.page_segments)
+    reader = FileStorage(tmp_path, namespace(target), target.page_views)
     assert reader.get(keys, [1, 2, 3, 4, 6]) == 5
     for src, dst in zip([3, 0, 7, 11, 5], [1, 2, 3, 4, 6]):
         assert page_bytes(target, dst) == page_bytes(source, src)
@@ -107,6 +108,7 @@ def test_a_damaged_page_is_a_miss_never_served(tmp_path: Path, damage: str) -> N
     assert (counters.truncated_pages == 1) == (damage == "truncated")
     assert not path.exists() and reader.exists(keys) == 1  # deleted: asked again, a plain miss
     assert page_bytes(target, 8) == page_bytes(source, 0)
+    assert page_bytes(target, 9) == page_bytes(filled(5), 9)  # the bad page left it as it was
 
 
 def test_a_foreign_namespace_sees_nothing_and_a_mismatched_config_is_refused(
@@ -114,7 +116,7 @@ def test_a_foreign_namespace_sees_nothing_and_a_mismatched_config_is_refused(
     pool = filled(6)
     keys = chain_keys(list(range(2 * 4)), 4)
     storage(tmp_path, pool).set(keys, [0, 1])
-    other = FileStorage(tmp_path, namespace(pool, model="other"), pool.page_segments)
+    other = FileStorage(tmp_path, namespace(pool, model="other"), pool.page_views)
     assert other.exists(keys) == 0 and other.get(keys, [2, 3]) == 0
     assert other.dir != storage(tmp_path, pool).dir
     config = storage(tmp_path, pool).dir / CONFIG_FILE

@@ -34,7 +34,7 @@ class StorageMachine(CacheMachine):
         host_pool = HostPool(dataclasses.replace(device, num_pages=host * 4 // page))
         namespace = StorageNamespace(model="stateful", dtype="float32", page_size=page,
                                      layout="test", page_bytes=device.page_bytes)
-        storage = FileStorage(self.root, namespace, host_pool.page_segments)
+        storage = FileStorage(self.root, namespace, host_pool.page_views)
         self.cache = PrefixCache(page, DevicePool(device), host_pool, policy,
                                  load_back_threshold=2 * page,
                                  copier=DeferredCopier() if deferred else None, storage=storage,
