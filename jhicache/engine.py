@@ -221,15 +221,18 @@ class Engine:
         if len(set(named)) != len(named):
             raise ValueError("request ids repeat")
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, cumulative: bool = True) -> list[RequestOutput]:
         """One engine step; an output for every request that gained a token or finished in it.
+        Not `cumulative`, a running request's output carries its new tokens alone (`token_ids`
+        empty, `logprobs` those of the new tokens), as a caller that keeps them needs, without a
+        copy of each request's tokens so far every step; a final output carries all.
 
         With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
         the one before, so the outputs a step returns are those of the batch dispatched by the
         previous call."""
         with self._lock, self._serving():
             aborted, self._aborted = self._aborted, []
-            return aborted + self._step()
+            return aborted + _outputs(self._step(), cumulative)
 
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
@@ -392,14 +395,14 @@ class Engine:
             raise CompileError(f"compiled while serving{where}: {names}; every program should "
                                f"be compiled by warmup() (grid: {self.grid.describe()})")
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[Request]:
         """One step, in the order its transfers need: retire finished copies, schedule, start
         the batch's loads, dispatch its forward (the loads' later layers queued between the
         forward's two programs), prefetch the next step's loads; on leaving `cache.step()`,
         the queued write-backs and loads start; then end the step before (overlap) or this
-        one, and commit."""
+        one, and commit. Returns the requests that gained a token."""
         with self.cache.step() as transfers:
-            batch, outputs, ended_early = self._schedule(transfers)
+            batch, gained, ended_early = self._schedule(transfers)
             launched = None if batch is None else self._launch(batch, transfers)
             self.scheduler.prefetch()  # loads for the next step, started on leaving the block
         if self.config.overlap_schedule:
@@ -407,25 +410,25 @@ class Engine:
         else:
             ending = launched
         if ending is not None:
-            outputs += self._end(ending)
+            gained += self._end(ending)
         self._note_progress(launched is not None or ending is not None or ended_early)
         # Checked once the step is recorded, so that the engine stays consistent if it raises.
         self._check_compiles("" if launched is None else f" in a {launched.shape} step")
-        return outputs
+        return gained
 
-    def _schedule(self, transfers: TransferStep) -> tuple[Batch | None, list[RequestOutput], bool]:
+    def _schedule(self, transfers: TransferStep) -> tuple[Batch | None, list[Request], bool]:
         """The step's batch; where there is none while a step is in flight, that step is ended
         first (it may finish requests and free their pages) and the schedule tried again.
-        Returns (batch, the ended step's outputs, whether it was ended here)."""
+        Returns (batch, the requests the ended step gave a token, whether it was ended here)."""
         in_flight = self._in_flight is not None
         batch = self.scheduler.schedule(may_retract=not in_flight)
         if batch is not None or not in_flight:
             return batch, [], False
         ending = self._take_in_flight()
         assert ending is not None  # `in_flight` said so
-        outputs = self._end(ending)
+        gained = self._end(ending)
         transfers.poll()
-        return self.scheduler.schedule(may_retract=True), outputs, True
+        return self.scheduler.schedule(may_retract=True), gained, True
 
     def _launch(self, batch: Batch, transfers: TransferStep) -> _Launched:
         """Starts the batch's loads and dispatches its forward and sampling. The loads start
@@ -463,9 +466,10 @@ class Engine:
         return _Launched(batch, sampled, start, gated, inputs.shape, logprobs,
                          tuple(prompt_rows), prompt)
 
-    def _end(self, step: _Launched) -> list[RequestOutput]:
+    def _end(self, step: _Launched) -> list[Request]:
         """Reads a step's sampled tokens, and their log probabilities where asked for (waiting
-        for that step alone, in one read), and commits them."""
+        for that step alone, in one read), and commits them; returns the requests that gained
+        one (its last token)."""
         if step.logprobs is None and step.prompt is None:  # the usual step: one array to read
             ids, logprobs, prompt = np.asarray(step.sampled), None, None
         else:
@@ -483,7 +487,7 @@ class Engine:
             self._requests.pop(req.request_id, None)
         if self.config.check_invariants_every_step:
             self.check_invariants()
-        return [r.to_output([r.tokens[-1]]) for r in gained]
+        return gained
 
     @staticmethod
     def _add_logprobs(batch: Batch, gained: set[Request], chosen: np.ndarray,
@@ -536,19 +540,20 @@ class Engine:
                 self.cache.flush()
             return freed
 
-    def drain(self) -> list[RequestOutput]:
-        """Ends the step in flight and waits for every transfer; returns that step's outputs.
-        Unfinished requests stay queued for later steps; with none, the engine is idle
-        afterwards (no step, copy or write-back in flight), as a caller that stops stepping
-        needs it to be: `AsyncEngine` calls it once its requests have all finished."""
+    def drain(self, cumulative: bool = True) -> list[RequestOutput]:
+        """Ends the step in flight and waits for every transfer; returns that step's outputs
+        (as `step(cumulative)` does). Unfinished requests stay queued for later steps; with
+        none, the engine is idle afterwards (no step, copy or write-back in flight), as a
+        caller that stops stepping needs it to be: `AsyncEngine` calls it once its requests
+        have all finished."""
         with self._lock, self._serving():
-            return self._drain()
+            return self._drain(cumulative)
 
-    def _drain(self) -> list[RequestOutput]:
+    def _drain(self, cumulative: bool = True) -> list[RequestOutput]:
         step = self._take_in_flight()
         outputs, self._aborted = self._aborted, []
         if step is not None:
-            outputs += self._end(step)
+            outputs += _outputs(self._end(step), cumulative)
         self.cache.flush()
         return outputs
 
@@ -642,6 +647,11 @@ class _Launched(NamedTuple):
     logprobs: tuple[jax.Array, ...] | None = None  # `token_logprobs` of it, where asked for
     prompt_rows: tuple[tuple[int, Request, int], ...] = ()  # see `_prompt_rows`
     prompt: tuple[jax.Array, ...] | None = None  # `prompt_reduction`'s of every row, if asked
+
+
+def _outputs(gained: list[Request], cumulative: bool) -> list[RequestOutput]:
+    """The outputs of requests that gained one token (their last) in a step."""
+    return [r.to_output([r.tokens[-1]], cumulative) for r in gained]
 
 
 def _prompt_rows(batch: Batch) -> list[tuple[int, Request, int]]:

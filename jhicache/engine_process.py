@@ -170,14 +170,16 @@ def engine_info(engine: Any) -> Started:
                    config=msgspec.to_builtins(engine.config))
 
 
-def step_or_drain(engine: Any, stepped: bool) -> tuple[list[RequestOutput] | None, bool]:
+def step_or_drain(engine: Any, stepped: bool, cumulative: bool = True
+                  ) -> tuple[list[RequestOutput] | None, bool]:
     """What a loop over `engine` does next: a step while it has work; once it has none, one
-    `drain` that ends the step and copies in flight. Returns (their outputs, or None with
-    nothing to do; whether a step ran since the last drain)."""
+    `drain` that ends the step and copies in flight. Returns (their outputs, as
+    `Engine.step(cumulative)` gives them, or None with nothing to do; whether a step ran since
+    the last drain)."""
     if engine.has_unfinished():
-        return engine.step(), True
+        return engine.step(cumulative), True
     if stepped:
-        return engine.drain(), False
+        return engine.drain(cumulative), False
     return None, False
 
 
@@ -457,7 +459,8 @@ class _ChildLoop:
     def _advance(self) -> None:
         """One step while there is work; then one drain that ends the step and copies in
         flight; the step's outputs for followed requests go up in one message."""
-        outputs, self.stepped = step_or_drain(self.engine, self.stepped)
+        # a running request's new tokens alone: its tokens so far are the parent's to keep
+        outputs, self.stepped = step_or_drain(self.engine, self.stepped, cumulative=False)
         if outputs is None:
             return
         items = []
@@ -467,12 +470,8 @@ class _ChildLoop:
                 continue
             if out.finished:
                 del self.final_only[out.request_id]
-            if out.finished:
+            if out.finished or not final_only:
                 items.append(out)
-            elif not final_only:  # its tokens so far are the parent's to keep (see Outputs)
-                new = len(out.new_token_ids)
-                logprobs = None if out.logprobs is None else out.logprobs[-new:] if new else []
-                items.append(dataclasses.replace(out, token_ids=[], logprobs=logprobs))
         if items:
             self.up.send(self.encoder.encode(Outputs(items)))
 

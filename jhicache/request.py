@@ -139,10 +139,16 @@ class Request:
         """Tokens of the sequence not yet in the KV cache."""
         return self.num_tokens - self.cached_len
 
-    def to_output(self, new_token_ids: list[int]) -> RequestOutput:
+    def to_output(self, new_token_ids: list[int], cumulative: bool = True) -> RequestOutput:
+        """Its output now; not `cumulative`, a running request's carries its new tokens alone:
+        `token_ids` empty and `logprobs` those of `new_token_ids` (no copy of all so far)."""
+        whole = cumulative or self.finished
+        logprobs = self.logprobs
+        if logprobs is not None:
+            logprobs = list(logprobs) if whole else logprobs[len(logprobs) - len(new_token_ids):]
         return RequestOutput(
             request_id=self.request_id,
-            token_ids=self.output,
+            token_ids=self.output if whole else [],
             new_token_ids=new_token_ids,
             finished=self.finished,
             prompt_len=self.prompt_len,
@@ -151,7 +157,7 @@ class Request:
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
             storage_hit_tokens=self.storage_hit_tokens,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=logprobs,
             prompt_logprobs=(list(self.prompt_logprobs) if self.prompt_logprobs is not None
                              and (self.num_output <= 1 or self.finished) else None),
         )

@@ -316,11 +316,11 @@ def test_an_error_in_the_loop_reaches_every_waiting_caller(aengine: AsyncEngine)
     armed = threading.Event()
     step = aengine.engine.step
 
-    def failing_step() -> list[RequestOutput]:
+    def failing_step(cumulative: bool = True) -> list[RequestOutput]:
         if armed.is_set():
             armed.clear()
             raise ZeroDivisionError("boom")
-        return step()
+        return step(cumulative)
 
     aengine.engine.step = failing_step  # type: ignore[method-assign]
 
@@ -402,7 +402,7 @@ def test_together_applies_the_submissions_made_inside_before_any_step(aengine) -
     calls: list[str] = []
     add, step = aengine.engine.add_request, aengine.engine.step
     aengine.engine.add_request = lambda *a, **k: calls.append("add") or add(*a, **k)
-    aengine.engine.step = lambda: calls.append("step") or step()
+    aengine.engine.step = lambda *a, **k: calls.append("step") or step(*a, **k)
 
     async def drain(prompt: list[int]) -> list[int]:
         async for out in aengine.stream(prompt, SamplingParams(max_new_tokens=2)):

@@ -152,6 +152,39 @@ def test_outputs_report_prompt_and_finish() -> None:
             and stop.finish_reason == "stop")
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_outputs_not_cumulative_carry_each_step_s_new_tokens_alone(overlap: bool) -> None:
+    """`step(cumulative=False)`: a running request's outputs carry no tokens so far and the log
+    probabilities of their new tokens alone; the final output carries everything, as the
+    cumulative outputs of the same requests do."""
+    prompts = [[3, 1, 4, 1, 5], list(range(7, 30))]
+    params = [SamplingParams(max_new_tokens=5, logprobs=2), SamplingParams(max_new_tokens=3)]
+    runs = {}
+    for cumulative in (True, False):
+        engine = make_engine(overlap_schedule=overlap)
+        ids = [engine.add_request(p, q, f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step(cumulative)
+        outputs += engine.drain(cumulative)
+        runs[cumulative] = {rid: [o for o in outputs if o.request_id == rid] for rid in ids}
+    for rid, deltas in runs[False].items():
+        whole = runs[True][rid]
+        assert [o.new_token_ids for o in deltas] == [o.new_token_ids for o in whole]
+        final = deltas[-1]  # carries everything, as the cumulative run's final output
+        assert final.finished and (final.token_ids, final.logprobs) == (whole[-1].token_ids,
+                                                                         whole[-1].logprobs)
+        assert sum((o.new_token_ids for o in deltas), []) == final.token_ids
+        before = 0  # tokens of the outputs before each
+        for delta in deltas[:-1]:
+            assert delta.token_ids == [] and not delta.finished
+            new = len(delta.new_token_ids)
+            if final.logprobs is not None:
+                assert delta.logprobs == final.logprobs[before:before + new]
+            before += new
+    assert any(o.logprobs for o in runs[False][ids[0]][:-1])  # the check above had some
+
+
 def test_config_rejects_invalid_values() -> None:
     for field, value in [("page_size", 0), ("cache_mode", "disk"), ("write_policy", "sometimes"),
                          ("dtype", "int8"), ("max_running_requests", 0)]:
