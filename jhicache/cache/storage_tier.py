@@ -23,7 +23,7 @@ FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk'
 # threads, the next started as one ends: the disk's queue stays as full as a fetch from the
 # first keeps it, while the pages end about in order, so that those read from the last grow
 # steadily (every chunk started at once would share the disk and end at about the same time;
-# two chunks of 8 pages in flight read at 0.56-0.70 of the disk, benchmarks/LOG.md).
+# two chunks of 8 pages in flight kept the disk's queue short: benchmarks/LOG.md, 2026-12-04).
 TAIL_CHUNK_PAGES = 1
 
 
