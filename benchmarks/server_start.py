@@ -21,8 +21,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
-import httpx
+
+def _get(url: str, timeout: float) -> tuple[int, str]:
+    """GET url: (status, body). The standard library's client, so that the script needs nothing
+    the serve extra does not install."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:  # 503 while the server warms up
+        return e.code, e.read().decode()
 
 
 def main() -> None:
@@ -43,17 +53,17 @@ def main() -> None:
         if proc.poll() is not None or time.monotonic() - start > args.timeout:
             break
         try:
-            status = httpx.get(url + "/health", timeout=1.0).status_code
+            status, _ = _get(url + "/health", timeout=1.0)
             first_answer = first_answer or time.monotonic() - start
             if status == 200:
                 ready = time.monotonic() - start
-        except httpx.TransportError:
+        except OSError:  # not listening yet (URLError is an OSError)
             pass
         time.sleep(0.2)
     result: dict = {"command": shlex.join(cmd), "first_answer_s": first_answer,
                     "health_200_s": ready}
     if ready is not None:
-        result["server_info"] = httpx.get(url + "/server_info", timeout=10).json()
+        result["server_info"] = json.loads(_get(url + "/server_info", timeout=10)[1])
     if ready is not None and args.bench:
         bench_out = args.out + ".bench.json"
         bench = [sys.executable, "-m", "jhicache.bench", "multiturn", "--url", url,
@@ -65,7 +75,7 @@ def main() -> None:
         if os.path.exists(bench_out):
             with open(bench_out) as f:
                 result["bench"] = json.load(f)
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = _get(url + "/metrics", timeout=10)[1]
         result["compiles"] = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^jhicache:compiles_total\{phase="(\w+)"\} (\S+)$', text, re.M)}
     proc.send_signal(signal.SIGINT)
