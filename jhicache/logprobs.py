@@ -35,9 +35,37 @@ def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]
 
 def row_logprobs_top1(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
     """`row_logprobs` with the most likely alternative alone ([B, 1]): all that a prompt scored
-    with at most one alternative a token needs (an evaluation's log-likelihood), in one pass
-    over each row rather than a top-20's two."""
-    return _row_logprobs(logits, targets, 1)
+    with at most one alternative a token needs (an evaluation's log-likelihood). One pass over
+    each row gives its logsumexp and its top entry together (`logsumexp_and_max`)."""
+    logits = logits.astype(jnp.float32)
+    lse, top, ids = logsumexp_and_max(logits)
+    chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    return chosen, (top - lse)[:, None], ids[:, None]
+
+
+def logsumexp_and_max(values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Of each row of [B, n] float32: its logsumexp, its largest value and that value's first
+    index, in one reduction that reads the row once (an online logsumexp: the running sum of
+    exp(x - running max) rescaled whenever the max grows), where logsumexp then argmax would
+    read it three times. The rows are a prompt's logits, [256, vocab] at a time: the reads
+    are most of what scoring adds to a prefill besides the head's matmul."""
+    index = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+
+    def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        (a_max, a_sum, a_idx), (b_max, b_sum, b_idx) = a, b
+        high = jnp.maximum(a_max, b_max)
+        # a side whose max is the new max keeps its sum as is (also when both are -inf, where
+        # exp(-inf - -inf) would be nan)
+        total = (jnp.where(a_max == high, a_sum, a_sum * jnp.exp(a_max - high))
+                 + jnp.where(b_max == high, b_sum, b_sum * jnp.exp(b_max - high)))
+        first = jnp.where(a_max == b_max, jnp.minimum(a_idx, b_idx),
+                          jnp.where(a_max > b_max, a_idx, b_idx))
+        return high, total, first
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(jnp.iinfo(jnp.int32).max))
+    high, total, first = jax.lax.reduce((values, jnp.ones_like(values), index), init, combine,
+                                        (values.ndim - 1,))
+    return high + jnp.log(total), high, first
 
 
 def prompt_reduction(alternatives: int) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]:

@@ -17,6 +17,7 @@ from jhicache import AsyncEngine, Engine, EngineConfig, SamplingParams
 from jhicache.logprobs import (
     MAX_LOGPROBS,
     TokenLogprob,
+    logsumexp_and_max,
     reference_logprobs,
     token_logprobs,
     top_k_in_passes,
@@ -65,6 +66,28 @@ def test_the_program_matches_numpy_on_random_logits() -> None:
             assert got_ids[17:] == list(range(117, 120))
         else:
             assert got_ids == [i for i, _ in want.top]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logsumexp_and_max_in_one_pass_equals_numpy(seed: int) -> None:
+    """Fresh random rows (one with ties at its top, one mostly -inf, one all -inf) against
+    float64 NumPy: the logsumexp, the largest value, and the first index that holds it."""
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0, 4, (6, 3001)).astype(np.float32)
+    values[1, [7, 300, 2999]] = values[1].max() + 2  # ties: the first index wins
+    values[2, :] = -np.inf
+    values[2, [5, 40]] = [1.5, -2.0]
+    values[3, :] = -np.inf
+    lse, top, first = (np.asarray(a) for a in jax.jit(logsumexp_and_max)(jnp.asarray(values)))
+    wide = values.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        high = wide.max(axis=1, keepdims=True)
+        want = (high + np.log(np.exp(wide - high).sum(axis=1, keepdims=True)))[:, 0]
+    np.testing.assert_allclose(lse[[0, 1, 2, 4, 5]], want[[0, 1, 2, 4, 5]], rtol=1e-6)
+    assert lse[3] == -np.inf and top[3] == -np.inf
+    np.testing.assert_array_equal(top, values.max(axis=1))
+    np.testing.assert_array_equal(first[[0, 1, 2, 4, 5]], values.argmax(axis=1)[[0, 1, 2, 4, 5]])
+    assert first[1] == 7
 
 
 @pytest.mark.parametrize("k", [1, 16, 17, 20, 33])
