@@ -311,12 +311,10 @@ def test_client_disconnect_mid_stream_aborts(server: ServerThread, http: httpx.C
         with contextlib.ExitStack() as stack:  # the hold, closed last
             with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as c:
                 with c.stream("POST", "/v1/completions", json=body) as response:
-                    # the status comes with the first token: hold at once (no step: it
-                    # cannot finish meanwhile), then read that token
-                    stack.enter_context(server.ctx.engine.together())
-                    running = busy(server)
                     assert response.status_code == 200
-                    next(response.iter_lines())
+                    next(response.iter_lines())  # (its first text may need more than a step)
+                    stack.enter_context(server.ctx.engine.together())  # no step: it cannot
+                    running = busy(server)  # finish meanwhile
             if running:  # leaving the client closed the connection mid-stream
                 wait_for_abort(http, aborted)
         if running:
