@@ -6,6 +6,7 @@ import array
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import numbers
@@ -37,7 +38,7 @@ from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
 from jhicache.logprobs import prompt_reduction, token_logprobs
-from jhicache.logprobs import record as logprob_record
+from jhicache.logprobs import records as logprob_records
 from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -451,20 +452,21 @@ class Engine:
         sampled = self._sample(logits, batch.chunks)
         wanted = any(c.samples_token and c.request.logprobs is not None for c in batch.chunks)
         logprobs = token_logprobs(logits, sampled) if wanted else None
-        prompt_rows = _prompt_rows(batch)
+        spans = _prompt_spans(batch)
         prompt = None
-        if prompt_rows:
+        if spans:
             targets = np.zeros(inputs.shape.tokens, np.int32)
-            for row, req, position in prompt_rows:
-                targets[row] = req.tokens[position]
+            for span in spans:
+                targets[span.row:span.row + span.length] = span.request.tokens[
+                    span.position:span.position + span.length]
             on_device = jax.device_put(targets, rows.sharding)  # (replicated over a mesh)
-            most = max(req.params.prompt_logprobs or 0 for _, req, _ in prompt_rows)
+            most = max(span.request.params.prompt_logprobs or 0 for span in spans)
             prompt = self.runner.programs.head_rows(rows, on_device, prompt_reduction(most))
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
         return _Launched(batch, sampled, start, gated, inputs.shape, logprobs,
-                         tuple(prompt_rows), prompt)
+                         tuple(spans), prompt)
 
     def _end(self, step: _Launched) -> list[Request]:
         """Reads a step's sampled tokens, and their log probabilities where asked for (waiting
@@ -476,7 +478,7 @@ class Engine:
             ids, logprobs, prompt = jax.device_get((step.sampled, step.logprobs, step.prompt))
         now = time.perf_counter()
         if prompt is not None:
-            self._add_prompt_logprobs(step.prompt_rows, *prompt)
+            self._add_prompt_logprobs(step.prompt_spans, *prompt)
         self.counters.record_forward(step.batch, now - step.dispatched_s, step.gated)
         gained = self.scheduler.commit(step.batch, ids, now)
         if logprobs is not None:
@@ -493,21 +495,30 @@ class Engine:
     def _add_logprobs(batch: Batch, gained: set[Request], chosen: np.ndarray,
                       top_values: np.ndarray, top_ids: np.ndarray) -> None:
         """Each request that gained a token and asked for log probabilities keeps its row's."""
-        for row, chunk in enumerate(batch.chunks):
-            req = chunk.request
-            if chunk.samples_token and req in gained and req.logprobs is not None:
-                n = req.params.logprobs or 0
-                req.logprobs.append(logprob_record(req.tokens[-1], chosen[row], top_values[row],
-                                                   top_ids[row], n))
+        rows = [(row, chunk.request) for row, chunk in enumerate(batch.chunks)
+                if chunk.samples_token and chunk.request in gained
+                and chunk.request.logprobs is not None]
+        if not rows:
+            return
+        index = [row for row, _ in rows]
+        made = logprob_records([req.tokens[-1] for _, req in rows], chosen[index],
+                               top_values[index], top_ids[index],
+                               [req.params.logprobs or 0 for _, req in rows])
+        for (_, req), record in zip(rows, made):
+            assert req.logprobs is not None
+            req.logprobs.append(record)
 
     @staticmethod
-    def _add_prompt_logprobs(rows: tuple[tuple[int, Request, int], ...], chosen: np.ndarray,
+    def _add_prompt_logprobs(spans: tuple[_PromptSpan, ...], chosen: np.ndarray,
                              top_values: np.ndarray, top_ids: np.ndarray) -> None:
-        for row, req, position in rows:
+        for span in spans:
+            req, rows = span.request, slice(span.row, span.row + span.length)
             assert req.prompt_logprobs is not None
-            n = req.params.prompt_logprobs or 0
-            req.prompt_logprobs[position - req.params.prompt_logprobs_start] = logprob_record(
-                req.tokens[position], chosen[row], top_values[row], top_ids[row], n)
+            first = span.position - req.params.prompt_logprobs_start
+            req.prompt_logprobs[first:first + span.length] = logprob_records(
+                req.tokens[span.position:span.position + span.length], chosen[rows],
+                top_values[rows], top_ids[rows],
+                itertools.repeat(req.params.prompt_logprobs or 0))
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None
@@ -645,7 +656,7 @@ class _Launched(NamedTuple):
     gated: bool  # dispatched while load-backs it reads were landing (it waited on the device)
     shape: StepShape  # the grid shape it was padded to
     logprobs: tuple[jax.Array, ...] | None = None  # `token_logprobs` of it, where asked for
-    prompt_rows: tuple[tuple[int, Request, int], ...] = ()  # see `_prompt_rows`
+    prompt_spans: tuple[_PromptSpan, ...] = ()  # see `_prompt_spans`
     prompt: tuple[jax.Array, ...] | None = None  # `prompt_reduction`'s of every row, if asked
 
 
@@ -654,18 +665,28 @@ def _outputs(gained: list[Request], cumulative: bool) -> list[RequestOutput]:
     return [r.to_output([r.tokens[-1]], cumulative) for r in gained]
 
 
-def _prompt_rows(batch: Batch) -> list[tuple[int, Request, int]]:
-    """(row of the step's tokens, request, prompt position) for each row whose logits give the
-    log probability of a prompt token its request asked for: the token after the row's."""
-    rows, offset = [], 0
+class _PromptSpan(NamedTuple):
+    """Rows of a step whose logits give the log probabilities of prompt tokens a request asked
+    for: rows `row` to `row + length`, each for the prompt token after its own, from `position`."""
+
+    row: int
+    request: Request
+    position: int
+    length: int
+
+
+def _prompt_spans(batch: Batch) -> list[_PromptSpan]:
+    """A span per chunk whose rows give prompt log probabilities its request asked for."""
+    spans, offset = [], 0
     for chunk in batch.chunks:
         req = chunk.request
         if req.prompt_logprobs is not None:
             first = max(req.params.prompt_logprobs_start, 1) - 1  # the row before it
             lo, hi = max(chunk.start, first), min(chunk.start + chunk.length, req.prompt_len - 1)
-            rows += [(offset + p - chunk.start, req, p + 1) for p in range(lo, hi)]
+            if hi > lo:
+                spans.append(_PromptSpan(offset + lo - chunk.start, req, lo + 1, hi - lo))
         offset += chunk.length
-    return rows
+    return spans
 
 
 _STORAGE_WAIT_S = 0.01  # an idle step waits this long at most for a storage read to move on:

@@ -4,7 +4,7 @@ them from a step's logits so that only [batch, MAX_LOGPROBS] values reach the ho
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's
 TOP_K_PASS = 16
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: quicker to build, one per token
 class TokenLogprob:
     """A generated token's log probability and the most likely alternatives at its position
     (the log-softmax of the model's logits, before temperature, top-k and top-p)."""
@@ -117,8 +117,12 @@ def reference_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
     return TokenLogprob(token, float(logp[token]), [(int(i), float(logp[i])) for i in order])
 
 
-def record(token: int, chosen: float, top_values: np.ndarray, top_ids: np.ndarray,
-           n: int) -> TokenLogprob:
-    """One token's record from its row of `token_logprobs`' outputs, keeping `n` alternatives."""
-    return TokenLogprob(token, float(chosen),
-                        [(int(i), float(v)) for i, v in zip(top_ids[:n], top_values[:n])])
+def records(tokens: Iterable[int], chosen: np.ndarray, top_values: np.ndarray,
+            top_ids: np.ndarray, counts: Iterable[int]) -> list[TokenLogprob]:
+    """Rows' records at once, from their rows of `row_logprobs`' outputs: each row's token, its
+    log probability and `counts[row]` alternatives. Each array becomes Python numbers in one
+    `tolist` rather than NumPy scalar by scalar: a scored prompt has a record per token, all
+    built before its output can go out."""
+    return [TokenLogprob(token, logprob, list(zip(ids[:n], values[:n])))
+            for token, logprob, ids, values, n in zip(
+                tokens, chosen.tolist(), top_ids.tolist(), top_values.tolist(), counts)]
