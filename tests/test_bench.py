@@ -377,6 +377,10 @@ def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path) -> None:
     assert all(t["compiles"] == 0 for t in result["trials"])
     assert result["scored_over_prefill"] == pytest.approx(
         result["scored_ttft_s"] / result["prefill_ttft_s"])
+    assert result["scored_over_prefill_e2e"] == pytest.approx(
+        result["scored_e2e_s"] / result["prefill_e2e_s"])
+    for t in result["trials"]:  # the generate call holds the engine's TTFT
+        assert t["prefill_e2e_s"] >= t["prefill_ttft_s"] and t["scored_e2e_s"] >= t["scored_ttft_s"]
 
 
 def test_turn_params_seed_each_sampled_turn_by_its_place() -> None:

@@ -95,3 +95,22 @@ def test_a_result_file_dated_otherwise_than_its_row_raises(tmp_path):
 def test_citations_expand_braces_and_globs():
     assert bp.cited_patterns(["`results/a_{7b,0.5b}_h200.json` and `..._x.json`, `p_*`"]) == {
         "a_7b_h200.json", "a_0.5b_h200.json", "*_x.json", "p_*"}
+
+
+def test_scoring_checks_the_end_to_end_ratio_where_the_run_has_it():
+    def run(e2e: bool) -> dict:
+        trials = [{"scored_over_prefill": r, "compiles": 0} for r in (1.05, 1.08)]
+        result = {"trials": trials, "scored_ttft_s": 0.216, "prefill_ttft_s": 0.2,
+                  "scored_over_prefill": 1.08}
+        if e2e:
+            for t, r in zip(trials, (1.09, 1.12)):
+                t["scored_over_prefill_e2e"] = r
+            result |= {"scored_e2e_s": 0.224, "prefill_e2e_s": 0.2,
+                       "scored_over_prefill_e2e": 1.12}
+        return {"scoring": result}
+
+    before = bp.scoring([run(False)], {})
+    assert before.checks == {"ratio": [1.05, 1.08]} and "end to end" not in before.result
+    after = bp.scoring([run(True)], {})
+    assert after.checks == {"ratio": [1.05, 1.08], "e2e_ratio": [1.09, 1.12]}
+    assert "end to end 224.0 against 200.0 ms: 1.120x (1.090-1.120)" in after.result
