@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jhicache.bench.storage_hit import drop_page_cache
+
 # A 7B page: 64 tokens x 28 layers x (K, V) x 4 KV heads x 128 x 2 bytes (bf16)
 PAGE_BYTES = 64 * 28 * 2 * 4 * 128 * 2
 THREADS = (1, 8, 16, 32)
@@ -36,16 +38,6 @@ def write_files(directory: Path, count: int, nbytes: int) -> list[Path]:
     for path in paths:
         path.write_bytes(data)
     return paths
-
-
-def drop(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def buffered_reader(nbytes: int) -> Callable[[Path], int]:
@@ -106,10 +98,10 @@ def main() -> None:
         paths = write_files(Path(directory), args.files, args.file_bytes)
         for threads in THREADS:
             for name, reader in (("buffered", buffered_reader), ("direct", direct_reader)):
-                drop(paths)
+                drop_page_cache(Path(directory))
                 rates[f"{name}_{threads}_threads"] = read_all(paths, reader(args.file_bytes),
                                                               threads)
-            drop(paths)
+            drop_page_cache(Path(directory))
             rates[f"will_need_{threads}_threads"] = will_need_then_read(
                 paths, args.file_bytes, threads)
         rates["page_cache_8_threads"] = read_all(paths, buffered_reader(args.file_bytes), 8)
