@@ -47,8 +47,7 @@ def logsumexp_and_max(values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
     """Of each row of [B, n] float32: its logsumexp, its largest value and that value's first
     index, in one reduction that reads the row once (an online logsumexp: the running sum of
     exp(x - running max) rescaled whenever the max grows), where logsumexp then argmax would
-    read it three times. The rows are a prompt's logits, [256, vocab] at a time: the reads
-    are most of what scoring adds to a prefill besides the head's matmul."""
+    read it three times. The rows are a scored prompt's logits, [256, vocab] at a time."""
     index = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
 
     def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
