@@ -118,19 +118,24 @@ def check_engine_tokens() -> None:
 
 def check_logprobs_equal_one_device() -> None:
     """Log probabilities of generated and prompt tokens at tp 2 (the head's vocabulary split,
-    its rows gathered) equal one device's."""
+    its rows gathered) equal one device's, with two prompt alternatives (the top-20 reduction)
+    and with one (the one-pass reduction)."""
     prompt = list(range(3, 90))
-    params = SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=2,
-                            prompt_logprobs_start=20)
-    one, two = (engine(tp_model(), tp).generate([prompt], params)[0] for tp in (1, 2))
-    assert one.token_ids == two.token_ids
-    assert one.logprobs is not None and two.logprobs is not None
-    assert one.prompt_logprobs is not None and two.prompt_logprobs is not None
-    for a, b in zip(one.logprobs + one.prompt_logprobs[1:], two.logprobs + two.prompt_logprobs[1:]):
-        assert a is not None and b is not None and a.token_id == b.token_id
-        assert abs(a.logprob - b.logprob) < 1e-4, (a, b)
-        assert [i for i, _ in a.top] == [i for i, _ in b.top]
-    assert len(two.prompt_logprobs) == len(prompt) - 20
+    engines = [engine(tp_model(), tp) for tp in (1, 2)]
+    for alternatives in (2, 1):
+        params = SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=alternatives,
+                                prompt_logprobs_start=20)
+        one, two = (eng.generate([prompt], params)[0] for eng in engines)
+        assert one.token_ids == two.token_ids
+        assert one.logprobs is not None and two.logprobs is not None
+        assert one.prompt_logprobs is not None and two.prompt_logprobs is not None
+        for a, b in zip(one.logprobs + one.prompt_logprobs[1:],
+                        two.logprobs + two.prompt_logprobs[1:]):
+            assert a is not None and b is not None and a.token_id == b.token_id
+            assert abs(a.logprob - b.logprob) < 1e-4, (a, b)
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert len(two.prompt_logprobs) == len(prompt) - 20
+        assert all(len(r.top) == alternatives for r in two.prompt_logprobs[1:] if r is not None)
 
 
 def assert_host_tier_used(eng: Engine) -> None:
