@@ -33,7 +33,10 @@ from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 from jhicache.models.sharding import KV_PAGES_SPEC, LOCAL, Collectives, TensorParallel
 
 Leaves = list[jax.Array]
-HEAD_ROWS_BLOCK = 256  # rows a `head_rows` block takes: its logits are [block, vocab] float32
+# Rows a `head_rows` block takes at most: its logits are [block, vocab] float32 (623 MB for
+# Qwen2-7B's vocabulary). The projection of fewer rows at a time runs further below the matmul's
+# rate (benchmarks/head_rows_probe.py), and the logits cost a write and a read either way.
+HEAD_ROWS_BLOCK = 1024
 Pages = tuple[jax.Array, ...]  # one [pages, page_size, kv_heads, head_dim] array per layer
 
 
@@ -83,6 +86,7 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
                   reduce: Callable, block: int) -> Any:
         head = nnx.merge(head_def, jax.tree.unflatten(head_tree, head_l))
         rows = hidden.shape[0]
+        block = min(block, rows)  # a short prompt's rows: one block of their own size
         padded = -(-rows // block) * block
         hidden = jax.numpy.pad(hidden, ((0, padded - rows), (0, 0)))
         targets = jax.numpy.pad(targets, (0, padded - rows))

@@ -286,3 +286,20 @@ def test_gpu_long_batch_with_new_tokens_apart_matches_one_kernel(monkeypatch) ->
 
     together, apart = logits(False), logits(True)
     np.testing.assert_allclose(apart, together, rtol=5e-2, atol=5e-2 * np.abs(together).max())
+
+
+@pytest.mark.parametrize("rows,block", [(7, 1024), (24, 8), (20, 8)])
+def test_head_rows_in_blocks_equals_one_reduction_of_every_row(model, rows: int, block: int):
+    """The head over every row, `block` rows at a time (the last block padded where `rows` is
+    not a multiple of it; one block of `rows` where they are fewer), reduced block by block:
+    the same as the reduction of the head's logits of all rows at once."""
+    from jhicache.logprobs import row_logprobs
+
+    rng = np.random.default_rng(rows)
+    hidden = jnp.asarray(rng.standard_normal((rows, model.config.hidden_size)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, model.config.vocab_size, rows), jnp.int32)
+    got = ModelPrograms(model).head_rows(hidden, targets, row_logprobs, block=block)
+    want = row_logprobs(model.head(hidden), targets)
+    for ours, ref in zip(got, want, strict=True):
+        chex.assert_shape(ours, ref.shape)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
