@@ -428,7 +428,8 @@ class AsyncEngine:
                     break
                 item = dataclasses.replace(
                     later, new_token_ids=item.new_token_ids + later.new_token_ids,
-                    prompt_logprobs=later.prompt_logprobs or item.prompt_logprobs)
+                    prompt_logprobs=(item.prompt_logprobs if later.prompt_logprobs is None
+                                     else later.prompt_logprobs))
         if isinstance(item, BaseException):
             sink.done = True
             raise item

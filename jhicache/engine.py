@@ -6,7 +6,6 @@ import array
 import contextlib
 import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import numbers
@@ -511,14 +510,15 @@ class Engine:
     @staticmethod
     def _add_prompt_logprobs(spans: tuple[_PromptSpan, ...], chosen: np.ndarray,
                              top_values: np.ndarray, top_ids: np.ndarray) -> None:
+        """Each span's rows fill its request's prompt entries, with the alternatives it asked
+        for (the step's reduction took as many as the most any span asked for)."""
         for span in spans:
             req, rows = span.request, slice(span.row, span.row + span.length)
             assert req.prompt_logprobs is not None
-            first = span.position - req.params.prompt_logprobs_start
-            req.prompt_logprobs[first:first + span.length] = logprob_records(
-                req.tokens[span.position:span.position + span.length], chosen[rows],
-                top_values[rows], top_ids[rows],
-                itertools.repeat(req.params.prompt_logprobs or 0))
+            alternatives = req.params.prompt_logprobs or 0
+            req.prompt_logprobs.fill(span.position - req.params.prompt_logprobs_start,
+                                     chosen[rows], top_values[rows, :alternatives],
+                                     top_ids[rows, :alternatives])
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None

@@ -1,10 +1,12 @@
-"""Log probabilities of sampled tokens: the per-token record, and the device program that takes
-them from a step's logits so that only [batch, MAX_LOGPROBS] values reach the host."""
+"""Log probabilities of tokens: the per-token record, a prompt's records held column by column,
+and the device programs that take them from a step's logits so that only [batch, MAX_LOGPROBS]
+values reach the host."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,57 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log probability), most likely first
+
+
+@dataclasses.dataclass(eq=True, slots=True)
+class PromptLogprobs(Sequence[TokenLogprob | None]):
+    """A prompt's log probabilities, one entry per position from the one asked for on, held as
+    columns: a scored prompt has one per token, and columns fill from a step's arrays in a few
+    list operations (`fill`) where records would take one object each. Read as a sequence, an
+    entry is its `TokenLogprob`, or None where nothing precedes the position (position 0)."""
+
+    token_ids: list[int]  # the prompt's tokens at those positions
+    logprobs: list[float | None]  # None: position 0, or a row not computed yet
+    top_ids: list[list[int]]  # per position, its alternatives' ids, most likely first
+    top_values: list[list[float]]  # and their log probabilities
+
+    @classmethod
+    def empty(cls, tokens: Sequence[int]) -> PromptLogprobs:
+        """Entries for the prompt's `tokens` (from the first position asked for), none filled."""
+        n = len(tokens)
+        return cls(list(tokens), [None] * n, [[] for _ in range(n)], [[] for _ in range(n)])
+
+    def fill(self, first: int, chosen: np.ndarray, top_values: np.ndarray,
+             top_ids: np.ndarray) -> None:
+        """Entries `first`.. from rows of `row_logprobs`' outputs, each row's alternatives as
+        many as `top_ids` has columns."""
+        end = first + len(chosen)
+        self.logprobs[first:end] = chosen.tolist()
+        self.top_ids[first:end] = top_ids.tolist()
+        self.top_values[first:end] = top_values.tolist()
+
+    def copy(self) -> PromptLogprobs:
+        """A copy whose columns a later `fill` of this one leaves as they are."""
+        return PromptLogprobs(list(self.token_ids), list(self.logprobs), list(self.top_ids),
+                              list(self.top_values))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> TokenLogprob | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TokenLogprob | None]: ...
+
+    def __getitem__(self, index: int | slice) -> TokenLogprob | None | list[TokenLogprob | None]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        logprob = self.logprobs[index]
+        if logprob is None:
+            return None
+        return TokenLogprob(self.token_ids[index], logprob,
+                            list(zip(self.top_ids[index], self.top_values[index])))
 
 
 def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:

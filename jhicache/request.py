@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from jhicache.logprobs import TokenLogprob
+from jhicache.logprobs import PromptLogprobs, TokenLogprob
 from jhicache.sampling import SamplingParams
 
 
@@ -42,7 +42,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: one per prompt position from its start on (None for
     # position 0, which nothing precedes); given with the first token and with the last output
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,14 +81,14 @@ class Request:
     prompt_len: int = dataclasses.field(init=False)
     logprobs: list[TokenLogprob] | None = dataclasses.field(init=False)  # per output token
     # per prompt position from params.prompt_logprobs_start, filled as its rows are computed
-    prompt_logprobs: list[TokenLogprob | None] | None = dataclasses.field(init=False)
+    prompt_logprobs: PromptLogprobs | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
         self.logprobs = [] if self.params.logprobs is not None else None
         start = self.params.prompt_logprobs_start
         self.prompt_logprobs = (None if self.params.prompt_logprobs is None
-                                else [None] * (self.prompt_len - start))
+                                else PromptLogprobs.empty(self.tokens[start:]))
 
     @property
     def match_tokens(self) -> list[int]:
@@ -158,6 +158,6 @@ class Request:
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
             storage_hit_tokens=self.storage_hit_tokens,
             logprobs=logprobs,
-            prompt_logprobs=(list(self.prompt_logprobs) if self.prompt_logprobs is not None
+            prompt_logprobs=(self.prompt_logprobs.copy() if self.prompt_logprobs is not None
                              and (self.num_output <= 1 or self.finished) else None),
         )
