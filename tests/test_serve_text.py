@@ -42,6 +42,16 @@ def test_multi_byte_characters_split_over_tokens(tokenizer: Tokenizer):
     assert sum(1 for d in deltas if d) < len(ids)  # some tokens were held back
 
 
+def test_token_text_is_each_tokens_own_decoding_special_tokens_kept(tokenizer: Tokenizer):
+    """Every id's text, asked twice (the second from what the first kept), is its decoding
+    alone with special tokens kept, as log probabilities name tokens."""
+    ids = list(range(tokenizer.vocab_size))
+    first = [tokenizer.token_text(i) for i in ids]
+    assert [tokenizer.token_text(i) for i in reversed(ids)] == first[::-1]
+    assert first == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert "<|im_end|>" in first and "" not in first
+
+
 def test_detokenizer_after_a_prompt_and_in_chunks(tokenizer: Tokenizer):
     prompt = tokenizer.encode("hello world 日")
     out = tokenizer.encode(" 本 the lazy dog 🙂!")

@@ -4,11 +4,10 @@ grows past the limit."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from jhicache.serve.protocol import error_body
+from jhicache.serve.protocol import error_body, json_bytes
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,9 +60,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(error_body(f"the request body is over the server's limit of "
+        body = json_bytes(error_body(f"the request body is over the server's limit of "
                                      f"{self.max_bytes} bytes (--max-request-bytes)", 413,
-                                     None, "request_too_large")).encode()
+                                     None, "request_too_large"))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -7,11 +7,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from jhicache.async_engine import EngineClosedError, EngineDeadError
-from jhicache.serve.protocol import error_body
+from jhicache.serve.protocol import JsonResponse, error_body
 
 logger = logging.getLogger("jhicache.serve")
 
@@ -24,8 +23,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.status, self.param, self.code),
+    def response(self) -> JsonResponse:
+        return JsonResponse(error_body(self.message, self.status, self.param, self.code),
                             status_code=self.status)
 
 
@@ -47,23 +46,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             (loc[0] if loc else None))
 
 
-async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_api_error(_: Request, exc: Exception) -> JsonResponse:
     assert isinstance(exc, ApiError)
     return exc.response()
 
 
-async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(_: Request, exc: Exception) -> JsonResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = _validation_message(exc)
     return ApiError(400, message, param).response()
 
 
-async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_http_error(_: Request, exc: Exception) -> JsonResponse:
     assert isinstance(exc, HTTPException)
     return ApiError(exc.status_code, str(exc.detail)).response()
 
 
-async def _on_engine_stopped(_: Request, exc: Exception) -> JSONResponse:
+async def _on_engine_stopped(_: Request, exc: Exception) -> JsonResponse:
     logger.error("engine unavailable: %s", exc)
     return ApiError(503, f"engine unavailable: {exc}").response()
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 
 from jhicache.async_engine import AsyncEngine
-from jhicache.logprobs import TokenLogprob
+from jhicache.logprobs import PromptLogprobs, TokenLogprob
 from jhicache.request import FinishReason, RequestOutput
 from jhicache.sampling import SamplingParams
 from jhicache.serve.detokenizer import IncrementalDetokenizer
@@ -54,7 +54,7 @@ class Update:
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
     # with prompt log probabilities asked for: in the first update with tokens, and the last
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     # once the first token is out: the server's TTFT (the route's submission to the update on
     # the event loop) and the engine's own (its `add_request` to the token on its host)
     server_ttft_s: float | None = None

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jhicache.request import FinishReason
@@ -18,7 +18,7 @@ from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
 from jhicache.serve.logprobs import TokenText, sglang_logprobs, token_text
-from jhicache.serve.protocol import GenerateRequest, sse
+from jhicache.serve.protocol import GenerateRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
 _CLIENT_GONE = 499
@@ -58,8 +58,7 @@ async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Respo
     return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
-def _payload(rid: str, update: Update, text: TokenText | None,
-             prompt_ids: list[int]) -> dict[str, Any]:
+def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]:
     """The response (or a stream's event: text, ids and log probabilities cumulative)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
@@ -69,8 +68,7 @@ def _payload(rid: str, update: Update, text: TokenText | None,
                                       "storage": update.storage_hit_tokens},
             "server_ttft_s": update.server_ttft_s, "engine_ttft_s": update.engine_ttft_s}
     if update.logprobs is not None:
-        meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs or (),
-                                    prompt_ids))
+        meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs))
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
 
 
@@ -124,13 +122,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
             return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
-                yield sse(_payload(rid, update, text, prompt_ids))  # text is cumulative
+                yield sse(_payload(rid, update, text))  # text is cumulative
 
             return event_stream(first, updates, chunks, lambda _: ())
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(_payload(rid, last, text, prompt_ids))
+        return JsonResponse(_payload(rid, last, text))
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

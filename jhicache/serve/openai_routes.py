@@ -10,14 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from jhicache.logprobs import TokenLogprob
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
 from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, token_text
-from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, sse
+from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
 _CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the log does
@@ -114,20 +113,17 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
         scores_prompt = body.echo and body.logprobs is not None
 
-        def choice(update: Update, text: str, ids: list[int],
-                   records: list[TokenLogprob | None] | None, offset: int) -> dict[str, Any]:
-            logprobs = (None if records is None
-                        else completion_logprobs(records, text_of, offset, prompt_ids[0]))
+        def choice(update: Update, text: str, ids: list[int], new: list[TokenLogprob] | None,
+                   with_prompt: bool, offset: int) -> dict[str, Any]:
+            """The choice with the generated tokens' `new` records (None: no log
+            probabilities asked for), after the prompt's entries where echo scores it."""
+            logprobs = None
+            if body.logprobs is not None:
+                prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
+                logprobs = completion_logprobs(prompt, new or [], text_of, offset)
             # token_ids: vLLM's extension, for clients that bring their own tokenizer
             return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": _finish(update), "token_ids": ids}
-
-        def records(update: Update, new: list[TokenLogprob] | None,
-                    with_prompt: bool) -> list[TokenLogprob | None] | None:
-            if body.logprobs is None:
-                return None
-            prompt_part = (update.prompt_logprobs or []) if with_prompt and scores_prompt else []
-            return [*prompt_part, *(new or [])]
 
         if body.stream:
             offset = 0  # where the next token's text starts: the pieces before it
@@ -135,9 +131,12 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             def chunks(update: Update) -> Iterator[bytes]:
                 nonlocal offset
                 head = echoed if update is first else ""
-                part = records(update, update.new_logprobs, update is first)
-                if head or update.delta or part or update.finished:
-                    item = choice(update, head + update.delta, update.new_token_ids, part, offset)
+                scored = body.logprobs is not None and bool(
+                    update.new_logprobs or (update is first and scores_prompt
+                                            and update.prompt_logprobs))
+                if head or update.delta or scored or update.finished:
+                    item = choice(update, head + update.delta, update.new_token_ids,
+                                  update.new_logprobs, update is first, offset)
                     yield sse(reply.body([item]))
                     if item["logprobs"] is not None:
                         offset += sum(len(t) for t in item["logprobs"]["tokens"])
@@ -147,8 +146,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if last is None:
             return Response(status_code=_CLIENT_GONE)
         start = 0 if scores_prompt else len(echoed)
-        return JSONResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
-                                               records(last, last.logprobs, True), start)],
+        return JsonResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
+                                               last.logprobs, True, start)],
                                        usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
@@ -193,7 +192,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if last is None:
             return Response(status_code=_CLIENT_GONE)
         message = {"role": "assistant", "content": last.text}
-        return JSONResponse(reply.body([{"index": 0, "message": message,
+        return JsonResponse(reply.body([{"index": 0, "message": message,
                                          "logprobs": logprobs(last.logprobs),
                                          "finish_reason": _finish(last)}], usage=_usage(last)))
 

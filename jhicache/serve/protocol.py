@@ -3,10 +3,11 @@ types, unknown fields ignored), the OpenAI error body and the server-sent-event 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
 
 PositiveInt = Annotated[int, Field(ge=1)]
 LogprobCount = Annotated[int, Field(ge=0, le=20)]  # jhicache.logprobs.MAX_LOGPROBS
@@ -121,6 +122,22 @@ def error_body(message: str, status: int, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def json_bytes(payload: Any) -> bytes:
+    """`payload` as compact UTF-8 JSON, by msgspec's encoder: a scored prompt's body holds
+    lists of a token's worth of values per position, which it writes several times quicker
+    than the standard library's."""
+    return msgspec.json.encode(payload)
+
+
+class JsonResponse(Response):
+    """A JSON response body written by `json_bytes`."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event carrying `payload` as JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json_bytes(payload) + b"\n\n"

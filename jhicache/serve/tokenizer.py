@@ -44,6 +44,7 @@ class Tokenizer:
         self._template = _compile(chat_template) if chat_template else None
         self.eos_token_ids = eos_token_ids
         self.path = path
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary's
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -80,6 +81,14 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's own decoding, special tokens kept (how log probabilities name tokens).
+        Kept once decoded: a scored prompt names a token, and its alternatives, per position."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.decode([token], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str:
