@@ -387,7 +387,7 @@ def storage_hit(files: list[Json], args: Json) -> Figures:
 def scoring(files: list[Json], args: Json) -> Figures:
     """A prompt scored (its tokens' log probabilities) against the same length's plain prefill,
     nothing cached: the bench's median pair by ratio, the range over every pair, by TTFT and,
-    where the run has it, end to end (the generate call)."""
+    where the run has them, end to end (the generate call) and through the server."""
     run = files[0]["scoring"]
     ratios = [t["scored_over_prefill"] for t in run["trials"]]
     compiles = sum(t["compiles"] for t in run["trials"])
@@ -398,7 +398,16 @@ def scoring(files: list[Json], args: Json) -> Figures:
         e2e = checks["e2e_ratio"] = [t["scored_over_prefill_e2e"] for t in run["trials"]]
         text += (f"end to end {ms(run['scored_e2e_s'])} against {ms(run['prefill_e2e_s'])} ms: "
                  f"{run['scored_over_prefill_e2e']:.3f}x ({span(e2e, 3)}); ")
-    text += f"{plural(len(ratios), 'pair')}, {plural(compiles, 'compile')}"
+    pairs = plural(len(ratios), "pair")
+    if "http" in run:  # through the server: /v1/completions with echo, timed by the client
+        http = run["http"]
+        served = checks["http_ratio"] = [t["scored_over_prefill"] for t in http["trials"]]
+        compiles += sum(t["compiles"] for t in http["trials"])
+        text += (f"through the server {ms(http['scored_e2e_s'])} against "
+                 f"{ms(http['prefill_e2e_s'])} ms: {http['scored_over_prefill']:.3f}x "
+                 f"({span(served, 3)}); ")
+        pairs += f" in process and {len(served)} through the server"
+    text += f"{pairs}, {plural(compiles, 'compile')}"
     return Figures(text, checks=checks)
 
 

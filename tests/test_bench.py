@@ -381,6 +381,10 @@ def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path) -> None:
         result["scored_e2e_s"] / result["prefill_e2e_s"])
     for t in result["trials"]:  # the generate call holds the engine's TTFT
         assert t["prefill_e2e_s"] >= t["prefill_ttft_s"] and t["scored_e2e_s"] >= t["scored_ttft_s"]
+    http = result["http"]  # through the server, the scored body checked by the bench itself
+    assert len(http["trials"]) == 2 and all(t["compiles"] == 0 for t in http["trials"])
+    assert http["scored_over_prefill"] == pytest.approx(
+        http["scored_e2e_s"] / http["prefill_e2e_s"])
 
 
 def test_turn_params_seed_each_sampled_turn_by_its_place() -> None:

@@ -114,3 +114,12 @@ def test_scoring_checks_the_end_to_end_ratio_where_the_run_has_it():
     after = bp.scoring([run(True)], {})
     assert after.checks == {"ratio": [1.05, 1.08], "e2e_ratio": [1.09, 1.12]}
     assert "end to end 224.0 against 200.0 ms: 1.120x (1.090-1.120)" in after.result
+    served = run(True)
+    served["scoring"]["http"] = {"trials": [{"scored_over_prefill": r, "compiles": c}
+                                            for r, c in ((1.11, 0), (1.07, 1))],
+                                 "scored_e2e_s": 0.2321, "prefill_e2e_s": 0.21,
+                                 "scored_over_prefill": 1.07}
+    http = bp.scoring([served], {})
+    assert http.checks["http_ratio"] == [1.11, 1.07]
+    assert "through the server 232.1 against 210.0 ms: 1.070x (1.070-1.110)" in http.result
+    assert http.result.endswith("2 pairs in process and 2 through the server, 1 compile")

@@ -15,8 +15,8 @@ import pytest
 
 from jhicache import AsyncEngine, Engine, EngineConfig, SamplingParams
 from jhicache.logprobs import (
-    PromptLogprobs,
     MAX_LOGPROBS,
+    PromptLogprobs,
     TokenLogprob,
     logsumexp_and_max,
     reference_logprobs,

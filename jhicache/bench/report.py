@@ -234,7 +234,18 @@ def scoring_table(result: dict) -> str:
             f"included) {result['scored_e2e_s'] * 1e3:.1f} against "
             f"{result['prefill_e2e_s'] * 1e3:.1f} ms, x {result['scored_over_prefill_e2e']:.3f} "
             f"({min(e2e):.3f}-{max(e2e):.3f}); compiles in the measured pairs "
-            f"{sum(t['compiles'] for t in result['trials'])}")
+            f"{sum(t['compiles'] for t in result['trials'])}" + _scoring_http(result.get("http")))
+
+
+def _scoring_http(http: dict | None) -> str:
+    if http is None:
+        return ""
+    ratios = [t["scored_over_prefill"] for t in http["trials"]]
+    return (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, one "
+            f"new token, timed by the client): {http['scored_e2e_s'] * 1e3:.1f} against "
+            f"{http['prefill_e2e_s'] * 1e3:.1f} ms, x {http['scored_over_prefill']:.3f} "
+            f"({min(ratios):.3f}-{max(ratios):.3f}); compiles "
+            f"{sum(t['compiles'] for t in http['trials'])}")
 
 
 def restart_table(result: dict) -> str:

@@ -1,18 +1,28 @@
 """The scoring bench: the TTFT of a prompt scored (the log probabilities of its tokens, what
-`echo` with `logprobs` asks for) against the same length's plain prefill, nothing cached."""
+`echo` with `logprobs` asks for) against the same length's plain prefill, nothing cached, in
+process and through the server's /v1/completions as an evaluation harness sends it."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
+import urllib.request
 
 import numpy as np
 
+from jhicache.async_engine import AsyncEngine
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import make_engine
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
+from jhicache.serve.context import ServerContext
+from jhicache.serve.thread import ServerThread
+from jhicache.serve.tokenizer import Tokenizer
+
+HTTP_TIMEOUT_S = 600.0
 
 
 def _ttft(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, float]:
@@ -29,10 +39,64 @@ def _ttft(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[fl
     return out.ttft_s, e2e
 
 
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """A tokenizer of `vocab` words, `w0`, `w1`...: each id one word between spaces, so that a
+    prompt of random ids has a text that encodes back to those ids (the bench's random weights
+    come without a tokenizer, and `echo` needs one)."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, None, {}, ())
+
+
+def _post(url: str, body: dict) -> tuple[float, dict]:
+    """POST /v1/completions: (seconds from the request's send to its whole body read, the
+    body parsed)."""
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+        data = response.read()
+    return time.perf_counter() - start, json.loads(data)
+
+
+def http_pairs(engine: Engine, rng: np.random.Generator, tokens: int, trials: int) -> dict:
+    """`trials` pairs after a warm-up pair through a server over `engine` (stepped in a thread
+    of this process; closed at the end), as lm-evaluation-harness's completions model asks
+    for a log-likelihood: a text prompt with `echo`, `logprobs` 1 and one new token, against the
+    same request without `echo` and `logprobs`; each request timed by its client, end to end.
+    The pair with the median ratio, and every pair."""
+    vocab = engine.model_config.vocab_size
+    ctx = ServerContext.create(AsyncEngine(engine), word_tokenizer(vocab), "bench", "bench")
+    pairs = []
+    with ServerThread(ctx) as server:
+        for trial in range(trials + 1):  # the first: the server's own first requests
+            plain, scored = (" ".join(f"w{t}" for t in p)
+                             for p in random_prompts(rng, vocab, 2, tokens))
+            with CompileCounter() as compiles:
+                plain_s, _ = _post(server.url, {"prompt": plain, "max_tokens": 1})
+                scored_s, body = _post(server.url, {"prompt": scored, "max_tokens": 1,
+                                                    "echo": True, "logprobs": 1})
+            scores = body["choices"][0]["logprobs"]["token_logprobs"]
+            if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
+                raise RuntimeError(f"the scored prompt came back with {len(scores)} log "
+                                   f"probabilities for {tokens} + 1 tokens")
+            if trial:
+                pairs.append({"prefill_e2e_s": plain_s, "scored_e2e_s": scored_s,
+                              "scored_over_prefill": scored_s / plain_s,
+                              "compiles": compiles.count})
+    ratios = [p["scored_over_prefill"] for p in pairs]
+    median = ratios.index(statistics.median_low(ratios))
+    return {**pairs[median], "trials": pairs, "median_trial": median}
+
+
 def bench_scoring(args: argparse.Namespace) -> dict:
     """`--scoring-trials` pairs after a warm-up pair, each on fresh random prompts (nothing
-    cached): a plain prefill, then the same length scored with one alternative per token. The
-    pair with the median ratio, and every pair."""
+    cached): a plain prefill, then the same length scored with one alternative per token, in
+    process; then as many through the server (`http_pairs`). The pair with the median ratio,
+    and every pair."""
     tokens = args.scoring_prompt
     engine = make_engine(args, cache_mode="device", device_kv_tokens=2 * (tokens + 64))
     vocab = engine.model_config.vocab_size
@@ -53,4 +117,6 @@ def bench_scoring(args: argparse.Namespace) -> dict:
                            "compiles": compiles.count})
     ratios = [t["scored_over_prefill"] for t in trials]
     median = sorted(range(len(trials)), key=ratios.__getitem__)[(len(trials) - 1) // 2]
-    return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median}
+    http = http_pairs(engine, rng, tokens, args.scoring_trials)
+    return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median,
+            "http": http}
