@@ -107,6 +107,7 @@ class _Warmup:
     """Run `Engine.warmup` in the loop thread before anything queued after it."""
 
     progress: bool
+    freeze_heap: bool
 
 
 @dataclasses.dataclass(eq=False)
@@ -223,12 +224,12 @@ class AsyncEngine:
         """False while `start_warmup`'s warm-up runs (and once closed or failed)."""
         return self._ready.is_set() and self.is_running
 
-    def start_warmup(self, progress: bool = True) -> None:
-        """Has the loop thread run `Engine.warmup(progress)` before the commands queued after
-        this; `is_ready` is False until it ends. A warm-up that fails stops the loop, as a
-        failed step does."""
+    def start_warmup(self, progress: bool = True, freeze_heap: bool = False) -> None:
+        """Has the loop thread run `Engine.warmup(progress, freeze_heap)` (in the engine's
+        process) before the commands queued after this; `is_ready` is False until it ends. A
+        warm-up that fails stops the loop, as a failed step does."""
         self._ready.clear()
-        self._enqueue(_Warmup(progress), raise_if_stopped=True)
+        self._enqueue(_Warmup(progress, freeze_heap), raise_if_stopped=True)
 
     @property
     def error(self) -> BaseException | None:
@@ -525,7 +526,7 @@ class AsyncEngine:
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Warmup):
-            self.engine.warmup(command.progress)
+            self.engine.warmup(command.progress, command.freeze_heap)
             self._ready.set()
         elif isinstance(command, _Add):
             self._add(command)
@@ -712,7 +713,7 @@ def _wire(command: _Command, call: int) -> Any:
     if isinstance(command, _Cancel):
         return Cancel(command.sink.request_id)
     if isinstance(command, _Warmup):
-        return Call(call, "warmup", command.progress)
+        return Call(call, "warmup", command.progress, command.freeze_heap)
     return Call(call, command.name)
 
 

@@ -234,19 +234,21 @@ class Engine:
             aborted, self._aborted = self._aborted, []
             return aborted + _outputs(self._step(), cumulative)
 
-    def warmup(self, progress: bool = True) -> WarmupReport:
+    def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
         sampling, the inputs' transfer, the write-back gathers), so that serving compiles
         nothing; with `progress`, a progress bar on stderr. Only while no request is unfinished
         (ValueError otherwise). With JAX's persistent compilation cache on, a later start
         reads the programs back instead of compiling them. Its compiles take no lock, so
         `stats()` and `occupancy()` answer meanwhile; do not step the engine until it returns
-        (a step would compile what it meets, as without a warm-up)."""
+        (a step would compile what it meets, as without a warm-up). With `freeze_heap`, what
+        is alive then leaves the garbage collector's walks (`warmup.freeze_heap`): for a
+        process that serves this engine to its end."""
         with self._lock:
             if self._requests:
                 raise ValueError("warmup() needs an idle engine: requests are unfinished")
             self._drain()
-        report = warm_up(self, self._lock, progress)  # the lock for its steps only
+        report = warm_up(self, self._lock, progress, freeze_heap)  # the lock for its steps only
         self.startup = dataclasses.replace(self.startup, warmup=report)
         return report
 

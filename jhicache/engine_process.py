@@ -103,6 +103,7 @@ class Call(msgspec.Struct, tag=True):
     call: int
     name: str
     progress: bool = False
+    freeze_heap: bool = False  # warmup's
 
 
 class Hold(msgspec.Struct, tag=True):
@@ -365,9 +366,9 @@ class _ChildLoop:
             self.warming.join()
         self._abort_all()
 
-    def _warm(self, call: int, progress: bool) -> None:
+    def _warm(self, call: int, progress: bool, freeze_heap: bool) -> None:
         try:
-            self.warmed = (call, self.engine.warmup(progress))
+            self.warmed = (call, self.engine.warmup(progress, freeze_heap))
         except BaseException as e:  # noqa: BLE001 (raised again on the loop's thread)
             self.warmed = (call, e)
 
@@ -395,7 +396,8 @@ class _ChildLoop:
     def _apply(self, message: ToChild) -> None:
         if isinstance(message, Call) and message.name == "warmup":
             self.warming = threading.Thread(target=self._warm, name="jhicache-warmup",
-                                            args=(message.call, message.progress))
+                                            args=(message.call, message.progress,
+                                                  message.freeze_heap))
             self.warming.start()
         elif self.warming is not None and not (isinstance(message, Call)
                                                and message.name in _ANSWERED_WARMING):

@@ -19,6 +19,8 @@ Two passes over the engine's `ShapeGrid`:
    nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
    differently from a real call). Every row of a padding step is padding: it writes only
    the reserved padding page.
+A server's warm-up then freezes the objects alive out of the garbage collector's walks
+(`freeze_heap`), as vLLM does after its warm-up and SGLang offers (`freeze_gc`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -66,6 +69,7 @@ class WarmupReport:
     late_compiles: int  # of those, in pass 2: 0 when pass 1 typed every program as a call does
     ahead_s: float
     steps_s: float
+    frozen_objects: int = 0  # objects `freeze_heap` took out of the collector's walks
 
     @property
     def seconds(self) -> float:
@@ -234,11 +238,12 @@ def _compile_ahead(engine: Engine, bar: tqdm) -> int:
     return len(alone)
 
 
-def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
-            progress: bool = True) -> WarmupReport:
-    """Compiles every program of `engine`'s grid (see the module docstring). The first pass
-    touches no engine state (the pages only by their types), so it runs without `lock`, and
-    the engine answers `stats()` meanwhile; the padding steps run under it."""
+def warm_up(engine: Engine, lock: contextlib.AbstractContextManager, progress: bool = True,
+            freeze: bool = False) -> WarmupReport:
+    """Compiles every program of `engine`'s grid (see the module docstring); with `freeze`,
+    then `freeze_heap`. The first pass touches no engine state (the pages only by their
+    types), so it runs without `lock`, and the engine answers `stats()` meanwhile; the padding
+    steps run under it."""
     watch, shapes = engine.compiles, engine.grid.shapes()
     before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
     tasks = sum(map(len, _ahead_tasks(engine)))
@@ -257,10 +262,25 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager,
                           compiles=watch.counts[CompilePhase.WARMUP] - before,
                           cache_hits=watch.cache_hits[CompilePhase.WARMUP] - hits,
                           late_compiles=total - compiled_ahead, ahead_s=ahead - start,
-                          steps_s=time.perf_counter() - ahead)
+                          steps_s=time.perf_counter() - ahead,
+                          frozen_objects=freeze_heap() if freeze else 0)
     logger.info("warm-up: %d shapes, %d programs (%d read back from the compilation cache, %d "
                 "by the padding steps), %.1f s (ahead of time %.1f s on %d threads, %d shapes "
-                "one at a time; padding steps %.1f s)", report.shapes, report.compiles,
-                report.cache_hits, report.late_compiles, report.seconds, report.ahead_s,
-                _workers(), report.alone_tasks, report.steps_s)
+                "one at a time; padding steps %.1f s); %d objects frozen", report.shapes,
+                report.compiles, report.cache_hits, report.late_compiles, report.seconds,
+                report.ahead_s, _workers(), report.alone_tasks, report.steps_s,
+                report.frozen_objects)
     return report
+
+
+def freeze_heap() -> int:
+    """Collects what is garbage now, then moves every object still alive (the model's, JAX's
+    and XLA's, the compiled programs') into the collector's permanent generation (`gc.freeze`):
+    a full collection walks every tracked object, so over a served model's startup heap it
+    holds up the step it lands in for as long as that walk takes, and the per-token lists of
+    a scored prompt bring one on within a few requests. Objects made later are collected as
+    before; frozen ones never are, cycles among them included, so only a process that keeps
+    its engine to the end should freeze (a server). Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -114,6 +114,8 @@ def test_serve_preset_from_the_command_line(tmp_path: Path, programs: Path):
         server = httpx.get(url + "/server_info", timeout=10).json()
         assert server["page_size"] == 16 and server["chunked_prefill_size"] == 128
         assert server["grid"]["shapes"] == 5 and server["startup"]["warmup"]["shapes"] == 5
+        # a server's warm-up ends by freezing the heap (in the engine's process)
+        assert server["startup"]["warmup"]["frozen_objects"] > 0
         long = httpx.post(url + "/v1/completions", timeout=60,
                           json={"prompt": [1] * 500, "max_tokens": 13})
         assert long.status_code == 400 and "context limit" in long.json()["error"]["message"]

@@ -213,6 +213,7 @@ def test_warmup_shows_progress_and_logs_its_phases(checkpoint: tuple[Path, dict]
     assert len(built) == 1 and "weights" in built[0] and "pools" in built[0]
     assert len(warmed) == 1 and f"{report.shapes} shapes" in warmed[0]
     assert engine.startup.weights_s is not None and engine.startup.warmup == report
+    assert report.frozen_objects == 0  # a library's warm-up leaves the collector as it is
     assert report.ahead_tasks == len(engine.grid.shapes())  # no gathers: no host tier
     timing = len(timing_shapes(engine.grid.shapes()))  # 1 alone: the suite's cache was warm
     assert report.alone_tasks == timing or (report.alone_tasks == 1 and report.cache_hits > 0)

@@ -5,6 +5,7 @@ process and through the server's /v1/completions as an evaluation harness sends 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -93,18 +94,27 @@ def http_pairs(engine: Engine, rng: np.random.Generator, tokens: int, trials: in
 
 
 def bench_scoring(args: argparse.Namespace) -> dict:
-    """`--scoring-trials` pairs after a warm-up pair, each on fresh random prompts (nothing
-    cached): a plain prefill, then the same length scored with one alternative per token, in
-    process; then as many through the server (`http_pairs`). The pair with the median ratio,
-    and every pair."""
+    """On an engine warmed up as a server's is, `--scoring-trials` pairs after a warm-up pair,
+    each on fresh random prompts (nothing cached): a plain prefill, then the same length scored
+    with one alternative per token, in process; then as many through the server
+    (`http_pairs`). The pair with the median ratio, and every pair."""
     tokens = args.scoring_prompt
     engine = make_engine(args, cache_mode="device", device_kv_tokens=2 * (tokens + 64))
+    # as a server's engine before it serves: every program compiled, the heap frozen (the
+    # bench's caller gets its collector back as it was at the end)
+    engine.warmup(progress=False, freeze_heap=True)
+    try:
+        return _pairs(engine, tokens, np.random.default_rng(args.seed + 3), args.scoring_trials)
+    finally:
+        gc.unfreeze()
+
+
+def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) -> dict:
     vocab = engine.model_config.vocab_size
-    rng = np.random.default_rng(args.seed + 3)
     plain = SamplingParams(max_new_tokens=1)
     scored = SamplingParams(max_new_tokens=1, prompt_logprobs=1)
     trials = []
-    for trial in range(args.scoring_trials + 1):  # the first compiles the shapes it meets
+    for trial in range(count + 1):  # the first: the engine's first requests
         first, second = random_prompts(rng, vocab, 2, tokens)
         with CompileCounter() as compiles:
             prefill_s, prefill_e2e_s = _ttft(engine, first, plain)
@@ -117,6 +127,6 @@ def bench_scoring(args: argparse.Namespace) -> dict:
                            "compiles": compiles.count})
     ratios = [t["scored_over_prefill"] for t in trials]
     median = sorted(range(len(trials)), key=ratios.__getitem__)[(len(trials) - 1) // 2]
-    http = http_pairs(engine, rng, tokens, args.scoring_trials)
+    http = http_pairs(engine, rng, tokens, count)
     return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median,
             "http": http}

@@ -24,8 +24,8 @@ def build_app(ctx: ServerContext, warmup: bool = False,
     request body over `max_request_bytes` is refused with 413 before it is read whole."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if warmup:
-            ctx.engine.start_warmup()
+        if warmup:  # a server keeps its engine to its end: the heap is frozen after
+            ctx.engine.start_warmup(freeze_heap=True)
         yield
         await ctx.engine.aclose()  # aborts what is still running; the thread ends
 
