@@ -50,7 +50,9 @@ def test_token_text_is_each_tokens_own_decoding_special_tokens_kept(tokenizer: T
     assert [tokenizer.token_text(i) for i in reversed(ids)] == first[::-1]
     assert first == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
     assert "<|im_end|>" in first and "" not in first
-
+    decoded_at_once = Tokenizer.from_dir(tokenizer.path)  # as a server keeps them at its start
+    decoded_at_once.decode_vocabulary()
+    assert [decoded_at_once.token_text(i) for i in ids] == first
 
 def test_detokenizer_after_a_prompt_and_in_chunks(tokenizer: Tokenizer):
     prompt = tokenizer.encode("hello world 日")

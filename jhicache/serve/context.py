@@ -63,6 +63,8 @@ class ServerContext:
         if tokenizer is not None and tokenizer.vocab_size > vocab:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model "
                              f"embeds {vocab}: they do not belong together")
+        if tokenizer is not None:
+            tokenizer.decode_vocabulary()
         info = ModelInfo(name=name, model_path=model_path,
                          tokenizer_path=tokenizer.path if tokenizer else None,
                          context_len=core.max_position_embeddings,

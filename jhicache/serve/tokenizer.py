@@ -90,6 +90,14 @@ class Tokenizer:
             text = self._token_texts[token] = self.decode([token], skip_special_tokens=False)
         return text
 
+    def decode_vocabulary(self) -> None:
+        """Keeps every token's `token_text`, decoded in one batch call (a server does this as
+        it starts): a scored prompt's tokens and alternatives are then all lookups, from its
+        first request on, where each token not met before would be a decode call."""
+        texts = self._backend.decode_batch([[i] for i in range(self.vocab_size)],
+                                           skip_special_tokens=False)
+        self._token_texts.update(enumerate(texts))
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` (dicts with role and content), as transformers'
