@@ -242,8 +242,9 @@ def _scoring_http(http: dict | None) -> str:
         return ""
     ratios = [t["scored_over_prefill"] for t in http["trials"]]
     return (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, one "
-            f"new token, timed by the client): {http['scored_e2e_s'] * 1e3:.1f} against "
-            f"{http['prefill_e2e_s'] * 1e3:.1f} ms, x {http['scored_over_prefill']:.3f} "
+            f"new token, timed by the client; the engine in a thread of the server's process): "
+            f"{http['scored_e2e_s'] * 1e3:.1f} against {http['prefill_e2e_s'] * 1e3:.1f} ms, "
+            f"x {http['scored_over_prefill']:.3f} "
             f"({min(ratios):.3f}-{max(ratios):.3f}); compiles "
             f"{sum(t['compiles'] for t in http['trials'])}")
 
