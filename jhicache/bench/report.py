@@ -224,29 +224,26 @@ def storage_hit_table(result: dict) -> str:
 
 
 def scoring_table(result: dict) -> str:
-    ratios = [t["scored_over_prefill"] for t in result["trials"]]
-    e2e = [t["scored_over_prefill_e2e"] for t in result["trials"]]
-    return (f"scoring a {result['prompt_tokens']}-token prompt (its tokens' log probabilities, "
-            f"one alternative each), nothing cached: TTFT {result['scored_ttft_s'] * 1e3:.1f} ms "
-            f"against its plain prefill {result['prefill_ttft_s'] * 1e3:.1f} ms, "
-            f"x {result['scored_over_prefill']:.3f} (median of {len(ratios)} pairs, "
-            f"{min(ratios):.3f}-{max(ratios):.3f}); end to end (the generate call, records "
-            f"included) {result['scored_e2e_s'] * 1e3:.1f} against "
-            f"{result['prefill_e2e_s'] * 1e3:.1f} ms, x {result['scored_over_prefill_e2e']:.3f} "
-            f"({min(e2e):.3f}-{max(e2e):.3f}); compiles in the measured pairs "
-            f"{sum(t['compiles'] for t in result['trials'])}" + _scoring_http(result.get("http")))
+    pairs, http = len(result["trials"]), result.get("http")
+    text = (f"scoring a {result['prompt_tokens']}-token prompt (its tokens' log probabilities, "
+            f"one alternative each), nothing cached, against its plain prefill (the median of "
+            f"{pairs} pairs): TTFT {_against(result, 'ttft_s', 'scored_over_prefill')}; "
+            f"end to end (the generate call, records included) "
+            f"{_against(result, 'e2e_s', 'scored_over_prefill_e2e')}; compiles in the measured "
+            f"pairs {sum(t['compiles'] for t in result['trials'])}")
+    if http is not None:
+        text += (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, "
+                 f"one new token, timed by the client; the engine in a thread of the server's "
+                 f"process): {_against(http, 'e2e_s', 'scored_over_prefill')}; compiles "
+                 f"{sum(t['compiles'] for t in http['trials'])}")
+    return text
 
 
-def _scoring_http(http: dict | None) -> str:
-    if http is None:
-        return ""
-    ratios = [t["scored_over_prefill"] for t in http["trials"]]
-    return (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, one "
-            f"new token, timed by the client; the engine in a thread of the server's process): "
-            f"{http['scored_e2e_s'] * 1e3:.1f} against {http['prefill_e2e_s'] * 1e3:.1f} ms, "
-            f"x {http['scored_over_prefill']:.3f} "
-            f"({min(ratios):.3f}-{max(ratios):.3f}); compiles "
-            f"{sum(t['compiles'] for t in http['trials'])}")
+def _against(run: dict, time: str, ratio: str) -> str:
+    """A scoring run's "scored against plain ms, x ratio (range over its pairs)" by `time`."""
+    ratios = [t[ratio] for t in run["trials"]]
+    return (f"{run['scored_' + time] * 1e3:.1f} against {run['prefill_' + time] * 1e3:.1f} ms, "
+            f"x {run[ratio]:.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def restart_table(result: dict) -> str:
