@@ -172,9 +172,9 @@ def reference_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
 def records(tokens: Iterable[int], chosen: np.ndarray, top_values: np.ndarray,
             top_ids: np.ndarray, counts: Iterable[int]) -> list[TokenLogprob]:
     """Rows' records at once, from their rows of `row_logprobs`' outputs: each row's token, its
-    log probability and `counts[row]` alternatives. Each array becomes Python numbers in one
-    `tolist` rather than NumPy scalar by scalar: a scored prompt has a record per token, all
-    built before its output can go out."""
+    log probability and `counts[row]` alternatives (a step's generated tokens; a prompt's
+    positions fill `PromptLogprobs` instead). Each array becomes Python numbers in one `tolist`
+    rather than NumPy scalar by scalar."""
     return [TokenLogprob(token, logprob, list(zip(ids[:n], values[:n])))
             for token, logprob, ids, values, n in zip(
                 tokens, chosen.tolist(), top_ids.tolist(), top_values.tolist(), counts)]
