@@ -124,6 +124,7 @@ def test_serve_preset_from_the_command_line(tmp_path: Path, programs: Path):
 
     out = _serve(tmp_path, cache, check)
     assert "prompt_tokens=3 cached_tokens=0 ttft=" in out  # the request's info line
+    assert re.search(r"the server's process: [1-9]\d* objects frozen", out), out
     assert cache.is_dir() and any(cache.iterdir())  # the programs it compiled, for the next start
     restart = _serve(tmp_path, cache, lambda url, statuses: None)
     read_back = re.search(r"warm-up: 5 shapes, (\d+) programs \((\d+) read back", restart)

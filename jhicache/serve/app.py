@@ -4,6 +4,7 @@ and the engine closed when the server shuts down."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -13,6 +14,9 @@ from jhicache.serve.context import ServerContext
 from jhicache.serve.errors import install_error_handlers
 from jhicache.serve.native_routes import native_router
 from jhicache.serve.openai_routes import openai_router
+from jhicache.warmup import freeze_heap
+
+logger = logging.getLogger("jhicache.serve")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt the context holds, as JSON
 
@@ -26,6 +30,8 @@ def build_app(ctx: ServerContext, warmup: bool = False,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if warmup:  # a server keeps its engine to its end: the heap is frozen after
             ctx.engine.start_warmup(freeze_heap=True)
+            if not ctx.engine.in_process:  # and this process's, which formats the outputs
+                logger.info("the server's process: %d objects frozen", freeze_heap())
         yield
         await ctx.engine.aclose()  # aborts what is still running; the thread ends
 
