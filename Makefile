@@ -27,7 +27,7 @@ test: $(STAMP)
 # jhicache into them are checked too (mypy does not follow jhicache's __path__ extension).
 VIEW := build/mypy
 typecheck: $(STAMP)
-	@rm -rf $(VIEW) && mkdir -p $(VIEW) && cp -rs $(CURDIR)/jhicache $(VIEW)/
+	@rm -rf $(VIEW) && mkdir -p $(VIEW)/jhicache && ln -s $(CURDIR)/jhicache/* $(VIEW)/jhicache/
 	@ln -s $(CURDIR)/models $(VIEW)/jhicache/models
 	@ln -s $(CURDIR)/pallas_kernels $(VIEW)/jhicache/pallas_kernels
 	cd $(VIEW) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml jhicache
