@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+from collections.abc import Iterator
 
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
 from jhicache.engine_process import EngineSpec
+from jhicache.warmup import freeze_heap
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -28,3 +32,21 @@ def engine_spec(args: argparse.Namespace, **overrides) -> EngineSpec:
 
 def make_engine(args: argparse.Namespace, **overrides) -> Engine:
     return engine_spec(args, **overrides).build()
+
+
+@contextlib.contextmanager
+def as_served(engine: Engine | None = None) -> Iterator[None]:
+    """The block runs as a server's engine does after its start: `engine` warmed up (every
+    program compiled) and this process's heap frozen (`warmup.freeze_heap`), so that the
+    collections a measured run meets walk what it makes, not the startup heap. The
+    collector is given back as it was at the end: the bench goes on to build other engines,
+    whose predecessors must be collectable. Without `engine`: the heap frozen alone (a process
+    whose engine runs in another)."""
+    if engine is not None:
+        engine.warmup(progress=False, freeze_heap=True)
+    else:
+        freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -17,7 +17,7 @@ from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients
 from jhicache.bench.backends import EngineBackend
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import make_engine
+from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.workload import MultiTurnSpec, output_lengths, user_turns
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
@@ -77,14 +77,12 @@ def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> 
 
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                  progress: tqdm) -> MeasuredRun:
-    """Runs the workload once, in process, on a fresh engine that
-    `Engine.warmup()` compiled, as a server does before it serves; counts the compiles the run
-    made (0 when the grid covers every step)."""
+    """Runs the workload once, in process, on a fresh engine warmed up as a server's is
+    (`as_served`); counts the compiles the run made (0 when the grid covers every step)."""
     overrides = mode_overrides(args, spec, mode)
     engine = make_engine(args, **overrides)
-    engine.warmup(progress=False)
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
-    with CompileCounter() as compiles:
+    with as_served(engine), CompileCounter() as compiles:
         run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress,
                                turn_sampling(args))
     engine.check_invariants()

@@ -16,7 +16,7 @@ from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients
 from jhicache.bench.backends import EngineBackend
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import make_engine
+from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.multiturn import (
     clients_config,
     device_tokens_for,
@@ -78,8 +78,7 @@ def _leg(args: argparse.Namespace, spec: MultiTurnSpec, storage: Path, turns: Se
     if args.fetch_policy:
         overrides["fetch_policy"] = args.fetch_policy
     engine = make_engine(args, **overrides)
-    engine.warmup(progress=False)
-    with CompileCounter() as compiles:
+    with as_served(engine), CompileCounter() as compiles:
         run = asyncio.run(_serve(engine, turns, params, args, histories))
     engine.flush_cache()  # every page is written to storage before the engine goes
     stats = engine.stats().as_dict()

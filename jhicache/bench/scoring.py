@@ -5,7 +5,6 @@ process and through the server's /v1/completions as an evaluation harness sends 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -15,7 +14,7 @@ import numpy as np
 
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import make_engine
+from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
@@ -100,13 +99,8 @@ def bench_scoring(args: argparse.Namespace) -> dict:
     (`http_pairs`). The pair with the median ratio, and every pair."""
     tokens = args.scoring_prompt
     engine = make_engine(args, cache_mode="device", device_kv_tokens=2 * (tokens + 64))
-    # as a server's engine before it serves: every program compiled, the heap frozen (the
-    # bench's caller gets its collector back as it was at the end)
-    engine.warmup(progress=False, freeze_heap=True)
-    try:
+    with as_served(engine):
         return _pairs(engine, tokens, np.random.default_rng(args.seed + 3), args.scoring_trials)
-    finally:
-        gc.unfreeze()
 
 
 def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) -> dict:

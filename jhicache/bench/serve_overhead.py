@@ -19,7 +19,7 @@ from tqdm import tqdm
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients, multiturn
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import engine_spec, make_engine
+from jhicache.bench.engines import as_served, engine_spec, make_engine
 from jhicache.bench.remote_run import drive_url
 from jhicache.bench.workload import MultiTurnSpec
 from jhicache.serve.context import ServerContext
@@ -30,8 +30,9 @@ HOW = ("in process: clients -> AsyncEngine, in this process; HTTP: clients (a pr
        "-> AsyncEngine, its engine stepped in a thread of this process; HTTP + engine process: "
        "the same, the engine built and stepped in a child process (run first, while this process "
        "holds no GPU memory; JAX's preallocation off in both); each path on a fresh engine of the "
-       "same config, weights seed and prompts, warmed up before its run, then the device-hit "
-       "probe on it; HTTP - in process = what the server adds")
+       "same config, weights seed and prompts, warmed up before its run with the heap frozen "
+       "as a server's start leaves it, then the device-hit probe on it; HTTP - in process = "
+       "what the server adds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,6 @@ def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progres
     `multiturn.measured_summary`'s, with the probe's."""
     overrides = multiturn.mode_overrides(args, spec, mode)
     engine = make_engine(args, **overrides)
-    engine.warmup(progress=False)
     run_spec = dataclasses.replace(spec, vocab_size=engine.model_config.vocab_size)
 
     async def in_process(turns: MultiTurnSpec, config: clients.ClientsConfig
@@ -127,7 +127,7 @@ def thread_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str, progres
         return await multiturn.drive_clients(engine, turns, config, progress,
                                              multiturn.turn_sampling(args))
 
-    with CompileCounter() as compiles:
+    with as_served(engine), CompileCounter() as compiles:
         if over_http:
             ctx = ServerContext.create(AsyncEngine(engine), None, "bench", "bench")
             with ServerThread(ctx) as server:
@@ -148,7 +148,7 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     overrides = multiturn.mode_overrides(args, spec, mode)
     engine = AsyncEngine(engine_spec(args, **overrides))
     try:
-        engine.start_warmup(progress=False)
+        engine.start_warmup(progress=False, freeze_heap=True)  # as a server's start does
         while not engine.is_ready:
             if not engine.is_running:
                 raise RuntimeError(f"the engine process stopped: {engine.error}")
@@ -156,7 +156,8 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
         run_spec = dataclasses.replace(spec, vocab_size=engine.info.vocab_size)
         before = engine.compile_counts()["serving"]
         ctx = ServerContext.create(engine, None, "bench", "bench")
-        with ServerThread(ctx) as server:  # closes the engine at its end
+        # closes the engine at its end; this process's heap frozen too, as a server's is
+        with ServerThread(ctx) as server, as_served():
             runs = drive_url_elsewhere(server.url, args, run_spec, progress)
             compiles = engine.compile_counts()["serving"] - before
             stats, startup = engine.stats(), engine.startup()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import make_engine
+from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.host_hit import bytes_per_token, stats_delta, ttft_of
 from jhicache.bench.workload import random_prompts
 from jhicache.config import FetchPolicy
@@ -137,11 +137,11 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
         engine = storage_engine(args, root / "storage")
         # every program compiled, as a server's start does: where a split fetch's compute meets
         # its reads varies from trial to trial, and so do the chunk shapes it runs
-        engine.warmup(progress=False)
-        rng = np.random.default_rng(args.seed + 2)
-        storage_hit_trial(engine, rng, args, root / "storage")  # the storage tier's first use
-        trials = [storage_hit_trial(engine, rng, args, root / "storage")
-                  for _ in range(args.storage_hit_trials)]
+        with as_served(engine):
+            rng = np.random.default_rng(args.seed + 2)
+            storage_hit_trial(engine, rng, args, root / "storage")  # the tier's first use
+            trials = [storage_hit_trial(engine, rng, args, root / "storage")
+                      for _ in range(args.storage_hit_trials)]
         prefix_bytes = args.storage_hit_prefix * bytes_per_token(engine)
         disk = disk_read_rates(root, prefix_bytes)
     ttfts = [t["storage_hit_ttft_s"] for t in trials]
