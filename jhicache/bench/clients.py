@@ -205,6 +205,12 @@ class _Clients:
             self.ready.extend(range(len(self.histories)))
 
 
+def median_index(values: Sequence[float]) -> int:
+    """Where the median of `values` is (the lower of the middle two for an even count): the
+    trial a bench reports, beside the range over all of them."""
+    return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
+
+
 def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
     """`{"p50_s": ...}` for each q, by np.percentile (None with no values)."""
     if not values:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from jhicache.bench.clients import median_index
 from jhicache.bench.engines import make_engine
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
@@ -166,7 +167,7 @@ def bench_host_hit(args: argparse.Namespace) -> dict:
     trials = [trial_rates(host_hit_trial(engine, rng, args), engine, args)
               for _ in range(args.host_hit_trials)]
     ratios = [t["host_hit_ratio"] for t in trials]
-    median = sorted(range(len(trials)), key=ratios.__getitem__)[(len(trials) - 1) // 2]
+    median = median_index(ratios)
     return {**trials[median], "trials": trials, "median_trial": median,
             "host_hit_ratio_range": [min(ratios), max(ratios)]}
 

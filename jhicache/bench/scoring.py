@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import urllib.request
 
 import numpy as np
 
 from jhicache.async_engine import AsyncEngine
+from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.workload import random_prompts
@@ -29,7 +29,7 @@ def _ttft(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[fl
     """One request's (TTFT, end to end): the engine's TTFT, submission to its first token on the
     host (its prompt's log probabilities come in the same read), and the `generate` call's
     whole time, which adds what is done before the output is handed back (for a scored
-    prompt, a record per token)."""
+    prompt, its last chunk's entries filled)."""
     start = time.perf_counter()
     out = engine.generate([prompt], params)[0]
     e2e = time.perf_counter() - start
@@ -88,7 +88,7 @@ def http_pairs(engine: Engine, rng: np.random.Generator, tokens: int, trials: in
                               "scored_over_prefill": scored_s / plain_s,
                               "compiles": compiles.count})
     ratios = [p["scored_over_prefill"] for p in pairs]
-    median = ratios.index(statistics.median_low(ratios))
+    median = median_index(ratios)
     return {**pairs[median], "trials": pairs, "median_trial": median}
 
 
@@ -120,7 +120,7 @@ def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) ->
                            "scored_over_prefill_e2e": scored_e2e_s / prefill_e2e_s,
                            "compiles": compiles.count})
     ratios = [t["scored_over_prefill"] for t in trials]
-    median = sorted(range(len(trials)), key=ratios.__getitem__)[(len(trials) - 1) // 2]
+    median = median_index(ratios)
     http = http_pairs(engine, rng, tokens, count)
     return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median,
             "http": http}

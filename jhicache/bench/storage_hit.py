@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.host_hit import bytes_per_token, stats_delta, ttft_of
@@ -145,7 +146,7 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
         prefix_bytes = args.storage_hit_prefix * bytes_per_token(engine)
         disk = disk_read_rates(root, prefix_bytes)
     ttfts = [t["storage_hit_ttft_s"] for t in trials]
-    median = sorted(range(len(trials)), key=ttfts.__getitem__)[(len(trials) - 1) // 2]
+    median = median_index(ttfts)
     ceiling = max(disk["disk_sequential_read_bps"], disk["disk_parallel_read_bps"])
     result = {**trials[median], **disk, "trials": trials, "median_trial": median,
               "prefix_tokens": args.storage_hit_prefix, "turn_tokens": args.storage_hit_turn,
