@@ -513,14 +513,13 @@ class Engine:
     def _add_prompt_logprobs(spans: tuple[_PromptSpan, ...], chosen: np.ndarray,
                              top_values: np.ndarray, top_ids: np.ndarray) -> None:
         """Each span's rows fill its request's prompt entries, with the alternatives it asked
-        for (the step's reduction took as many as the most any span asked for)."""
+        for (the step's reduction took as many as the most any span asked for; `fill` keeps
+        the first columns)."""
         for span in spans:
             req, rows = span.request, slice(span.row, span.row + span.length)
             assert req.prompt_logprobs is not None
-            alternatives = req.params.prompt_logprobs or 0
             req.prompt_logprobs.fill(span.position - req.params.prompt_logprobs_start,
-                                     chosen[rows], top_values[rows, :alternatives],
-                                     top_ids[rows, :alternatives])
+                                     chosen[rows], top_values[rows], top_ids[rows])
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None

@@ -192,6 +192,30 @@ def _numpy_as_python(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not a token id")
 
 
+def child_encoder() -> msgspec.msgpack.Encoder:
+    """The child's messages' encoder: NumPy arrays in them (a scored prompt's columns) go as
+    their raw bytes, which the parent's decoder views as arrays again (`parent_decoder`)."""
+    return msgspec.msgpack.Encoder(enc_hook=_array_to_wire)
+
+
+def parent_decoder() -> msgspec.msgpack.Decoder[ToParent]:
+    """The parent's decoder of the child's messages (`child_encoder`'s)."""
+    return msgspec.msgpack.Decoder(ToParent, dec_hook=_array_from_wire)
+
+
+def _array_to_wire(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
+    raise TypeError(f"{type(obj).__name__} has no wire form")
+
+
+def _array_from_wire(kind: type, obj: Any) -> Any:
+    if kind is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(data, np.dtype(dtype)).reshape(shape)  # read-only: not refilled
+    raise TypeError(f"{kind} has no wire form")
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed, exited or could not start."""
 
@@ -215,7 +239,7 @@ class EngineProcess:
         self._up.bind(f"ipc://{self._dir}/up")
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_numpy_as_python)
-        self._decoder = msgspec.msgpack.Decoder(ToParent)
+        self._decoder = parent_decoder()
         self._closing = False
         context = multiprocessing.get_context("spawn")  # JAX does not survive a fork
         self.process = context.Process(target=_child_main, name="jhicache-engine", daemon=True,
@@ -318,7 +342,7 @@ def _child_main(spec: EngineSpec, directory: str, parent_pid: int) -> None:
     down, up = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     down.connect(f"ipc://{directory}/down")
     up.connect(f"ipc://{directory}/up")
-    encoder = msgspec.msgpack.Encoder()
+    encoder = child_encoder()
     try:
         engine = spec.build()
         up.send(encoder.encode(engine_info(engine)))
@@ -338,7 +362,7 @@ class _ChildLoop:
 
     def __init__(self, engine: Any, down: zmq.Socket, up: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.down, self.up, self.parent_pid = engine, down, up, parent_pid
-        self.encoder = msgspec.msgpack.Encoder()
+        self.encoder = child_encoder()
         self.decoder = msgspec.msgpack.Decoder(ToChild)
         self.final_only: dict[str, bool] = {}  # the requests the parent follows
         self.holds = 0

@@ -28,37 +28,52 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, log probability), most likely first
 
 
-@dataclasses.dataclass(eq=True, slots=True)
+@dataclasses.dataclass(eq=False, slots=True)
 class PromptLogprobs(Sequence[TokenLogprob | None]):
     """A prompt's log probabilities, one entry per position from the one asked for on, held as
-    columns: a scored prompt has one per token, and columns fill from a step's arrays in a few
-    list operations (`fill`) where records would take one object each. Read as a sequence, an
-    entry is its `TokenLogprob`, or None where nothing precedes the position (position 0)."""
+    NumPy columns: a scored prompt has one per token, and a step's rows fill them in one slice
+    assignment each, where lists would take a Python number each (and the engine process's
+    wire carries them as raw bytes). Read as a sequence, an entry is its `TokenLogprob`, or
+    None where it is not filled: position 0, which nothing precedes, or a row not computed."""
 
-    token_ids: list[int]  # the prompt's tokens at those positions
-    logprobs: list[float | None]  # None: position 0, or a row not computed yet
-    top_ids: list[list[int]]  # per position, its alternatives' ids, most likely first
-    top_values: list[list[float]]  # and their log probabilities
+    token_ids: np.ndarray  # [n] int32: the prompt's tokens at those positions
+    logprobs: np.ndarray  # [n] float32: each token's log probability
+    top_ids: np.ndarray  # [n, alternatives] int32: the most likely tokens, most likely first
+    top_values: np.ndarray  # [n, alternatives] float32: and their log probabilities
+    filled: np.ndarray  # [n] bool: the entries a step has filled
 
     @classmethod
-    def empty(cls, tokens: Sequence[int]) -> PromptLogprobs:
-        """Entries for the prompt's `tokens` (from the first position asked for), none filled."""
+    def empty(cls, tokens: Sequence[int], alternatives: int) -> PromptLogprobs:
+        """Entries for the prompt's `tokens` (from the first position asked for), with
+        `alternatives` per position, none filled."""
         n = len(tokens)
-        return cls(list(tokens), [None] * n, [[] for _ in range(n)], [[] for _ in range(n)])
+        return cls(np.asarray(tokens, np.int32).reshape(n), np.zeros(n, np.float32),
+                   np.zeros((n, alternatives), np.int32),
+                   np.zeros((n, alternatives), np.float32), np.zeros(n, bool))
 
     def fill(self, first: int, chosen: np.ndarray, top_values: np.ndarray,
              top_ids: np.ndarray) -> None:
-        """Entries `first`.. from rows of `row_logprobs`' outputs, each row's alternatives as
-        many as `top_ids` has columns."""
+        """Entries `first`.. from rows of `row_logprobs`' outputs, each row's alternatives
+        as many as this prompt's (the first columns of `top_values` and `top_ids`)."""
         end = first + len(chosen)
-        self.logprobs[first:end] = chosen.tolist()
-        self.top_ids[first:end] = top_ids.tolist()
-        self.top_values[first:end] = top_values.tolist()
+        alternatives = self.top_ids.shape[1]
+        self.logprobs[first:end] = chosen
+        self.top_ids[first:end] = top_ids[:, :alternatives]
+        self.top_values[first:end] = top_values[:, :alternatives]
+        self.filled[first:end] = True
 
     def copy(self) -> PromptLogprobs:
         """A copy whose columns a later `fill` of this one leaves as they are."""
-        return PromptLogprobs(list(self.token_ids), list(self.logprobs), list(self.top_ids),
-                              list(self.top_values))
+        return PromptLogprobs(self.token_ids.copy(), self.logprobs.copy(), self.top_ids.copy(),
+                              self.top_values.copy(), self.filled.copy())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptLogprobs):
+            return NotImplemented
+        return all(np.array_equal(a, b) for a, b in zip(self._columns(), other._columns()))
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return self.token_ids, self.logprobs, self.top_ids, self.top_values, self.filled
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,11 +87,11 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
     def __getitem__(self, index: int | slice) -> TokenLogprob | None | list[TokenLogprob | None]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        logprob = self.logprobs[index]
-        if logprob is None:
+        if not self.filled[index]:
             return None
-        return TokenLogprob(self.token_ids[index], logprob,
-                            list(zip(self.top_ids[index], self.top_values[index])))
+        return TokenLogprob(int(self.token_ids[index]), float(self.logprobs[index]),
+                            list(zip(self.top_ids[index].tolist(),
+                                     self.top_values[index].tolist())))
 
 
 def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:

@@ -86,9 +86,9 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
         self.logprobs = [] if self.params.logprobs is not None else None
-        start = self.params.prompt_logprobs_start
-        self.prompt_logprobs = (None if self.params.prompt_logprobs is None
-                                else PromptLogprobs.empty(self.tokens[start:]))
+        start, alternatives = self.params.prompt_logprobs_start, self.params.prompt_logprobs
+        self.prompt_logprobs = (None if alternatives is None
+                                else PromptLogprobs.empty(self.tokens[start:], alternatives))
 
     @property
     def match_tokens(self) -> list[int]:

@@ -69,29 +69,39 @@ def test_the_program_matches_numpy_on_random_logits() -> None:
             assert got_ids == [i for i, _ in want.top]
 
 
-def test_prompt_logprobs_fill_read_copy_and_cross_msgpack() -> None:
-    """A prompt's entries fill from a step's rows (alternatives cut to the columns given), read
-    back as records (None where unfilled: position 0), and a copy stays as it was when the
-    original is filled again. Through msgpack (the engine process's wire) it arrives equal."""
-    import msgspec
+def test_prompt_logprobs_fill_read_copy_and_cross_the_engine_process_wire() -> None:
+    """A prompt's entries fill from a step's rows (their first columns, as many alternatives as
+    the prompt asked for), read back as records (None where unfilled: position 0), and a copy
+    stays as it was when the original is filled again. Through the engine process's wire (its
+    arrays as raw bytes) it arrives equal."""
+    from jhicache.engine_process import Outputs, child_encoder, parent_decoder
+    from jhicache.request import RequestOutput
 
     rng = np.random.default_rng(5)
-    table = PromptLogprobs.empty([7, 8, 9, 10, 11])
+    table = PromptLogprobs.empty([7, 8, 9, 10, 11], 2)
     chosen = rng.normal(size=3).astype(np.float32)
     values = rng.normal(size=(3, 4)).astype(np.float32)
     ids = rng.integers(0, 100, (3, 4)).astype(np.int32)
-    table.fill(1, chosen, values[:, :2], ids[:, :2])
+    table.fill(1, chosen, values, ids)
     assert table[0] is None and table[4] is None and len(table) == 5
     assert table[2] == TokenLogprob(9, float(chosen[1]),
                                     [(int(ids[1, 0]), float(values[1, 0])),
                                      (int(ids[1, 1]), float(values[1, 1]))])
     assert table[1:3] == [table[1], table[2]] and list(table)[3] == table[3]
     before = table.copy()
-    table.fill(1, chosen + 1, values[:, :2], ids[:, :2])
+    table.fill(1, chosen + 1, values, ids)
     assert before[1] is not None and before[1].logprob == float(chosen[0])
     assert table[1] is not None and table[1].logprob == float(chosen[0] + 1)
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(table), type=PromptLogprobs)
-    assert wire == table and list(wire) == list(table)
+    assert before != table and before == before.copy()
+    out = RequestOutput("r", [], [], False, 5, 0, 0, None, None, prompt_logprobs=table)
+    wire = parent_decoder().decode(child_encoder().encode(Outputs([out])))
+    assert isinstance(wire, Outputs)
+    got = wire.items[0].prompt_logprobs
+    assert got == table and list(got) == list(table)
+    assert got.top_ids.dtype == np.int32 and got.top_values.shape == (5, 2)
+    nothing = PromptLogprobs.empty([3, 4], 0)  # the chosen tokens' alone
+    nothing.fill(1, chosen[:1], values[:1], ids[:1])
+    assert nothing[1] == TokenLogprob(4, float(chosen[0]), [])
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -4,78 +4,108 @@ and SGLang's `meta_info` lists. A token's text is its own decoding (special toke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from jhicache.logprobs import PromptLogprobs, TokenLogprob
 from jhicache.serve.tokenizer import Tokenizer
 
-TokenText = Callable[[int], str]
+TokenTexts = Callable[[list[int]], list[str]]  # tokens -> their texts, in one call
+_Cell = TypeVar("_Cell")
+_Row = TypeVar("_Row")
 
 
-def token_text(tokenizer: Tokenizer | None) -> TokenText:
+def token_texts(tokenizer: Tokenizer | None) -> TokenTexts:
     if tokenizer is None:
-        return lambda token: f"token_id:{token}"
-    return tokenizer.token_text
+        return lambda tokens: [f"token_id:{token}" for token in tokens]
+    return tokenizer.token_texts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entries:
+    """Entries as flat columns, a prompt's then generated tokens': a scored prompt has one per
+    token, and each column is built in a few list operations from its arrays, where records
+    would take an object each."""
+
+    ids: list[int]
+    logprobs: list[float | None]  # None: no entry (a prompt's position 0)
+    counts: list[int]  # alternatives per entry (0 where there is none)
+    alt_ids: list[int]  # every entry's alternatives, entry after entry
+    alt_values: list[float]
+
+    @classmethod
+    def of(cls, prompt: PromptLogprobs | None, records: Sequence[TokenLogprob]) -> _Entries:
+        """The prompt's entries (none without `prompt`), then the records'."""
+        entries = cls([], [], [], [], [])
+        if prompt is not None:
+            filled = prompt.filled
+            entries.ids.extend(prompt.token_ids.tolist())
+            entries.logprobs.extend(value if is_filled else None for value, is_filled
+                                    in zip(prompt.logprobs.tolist(), filled.tolist()))
+            entries.counts.extend((filled * prompt.top_ids.shape[1]).tolist())
+            entries.alt_ids.extend(prompt.top_ids[filled].ravel().tolist())
+            entries.alt_values.extend(prompt.top_values[filled].ravel().tolist())
+        for r in records:
+            entries.ids.append(r.token_id)
+            entries.logprobs.append(r.logprob)
+            entries.counts.append(len(r.top))
+            entries.alt_ids.extend(i for i, _ in r.top)
+            entries.alt_values.extend(v for _, v in r.top)
+        return entries
+
+    def grouped(self, cells: Iterable[_Cell], row: Callable[[Iterator[_Cell]], _Row]
+                ) -> list[_Row | None]:
+        """Per entry, `row` of its alternatives' `cells` (one each, in `alt_ids`' order), or
+        None where it has no entry."""
+        rest = iter(cells)
+        return [None if logprob is None else row(itertools.islice(rest, count))
+                for logprob, count in zip(self.logprobs, self.counts)]
 
 
 def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob],
-                        text: TokenText, offset: int = 0) -> dict[str, Any]:
+                        texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
     """/v1/completions' `logprobs` of the prompt's entries (`prompt`, with echo), then of the
     generated `records`: the tokens, their log probabilities, the alternatives as {token: log
     probability}, and where each token's text starts (from `offset` on). The prompt's first
     token, which nothing precedes, has null values."""
-    ids, logprobs, top_ids, top_values = _columns(prompt, records)
-    tokens = [text(i) for i in ids]
-    starts = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
-    return {"tokens": tokens, "token_logprobs": logprobs,
-            "top_logprobs": [None if logprob is None else {text(i): v for i, v in zip(i_s, v_s)}
-                             for logprob, i_s, v_s in zip(logprobs, top_ids, top_values)],
+    entries = _Entries.of(prompt, records)
+    tokens = texts(entries.ids)
+    starts = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))
+    return {"tokens": tokens, "token_logprobs": entries.logprobs,
+            "top_logprobs": entries.grouped(zip(texts(entries.alt_ids), entries.alt_values),
+                                            dict),
             "text_offset": starts if tokens else []}
 
 
-def chat_logprobs(records: Sequence[TokenLogprob], text: TokenText) -> dict[str, Any]:
+def chat_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
     """/v1/chat/completions' `logprobs`: one entry per token, with its UTF-8 bytes and its
     alternatives."""
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        piece = text(token)
+    def entry(piece: str, logprob: float | None) -> dict[str, Any]:
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
-    return {"content": [{**entry(r.token_id, r.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in r.top]} for r in records],
+    entries = _Entries.of(None, records)
+    alternatives = entries.grouped(map(entry, texts(entries.alt_ids), entries.alt_values), list)
+    return {"content": [{**entry(piece, logprob), "top_logprobs": top} for piece, logprob, top
+                        in zip(texts(entries.ids), entries.logprobs, alternatives)],
             "refusal": None}
 
 
-def sglang_logprobs(records: Sequence[TokenLogprob], text: TokenText | None,
+def sglang_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts | None,
                     prompt: PromptLogprobs | None = None) -> dict[str, Any]:
     """SGLang's `meta_info` fields: (log probability, token id, text or None) per generated
     token and per alternative, and per prompt token from where they were asked for (`prompt`;
     the first prompt token has a null log probability and no alternatives)."""
-    def entry(token: int, logprob: float | None) -> tuple[float | None, int, str | None]:
-        return (logprob, token, None if text is None else text(token))
+    def names(tokens: list[int]) -> Iterable[str | None]:
+        return itertools.repeat(None) if texts is None else texts(tokens)
 
-    ids, logprobs, top_ids, top_values = _columns(prompt, ())
-    return {"output_token_logprobs": [entry(r.token_id, r.logprob) for r in records],
-            "output_top_logprobs": [[entry(i, v) for i, v in r.top] for r in records],
-            "input_token_logprobs": [entry(i, v) for i, v in zip(ids, logprobs)],
-            "input_top_logprobs": [None if logprob is None
-                                   else [entry(i, v) for i, v in zip(i_s, v_s)]
-                                   for logprob, i_s, v_s in zip(logprobs, top_ids, top_values)]}
+    def columns(entries: _Entries) -> tuple[list[Any], list[Any]]:
+        alternatives = zip(entries.alt_values, entries.alt_ids, names(entries.alt_ids))
+        return (list(zip(entries.logprobs, entries.ids, names(entries.ids))),
+                entries.grouped(alternatives, list))
 
-
-def _columns(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob]) -> tuple[
-        list[int], list[float | None], list[list[int]], list[list[float]]]:
-    """The prompt's entries (none without `prompt`) and then the records' as columns: token
-    ids, log probabilities, and the alternatives' ids and log probabilities. A prompt's
-    columns are taken as they are, not entry by entry: a scored prompt has one per token."""
-    ids: list[int] = [] if prompt is None else list(prompt.token_ids)
-    logprobs: list[float | None] = [] if prompt is None else list(prompt.logprobs)
-    top_ids: list[list[int]] = [] if prompt is None else list(prompt.top_ids)
-    top_values: list[list[float]] = [] if prompt is None else list(prompt.top_values)
-    for r in records:
-        ids.append(r.token_id)
-        logprobs.append(r.logprob)
-        top_ids.append([i for i, _ in r.top])
-        top_values.append([v for _, v in r.top])
-    return ids, logprobs, top_ids, top_values
+    output, output_top = columns(_Entries.of(None, records))
+    prompt_entries, prompt_top = columns(_Entries.of(prompt, ()))
+    return {"output_token_logprobs": output, "output_top_logprobs": output_top,
+            "input_token_logprobs": prompt_entries, "input_top_logprobs": prompt_top}

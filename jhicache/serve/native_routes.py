@@ -17,7 +17,7 @@ from jhicache.request import FinishReason
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
-from jhicache.serve.logprobs import TokenText, sglang_logprobs, token_text
+from jhicache.serve.logprobs import TokenTexts, sglang_logprobs, token_texts
 from jhicache.serve.protocol import GenerateRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
@@ -58,7 +58,7 @@ async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Respo
     return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
-def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]:
+def _payload(rid: str, update: Update, text: TokenTexts | None) -> dict[str, Any]:
     """The response (or a stream's event: text, ids and log probabilities cumulative)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
@@ -73,7 +73,7 @@ def _payload(rid: str, update: Update, text: TokenText | None) -> dict[str, Any]
 
 
 def _logprobs(ctx: ServerContext, body: GenerateRequest,
-              fields: SamplingFields) -> tuple[SamplingFields, TokenText | None]:
+              fields: SamplingFields) -> tuple[SamplingFields, TokenTexts | None]:
     """The fields with the log probabilities asked for (generated tokens; with
     `logprob_start_len` >= 0 the prompt's from there on), and how a token's text is written."""
     if body.token_ids_logprob is not None:
@@ -82,7 +82,7 @@ def _logprobs(ctx: ServerContext, body: GenerateRequest,
     if body.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len={body.logprob_start_len}: expected -1 (output "
                             f"tokens only) or a prompt position", "logprob_start_len")
-    text = token_text(ctx.tokenizer) if body.return_text_in_logprobs else None
+    text = token_texts(ctx.tokenizer) if body.return_text_in_logprobs else None
     if not body.return_logprob:
         return fields, text
     top = body.top_logprobs_num

@@ -15,7 +15,7 @@ from jhicache.logprobs import TokenLogprob
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
-from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, token_text
+from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, token_texts
 from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
@@ -105,7 +105,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         echoed = _prompt_text(ctx, prompt, prompt_ids) if body.echo else ""
         gen = ctx.generation(prompt_ids, fields)
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
-        text_of = token_text(ctx.tokenizer)
+        texts = token_texts(ctx.tokenizer)
         updates = gen.updates()
         first = await first_update(request, updates)
         if first is None:
@@ -120,7 +120,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             logprobs = None
             if body.logprobs is not None:
                 prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
-                logprobs = completion_logprobs(prompt, new or [], text_of, offset)
+                logprobs = completion_logprobs(prompt, new or [], texts, offset)
             # token_ids: vLLM's extension, for clients that bring their own tokenizer
             return {"index": 0, "text": text, "logprobs": logprobs,
                     "finish_reason": _finish(update), "token_ids": ids}
@@ -162,10 +162,10 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         prompt_ids = await ctx.encode(tokenizer, text, "messages", add_special_tokens=False)
         limit = body.max_completion_tokens or body.max_tokens or ctx.room(len(prompt_ids))
         gen = ctx.generation(prompt_ids, _fields(body, limit, _chat_logprobs(body)))
-        text_of = token_text(ctx.tokenizer)
+        texts = token_texts(ctx.tokenizer)
 
         def logprobs(records: list[TokenLogprob] | None) -> dict[str, Any] | None:
-            return None if records is None else chat_logprobs(records, text_of)
+            return None if records is None else chat_logprobs(records, texts)
         reply = _Reply("chatcmpl", "chat.completion", ctx.model.name)
         updates = gen.updates()
         first = await first_update(request, updates)

@@ -90,6 +90,13 @@ class Tokenizer:
             text = self._token_texts[token] = self.decode([token], skip_special_tokens=False)
         return text
 
+    def token_texts(self, tokens: list[int]) -> list[str]:
+        """`token_text` of each of `tokens`: lookups alone once the vocabulary is decoded."""
+        try:
+            return list(map(self._token_texts.__getitem__, tokens))
+        except KeyError:  # a token not decoded yet
+            return [self.token_text(token) for token in tokens]
+
     def decode_vocabulary(self) -> None:
         """Keeps every token's `token_text`, decoded in one batch call (a server does this as
         it starts): a scored prompt's tokens and alternatives are then all lookups, from its
