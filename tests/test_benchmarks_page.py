@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks_page.py"
+from tests.scripts import load_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("benchmarks_page", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bp = _load()
+bp = load_script("scripts/benchmarks_page.py")
 
 
 def test_page_is_what_the_generator_writes():

@@ -4,30 +4,15 @@ fresh random rows (the kernel in interpret mode here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jhicache.logprobs import row_logprobs_top1
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "head_rows_probe.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("head_rows_probe", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = _load()
+probe = load_script("benchmarks/head_rows_probe.py")
 
 
 @pytest.mark.parametrize("splits", [1, 2])
