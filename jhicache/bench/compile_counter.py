@@ -6,13 +6,13 @@ import threading
 
 import jax
 
-# jax.monitoring's event for one XLA backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT)
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+from jhicache.compiles import BACKEND_COMPILE_EVENT
 
 
 class CompileCounter:
     """Counts this process's XLA compiles (any thread) while the `with` block runs, and names
-    the programs compiled (the event's `fun_name`, where JAX gives one)."""
+    the programs compiled (the event's `fun_name`, where JAX gives one): a bench's view of
+    every compile its block caused, where an engine's `CompileWatch` counts its own thread's."""
 
     def __init__(self) -> None:
         self.count, self.seconds = 0, 0.0
@@ -20,7 +20,7 @@ class CompileCounter:
         self._lock = threading.Lock()
 
     def _heard(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == COMPILE_EVENT:
+        if event == BACKEND_COMPILE_EVENT:
             with self._lock:
                 self.count, self.seconds = self.count + 1, self.seconds + duration_secs
                 self.programs.append(f"{kwargs.get('fun_name', '?')} ({duration_secs:.2f} s)")
