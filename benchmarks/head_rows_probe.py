@@ -35,6 +35,12 @@ from jhicache.logprobs import row_logprobs_top1
 Reduce = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]
 
 
+def one_pass(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+    """The engine's reduction (`row_logprobs_top1`) of rows whose targets are their tokens
+    alone (no asked ids): the token's log probability, the top one and its id."""
+    return row_logprobs_top1(logits, targets[:, None])[:3]
+
+
 def three_pass(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
     lse = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
@@ -45,7 +51,7 @@ def lse_only(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
     return (jax.nn.logsumexp(logits, axis=-1),)
 
 
-REDUCTIONS: dict[str, Reduce] = {"one_pass": row_logprobs_top1, "three_pass": three_pass,
+REDUCTIONS: dict[str, Reduce] = {"one_pass": one_pass, "three_pass": three_pass,
                                  "lse": lse_only}
 
 

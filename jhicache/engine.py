@@ -36,7 +36,7 @@ from jhicache.cache.storage import StorageNamespace
 from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
-from jhicache.logprobs import prompt_reduction, token_logprobs
+from jhicache.logprobs import MAX_TOKEN_IDS, asked_ids, prompt_reduction, token_logprobs
 from jhicache.logprobs import records as logprob_records
 from jhicache.models import (
     Qwen2Config,
@@ -452,14 +452,15 @@ class Engine:
         logits, rows = self.runner.finish(hidden, inputs.meta, inputs.last_index)
         sampled = self._sample(logits, batch.chunks)
         wanted = any(c.samples_token and c.request.logprobs is not None for c in batch.chunks)
-        logprobs = token_logprobs(logits, sampled) if wanted else None
+        logprobs = None
+        if wanted:  # the asked ids as a host array: a transfer, no program
+            asked = asked_ids([c.request.params.token_ids_logprob for c in batch.chunks],
+                              logits.shape[0])
+            logprobs = token_logprobs(logits, sampled, asked)
         spans = _prompt_spans(batch)
         prompt = None
         if spans:
-            targets = np.zeros(inputs.shape.tokens, np.int32)
-            for span in spans:
-                targets[span.row:span.row + span.length] = span.request.tokens[
-                    span.position:span.position + span.length]
+            targets = _prompt_targets(spans, inputs.shape.tokens)
             on_device = jax.device_put(targets, rows.sharding)  # (replicated over a mesh)
             most = max(span.request.params.prompt_logprobs or 0 for span in spans)
             prompt = self.runner.programs.head_rows(rows, on_device, prompt_reduction(most))
@@ -494,7 +495,7 @@ class Engine:
 
     @staticmethod
     def _add_logprobs(batch: Batch, gained: set[Request], chosen: np.ndarray,
-                      top_values: np.ndarray, top_ids: np.ndarray) -> None:
+                      top_values: np.ndarray, top_ids: np.ndarray, asked: np.ndarray) -> None:
         """Each request that gained a token and asked for log probabilities keeps its row's."""
         rows = [(row, chunk.request) for row, chunk in enumerate(batch.chunks)
                 if chunk.samples_token and chunk.request in gained
@@ -503,15 +504,17 @@ class Engine:
             return
         index = [row for row, _ in rows]
         made = logprob_records([req.tokens[-1] for _, req in rows], chosen[index],
-                               top_values[index], top_ids[index],
-                               [req.params.logprobs or 0 for _, req in rows])
+                               top_values[index], top_ids[index], asked[index],
+                               [req.params.logprobs or 0 for _, req in rows],
+                               [req.params.token_ids_logprob for _, req in rows])
         for (_, req), record in zip(rows, made):
             assert req.logprobs is not None
             req.logprobs.append(record)
 
     @staticmethod
     def _add_prompt_logprobs(spans: tuple[_PromptSpan, ...], chosen: np.ndarray,
-                             top_values: np.ndarray, top_ids: np.ndarray) -> None:
+                             top_values: np.ndarray, top_ids: np.ndarray,
+                             asked: np.ndarray) -> None:
         """Each span's rows fill its request's prompt entries, with the alternatives it asked
         for (the step's reduction took as many as the most any span asked for; `fill` keeps
         the first columns)."""
@@ -519,7 +522,7 @@ class Engine:
             req, rows = span.request, slice(span.row, span.row + span.length)
             assert req.prompt_logprobs is not None
             req.prompt_logprobs.fill(span.position - req.params.prompt_logprobs_start,
-                                     chosen[rows], top_values[rows], top_ids[rows])
+                                     chosen[rows], top_values[rows], top_ids[rows], asked[rows])
 
     def _take_in_flight(self) -> _Launched | None:
         step, self._in_flight = self._in_flight, None
@@ -593,10 +596,11 @@ class Engine:
         if tokens.min() < 0 or tokens.max() >= vocab:
             raise ValueError(f"{where}: token id out of range [0, {vocab}): "
                              f"min {tokens.min()}, max {tokens.max()}")
-        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stops:
-            raise ValueError(f"SamplingParams.stop_token_ids for {where}: {bad_stops} not in the "
-                             f"vocabulary [0, {vocab})")
+        for field in ("stop_token_ids", "token_ids_logprob"):
+            bad = [t for t in getattr(params, field) if t >= vocab]
+            if bad:
+                raise ValueError(f"SamplingParams.{field} for {where}: {bad} not in the "
+                                 f"vocabulary [0, {vocab})")
         if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(tokens):
             raise ValueError(f"SamplingParams.prompt_logprobs_start for {where}: "
                              f"{params.prompt_logprobs_start} is past the prompt's "
@@ -688,6 +692,18 @@ def _prompt_spans(batch: Batch) -> list[_PromptSpan]:
                 spans.append(_PromptSpan(offset + lo - chunk.start, req, lo + 1, hi - lo))
         offset += chunk.length
     return spans
+
+
+def _prompt_targets(spans: list[_PromptSpan], tokens: int) -> np.ndarray:
+    """`head_rows`' targets for a step of `tokens` rows, [tokens, 1 + MAX_TOKEN_IDS] int32: a
+    span's rows hold the prompt tokens that follow them, then the ids their request names."""
+    targets = np.zeros((tokens, 1 + MAX_TOKEN_IDS), np.int32)
+    for span in spans:
+        rows = slice(span.row, span.row + span.length)
+        targets[rows, 0] = span.request.tokens[span.position:span.position + span.length]
+        named = span.request.params.token_ids_logprob
+        targets[rows, 1:1 + len(named)] = named
+    return targets
 
 
 _STORAGE_WAIT_S = 0.01  # an idle step waits this long at most for a storage read to move on:

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's and vLLM's cap)
+# most token ids a request may ask the log probabilities of at every position
+# (`SamplingParams.token_ids_logprob`): each program that takes them has room for this many
+MAX_TOKEN_IDS = 20
 # The largest k that XLA's GPU TopK kernel takes (TopkSpecializer): XLA turns a larger k into a
 # sort of every row, the whole vocabulary (TopkDecomposer).
 TOP_K_PASS = 16
@@ -26,6 +29,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log probability), most likely first
+    # (token id, log probability) of each id the request named, in its order
+    # (SamplingParams.token_ids_logprob)
+    asked: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -41,31 +47,38 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
     top_ids: np.ndarray  # [n, alternatives] int32: the most likely tokens, most likely first
     top_values: np.ndarray  # [n, alternatives] float32: and their log probabilities
     filled: np.ndarray  # [n] bool: the entries a step has filled
+    asked_ids: np.ndarray  # [m] int32: the token ids the request named (token_ids_logprob)
+    asked_values: np.ndarray  # [n, m] float32: their log probabilities at each position
 
     @classmethod
-    def empty(cls, tokens: Sequence[int], alternatives: int) -> PromptLogprobs:
+    def empty(cls, tokens: Sequence[int], alternatives: int,
+              asked: Sequence[int] = ()) -> PromptLogprobs:
         """Entries for the prompt's `tokens` (from the first position asked for), with
-        `alternatives` per position, none filled."""
+        `alternatives` per position and the log probabilities of the `asked` ids, none
+        filled."""
         n = len(tokens)
         return cls(np.asarray(tokens, np.int32).reshape(n), np.zeros(n, np.float32),
                    np.zeros((n, alternatives), np.int32),
-                   np.zeros((n, alternatives), np.float32), np.zeros(n, bool))
+                   np.zeros((n, alternatives), np.float32), np.zeros(n, bool),
+                   np.asarray(asked, np.int32).reshape(len(asked)),
+                   np.zeros((n, len(asked)), np.float32))
 
     def fill(self, first: int, chosen: np.ndarray, top_values: np.ndarray,
-             top_ids: np.ndarray) -> None:
+             top_ids: np.ndarray, asked: np.ndarray) -> None:
         """Entries `first`.. from rows of `row_logprobs`' outputs, each row's alternatives
-        as many as this prompt's (the first columns of `top_values` and `top_ids`)."""
+        as many as this prompt's (the first columns of `top_values` and `top_ids`), and the
+        asked ids' as many as it named (the first columns of `asked`)."""
         end = first + len(chosen)
         alternatives = self.top_ids.shape[1]
         self.logprobs[first:end] = chosen
         self.top_ids[first:end] = top_ids[:, :alternatives]
         self.top_values[first:end] = top_values[:, :alternatives]
+        self.asked_values[first:end] = asked[:, :len(self.asked_ids)]
         self.filled[first:end] = True
 
     def copy(self) -> PromptLogprobs:
         """A copy whose columns a later `fill` of this one leaves as they are."""
-        return PromptLogprobs(self.token_ids.copy(), self.logprobs.copy(), self.top_ids.copy(),
-                              self.top_values.copy(), self.filled.copy())
+        return PromptLogprobs(*(column.copy() for column in self._columns()))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PromptLogprobs):
@@ -73,7 +86,8 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
         return all(np.array_equal(a, b) for a, b in zip(self._columns(), other._columns()))
 
     def _columns(self) -> tuple[np.ndarray, ...]:
-        return self.token_ids, self.logprobs, self.top_ids, self.top_values, self.filled
+        return (self.token_ids, self.logprobs, self.top_ids, self.top_values, self.filled,
+                self.asked_ids, self.asked_values)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -91,13 +105,17 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
             return None
         return TokenLogprob(int(self.token_ids[index]), float(self.logprobs[index]),
                             list(zip(self.top_ids[index].tolist(),
-                                     self.top_values[index].tolist())))
+                                     self.top_values[index].tolist())),
+                            list(zip(self.asked_ids.tolist(),
+                                     self.asked_values[index].tolist())))
 
 
 def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
-    """For each row of `logits` [B, vocab] f32 and its token `targets[row]` ([B] int32): (the
-    token's log probability [B], the top MAX_LOGPROBS log probabilities [B, N] and their token
-    ids [B, N], most likely first). Traced inside programs (the prompt's, `head_rows`)."""
+    """For each row of `logits` [B, vocab] f32 and its `targets[row]` ([B, 1 + MAX_TOKEN_IDS]
+    int32: the row's token, then the ids asked for, 0 where none): (the token's log
+    probability [B], the top MAX_LOGPROBS log probabilities [B, N] and their token ids [B, N],
+    most likely first, and the asked ids' log probabilities [B, MAX_TOKEN_IDS]). Traced inside
+    programs (the prompt's, `head_rows`)."""
     return _row_logprobs(logits, targets, MAX_LOGPROBS)
 
 
@@ -107,8 +125,14 @@ def row_logprobs_top1(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array,
     each row gives its logsumexp and its top entry together (`logsumexp_and_max`)."""
     logits = logits.astype(jnp.float32)
     lse, top, ids = logsumexp_and_max(logits)
-    chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-    return chosen, (top - lse)[:, None], ids[:, None]
+    chosen, asked = _targets(logits, targets, lse)
+    return chosen, (top - lse)[:, None], ids[:, None], asked
+
+
+def _targets(logits: jax.Array, targets: jax.Array, lse: jax.Array) -> tuple[jax.Array, ...]:
+    """The log probabilities of each row's targets: its token's [B], the asked ids' [B, m]."""
+    picked = jnp.take_along_axis(logits, targets, axis=-1) - lse[:, None]
+    return picked[:, 0], picked[:, 1:]
 
 
 def logsumexp_and_max(values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -148,9 +172,9 @@ def _row_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Ar
     # log probabilities are never written out, only each row's logsumexp
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    chosen, asked = _targets(logits, targets, lse)
     top, ids = top_k_in_passes(logits, k)
-    return chosen, top - lse[:, None], ids.astype(jnp.int32)
+    return chosen, top - lse[:, None], ids.astype(jnp.int32), asked
 
 
 def top_k_in_passes(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -170,26 +194,43 @@ def top_k_in_passes(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
-def token_logprobs(logits: jax.Array, sampled: jax.Array) -> tuple[jax.Array, ...]:
-    """`row_logprobs` of a step's logits [B, vocab] and its sampled tokens ([rows] int32, rows
-    >= B: the padding rows are dropped)."""
-    return row_logprobs(logits, sampled[:logits.shape[0]])
+def token_logprobs(logits: jax.Array, sampled: jax.Array, asked: jax.Array
+                   ) -> tuple[jax.Array, ...]:
+    """`row_logprobs` of a step's logits [B, vocab], its sampled tokens ([rows] int32, rows
+    >= B: the padding rows are dropped) and each row's asked ids ([B, MAX_TOKEN_IDS] int32,
+    `asked_ids`)."""
+    batch = logits.shape[0]
+    return row_logprobs(logits, jnp.concatenate([sampled[:batch, None], asked], axis=1))
 
 
-def reference_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+def asked_ids(asked: Iterable[Sequence[int]], rows: int) -> np.ndarray:
+    """[rows, MAX_TOKEN_IDS] int32: row i holds the ids `asked[i]` names, then zeros (padding
+    that no one reads), a row past `asked`'s zeros alone."""
+    out = np.zeros((rows, MAX_TOKEN_IDS), np.int32)
+    for row, ids in enumerate(asked):
+        out[row, :len(ids)] = ids
+    return out
+
+
+def reference_logprobs(logits: np.ndarray, token: int, n: int,
+                       asked: Sequence[int] = ()) -> TokenLogprob:
     """The same for one row in NumPy (float64): what the tests hold the program to."""
     shifted = logits.astype(np.float64) - logits.max()
     logp = shifted - np.log(np.exp(shifted).sum())
     order = np.argsort(-logp, kind="stable")[:n]
-    return TokenLogprob(token, float(logp[token]), [(int(i), float(logp[i])) for i in order])
+    return TokenLogprob(token, float(logp[token]), [(int(i), float(logp[i])) for i in order],
+                        [(int(i), float(logp[i])) for i in asked])
 
 
 def records(tokens: Iterable[int], chosen: np.ndarray, top_values: np.ndarray,
-            top_ids: np.ndarray, counts: Iterable[int]) -> list[TokenLogprob]:
+            top_ids: np.ndarray, asked_values: np.ndarray, counts: Iterable[int],
+            asked: Iterable[Sequence[int]]) -> list[TokenLogprob]:
     """Rows' records at once, from their rows of `row_logprobs`' outputs: each row's token, its
-    log probability and `counts[row]` alternatives (a step's generated tokens; a prompt's
-    positions fill `PromptLogprobs` instead). Each array becomes Python numbers in one `tolist`
-    rather than NumPy scalar by scalar."""
-    return [TokenLogprob(token, logprob, list(zip(ids[:n], values[:n])))
-            for token, logprob, ids, values, n in zip(
-                tokens, chosen.tolist(), top_ids.tolist(), top_values.tolist(), counts)]
+    log probability, `counts[row]` alternatives and the `asked[row]` ids' (a step's generated
+    tokens; a prompt's positions fill `PromptLogprobs` instead). Each array becomes Python
+    numbers in one `tolist` rather than NumPy scalar by scalar."""
+    return [TokenLogprob(token, logprob, list(zip(ids[:n], values[:n])),
+                         list(zip(named, asked_row)))
+            for token, logprob, ids, values, n, named, asked_row in zip(
+                tokens, chosen.tolist(), top_ids.tolist(), top_values.tolist(), counts, asked,
+                asked_values.tolist())]

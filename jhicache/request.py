@@ -88,7 +88,8 @@ class Request:
         self.logprobs = [] if self.params.logprobs is not None else None
         start, alternatives = self.params.prompt_logprobs_start, self.params.prompt_logprobs
         self.prompt_logprobs = (None if alternatives is None
-                                else PromptLogprobs.empty(self.tokens[start:], alternatives))
+                                else PromptLogprobs.empty(self.tokens[start:], alternatives,
+                                                          self.params.token_ids_logprob))
 
     @property
     def match_tokens(self) -> list[int]:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.logprobs import MAX_LOGPROBS
+from jhicache.logprobs import MAX_LOGPROBS, MAX_TOKEN_IDS
 
 SEED_LIMIT = 2**63  # seeds are ints in [0, SEED_LIMIT), as in vLLM
 
@@ -55,6 +55,8 @@ class SamplingParams:
     and that many of the most likely alternatives (`RequestOutput.logprobs`); with
     `prompt_logprobs`, so does each prompt token from position `prompt_logprobs_start` on
     (`RequestOutput.prompt_logprobs`; the cached prefix is cut there, so they are computed).
+    Each of those records also gives the log probabilities of the tokens `token_ids_logprob`
+    names (at most MAX_TOKEN_IDS; SGLang's field: a classifier's label tokens).
     """
 
     max_new_tokens: int = 16
@@ -66,6 +68,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -89,6 +92,13 @@ class SamplingParams:
                                         high=MAX_LOGPROBS + 1))
         fix("prompt_logprobs_start", _int("prompt_logprobs_start", self.prompt_logprobs_start,
                                           low=0))
+        fix("token_ids_logprob", _token_ids("token_ids_logprob", self.token_ids_logprob))
+        if len(self.token_ids_logprob) > MAX_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.token_ids_logprob names "
+                             f"{len(self.token_ids_logprob)} tokens: at most {MAX_TOKEN_IDS}")
+        if self.token_ids_logprob and self.logprobs is None and self.prompt_logprobs is None:
+            raise ValueError("SamplingParams.token_ids_logprob: their log probabilities come "
+                             "with each token's; set logprobs or prompt_logprobs too")
 
     @property
     def is_greedy(self) -> bool:

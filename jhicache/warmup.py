@@ -44,7 +44,7 @@ from tqdm import tqdm
 from jhicache.batch import padding_inputs, patch_tokens
 from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
-from jhicache.logprobs import PROMPT_REDUCTIONS, token_logprobs
+from jhicache.logprobs import MAX_TOKEN_IDS, PROMPT_REDUCTIONS, asked_ids, token_logprobs
 from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sample_unfiltered, sampling_arrays
 
@@ -107,7 +107,7 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
     logits = output_type(rest, compiled)
     if prompt_logprobs and not shape.decode:  # the head over every row of a prefill
         hidden_rows = output_type(rest, compiled, 3)
-        targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden_rows.sharding)
+        targets = jax.device_put(_prompt_targets(shape), hidden_rows.sharding)
         for reduction in PROMPT_REDUCTIONS:
             _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
@@ -115,7 +115,7 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
     _compiled(sample.lower(logits, temperature, top_k, top_p, seeds, rows=rows), lock)
     _compiled(sample_unfiltered.lower(logits, temperature, seeds, rows=rows), lock)
     if sampled_logprobs:
-        _compiled(token_logprobs.lower(logits, sampled), lock)
+        _compiled(token_logprobs.lower(logits, sampled, asked_ids([], logits.shape[0])), lock)
     if inputs.patches is not None:
         patched = _compiled(patch_tokens.lower(inputs.tokens, *inputs.patches, sampled), lock)
         _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
@@ -196,15 +196,20 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
         logits, hidden = engine.runner.finish(engine.runner.start(tokens, inputs.meta),
                                               inputs.meta, inputs.last_index)
         if not shape.decode:  # prompt log probabilities
-            targets = jax.device_put(np.zeros(shape.tokens, np.int32), hidden.sharding)
+            targets = jax.device_put(_prompt_targets(shape), hidden.sharding)
             for reduction in PROMPT_REDUCTIONS:
                 engine.runner.programs.head_rows(hidden, targets, reduction)
         sampled = greedy(logits, rows=rows)
         temperature, top_k, top_p, seeds = sampling_arrays([], [], logits.shape[0])
         sample(logits, temperature, top_k, top_p, seeds, rows=rows)
         sample_unfiltered(logits, temperature, seeds, rows=rows)
-        token_logprobs(logits, sampled)
+        token_logprobs(logits, sampled, asked_ids([], logits.shape[0]))
     jax.block_until_ready(sampled)
+
+
+def _prompt_targets(shape: StepShape) -> np.ndarray:
+    """`head_rows`' targets for a step of `shape` (as `Engine._launch` builds them)."""
+    return np.zeros((shape.tokens, 1 + MAX_TOKEN_IDS), np.int32)
 
 
 def _compile_ahead(engine: Engine, bar: tqdm) -> int:

@@ -89,8 +89,9 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
         block = min(block, rows)  # a short prompt's rows: one block of their own size
         padded = -(-rows // block) * block
         hidden = jax.numpy.pad(hidden, ((0, padded - rows), (0, 0)))
-        targets = jax.numpy.pad(targets, (0, padded - rows))
-        blocks = (hidden.reshape(padded // block, block, -1), targets.reshape(-1, block))
+        targets = jax.numpy.pad(targets, ((0, padded - rows),) + ((0, 0),) * (targets.ndim - 1))
+        blocks = (hidden.reshape(padded // block, block, -1),
+                  targets.reshape(-1, block, *targets.shape[1:]))
         out = jax.lax.map(lambda b: reduce(head(b[0], comm), b[1]), blocks)
         return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:rows], out)
 

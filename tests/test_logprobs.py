@@ -16,8 +16,10 @@ import pytest
 from jhicache import AsyncEngine, Engine, EngineConfig, SamplingParams
 from jhicache.logprobs import (
     MAX_LOGPROBS,
+    MAX_TOKEN_IDS,
     PromptLogprobs,
     TokenLogprob,
+    asked_ids,
     logsumexp_and_max,
     reference_logprobs,
     token_logprobs,
@@ -50,12 +52,15 @@ def test_the_program_matches_numpy_on_random_logits() -> None:
     logits[2, 100:120] = np.arange(40, 20, -1)
     logits[2, 113:117] = 27.0
     sampled = np.array([5, 11, 999, 0, 0, 0], np.int32)  # padded rows past the batch
-    chosen, top, ids = (np.asarray(a) for a in token_logprobs(jnp.asarray(logits),
-                                                              jnp.asarray(sampled)))
-    assert top.shape == ids.shape == (3, MAX_LOGPROBS)
+    named = [[3, 999, 3], [], list(range(500, 500 + MAX_TOKEN_IDS))]  # asked ids, repeats too
+    chosen, top, ids, asked = (np.asarray(a) for a in token_logprobs(
+        jnp.asarray(logits), jnp.asarray(sampled), asked_ids(named, 3)))
+    assert top.shape == ids.shape == (3, MAX_LOGPROBS) and asked.shape == (3, MAX_TOKEN_IDS)
     for row in range(3):
-        want = reference_logprobs(logits[row], int(sampled[row]), MAX_LOGPROBS)
+        want = reference_logprobs(logits[row], int(sampled[row]), MAX_LOGPROBS, named[row])
         assert chosen[row] == pytest.approx(want.logprob, abs=1e-5)
+        assert asked[row, :len(named[row])] == pytest.approx([v for _, v in want.asked],
+                                                              abs=1e-5)
         np.testing.assert_allclose(top[row], [v for _, v in want.top], atol=1e-5)
         got_ids = [int(i) for i in ids[row]]
         if row == 1:  # ties come in either order
@@ -78,29 +83,35 @@ def test_prompt_logprobs_fill_read_copy_and_cross_the_engine_process_wire() -> N
     from jhicache.request import RequestOutput
 
     rng = np.random.default_rng(5)
-    table = PromptLogprobs.empty([7, 8, 9, 10, 11], 2)
+    table = PromptLogprobs.empty([7, 8, 9, 10, 11], 2, asked=(40, 41, 40))
     chosen = rng.normal(size=3).astype(np.float32)
     values = rng.normal(size=(3, 4)).astype(np.float32)
     ids = rng.integers(0, 100, (3, 4)).astype(np.int32)
-    table.fill(1, chosen, values, ids)
+    asked = rng.normal(size=(3, MAX_TOKEN_IDS)).astype(np.float32)
+    table.fill(1, chosen, values, ids, asked)
     assert table[0] is None and table[4] is None and len(table) == 5
     assert table[2] == TokenLogprob(9, float(chosen[1]),
                                     [(int(ids[1, 0]), float(values[1, 0])),
-                                     (int(ids[1, 1]), float(values[1, 1]))])
+                                     (int(ids[1, 1]), float(values[1, 1]))],
+                                    [(40, float(asked[1, 0])), (41, float(asked[1, 1])),
+                                     (40, float(asked[1, 2]))])
     assert table[1:3] == [table[1], table[2]] and list(table)[3] == table[3]
     before = table.copy()
-    table.fill(1, chosen + 1, values, ids)
+    table.fill(1, chosen + 1, values, ids, asked)
     assert before[1] is not None and before[1].logprob == float(chosen[0])
     assert table[1] is not None and table[1].logprob == float(chosen[0] + 1)
     assert before != table and before == before.copy()
-    out = RequestOutput("r", [], [], False, 5, 0, 0, None, None, prompt_logprobs=table)
+    record = TokenLogprob(1, -0.5, [(2, -1.0)], [(3, -2.0), (1, -0.5)])
+    out = RequestOutput("r", [1], [1], False, 5, 0, 0, None, None, logprobs=[record],
+                        prompt_logprobs=table)
     wire = parent_decoder().decode(child_encoder().encode(Outputs([out])))
     assert isinstance(wire, Outputs)
+    assert wire.items[0].logprobs == [record]
     got = wire.items[0].prompt_logprobs
     assert got == table and list(got) == list(table)
     assert got.top_ids.dtype == np.int32 and got.top_values.shape == (5, 2)
     nothing = PromptLogprobs.empty([3, 4], 0)  # the chosen tokens' alone
-    nothing.fill(1, chosen[:1], values[:1], ids[:1])
+    nothing.fill(1, chosen[:1], values[:1], ids[:1], asked[:1])
     assert nothing[1] == TokenLogprob(4, float(chosen[0]), [])
 
 
@@ -140,11 +151,12 @@ def test_top_k_in_passes_equals_top_k_on_random_rows(k: int) -> None:
                                       np.asarray(top[row]))
 
 
-def expected(weights: dict, prompt: list[int], output: list[int], n: int) -> list[TokenLogprob]:
+def expected(weights: dict, prompt: list[int], output: list[int], n: int,
+             asked: tuple[int, ...] = ()) -> list[TokenLogprob]:
     """Each generated token's record from the float64 reference forward of what precedes it."""
     tokens = prompt + output
     logits = reference_logits(weights, CFG, tokens)
-    return [reference_logprobs(logits[len(prompt) + i - 1], output[i], n)
+    return [reference_logprobs(logits[len(prompt) + i - 1], output[i], n, asked)
             for i in range(len(output))]
 
 
@@ -155,6 +167,9 @@ def assert_close(got: list[TokenLogprob] | None, want: list[TokenLogprob]) -> No
         assert g.logprob == pytest.approx(w.logprob, abs=TOLERANCE)
         assert [i for i, _ in g.top] == [i for i, _ in w.top]
         np.testing.assert_allclose([v for _, v in g.top], [v for _, v in w.top], atol=TOLERANCE)
+        assert [i for i, _ in g.asked] == [i for i, _ in w.asked]
+        np.testing.assert_allclose([v for _, v in g.asked], [v for _, v in w.asked],
+                                   atol=TOLERANCE)
 
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, CFG["vocab_size"], 100)]
@@ -183,6 +198,52 @@ def test_logprobs_equal_the_reference_wherever_the_prefix_is(checkpoint, mode: s
         assert_close(out.logprobs, want)
         hits = {"none": 0, "device": out.device_hit_tokens, "host": out.host_hit_tokens}
         assert where == "none" or mode == "off" or hits[where] > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_named_tokens_equal_the_reference_for_generated_and_prompt_tokens(checkpoint,
+                                                                          overlap: bool) -> None:
+    """`token_ids_logprob`: the named ids' log probabilities (in the order named, a repeat kept)
+    with each generated token's record and each prompt entry's, not cached, then a device
+    hit, then a host hit; in the same steps as a request that names none and one that asks
+    for nothing."""
+    path, weights = checkpoint
+    engine = Engine.from_pretrained(str(path), EngineConfig(
+        cache_mode="hierarchical", overlap_schedule=overlap, **ENGINE))
+    named = (5, 60, 5, CFG["vocab_size"] - 1)
+    params = SamplingParams(max_new_tokens=4, logprobs=1, prompt_logprobs=0,
+                            prompt_logprobs_start=70, token_ids_logprob=named)
+    plain_logprobs = SamplingParams(max_new_tokens=4, logprobs=2)
+    prompt = PROMPT[:90]
+    logits = reference_logits(weights, CFG, prompt)
+    want_prompt = [reference_logprobs(logits[p - 1], prompt[p], 0, named)
+                   for p in range(70, len(prompt))]
+    want = None
+    for where in ("none", "device", "host"):
+        if where == "host":
+            engine.evict()
+        out, beside, other = engine.generate([prompt, PROMPT[:50], PROMPT[:30]],
+                                             [params, plain_logprobs, SamplingParams()])
+        if want is None:
+            want = expected(weights, prompt, out.token_ids, 1, named)
+        assert_close(out.logprobs, want)
+        assert_prompt_close(out.prompt_logprobs, want_prompt)
+        assert beside.logprobs is not None and all(r.asked == [] for r in beside.logprobs)
+        assert other.logprobs is None and other.prompt_logprobs is None
+        assert where != "host" or out.host_hit_tokens > 0
+    outside = SamplingParams(logprobs=0, token_ids_logprob=(CFG["vocab_size"],))
+    with pytest.raises(ValueError, match="token_ids_logprob"):  # refused; the engine serves on
+        engine.generate([prompt], outside)
+    assert_close(engine.generate([prompt], params)[0].logprobs, want)
+
+
+def test_named_tokens_are_checked() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        SamplingParams(logprobs=0, token_ids_logprob=tuple(range(MAX_TOKEN_IDS + 1)))
+    with pytest.raises(ValueError, match="set logprobs or prompt_logprobs"):
+        SamplingParams(token_ids_logprob=(1,))
+    with pytest.raises(ValueError, match="token_ids_logprob"):
+        SamplingParams(logprobs=0, token_ids_logprob=(-1,))
 
 
 def test_zero_asks_for_the_chosen_token_only_and_sampling_keeps_the_raw_values(
@@ -300,7 +361,8 @@ def test_logprobs_equal_hf_transformers(checkpoint) -> None:
     transformers = pytest.importorskip("transformers")
     path, _ = checkpoint
     engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode="device", **ENGINE))
-    params = SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=3)
+    params = SamplingParams(max_new_tokens=4, logprobs=3, prompt_logprobs=3,
+                            token_ids_logprob=(2, 7))
     out = engine.generate([PROMPT], params)[0]
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
     with torch.no_grad():
@@ -314,3 +376,5 @@ def test_logprobs_equal_hf_transformers(checkpoint) -> None:
         row = logp[position - 1]
         assert got.logprob == pytest.approx(row[tokens[position]], abs=TOLERANCE)
         assert [v for _, v in got.top] == pytest.approx(sorted(row)[::-1][:3], abs=TOLERANCE)
+        assert [i for i, _ in got.asked] == [2, 7]
+        assert [v for _, v in got.asked] == pytest.approx([row[2], row[7]], abs=TOLERANCE)
