@@ -174,6 +174,44 @@ def test_generate_prompt_logprobs_from_a_start(http: httpx.Client, tok: Tokenize
     assert past.status_code == 400
 
 
+def test_generate_token_ids_logprob(http: httpx.Client, tok: Tokenizer,
+                                    checkpoint: Path) -> None:
+    """SGLang's token_ids_logprob: (log probability, id, text) of each named id, in order, per
+    generated token and per prompt token from logprob_start_len (None at position 0), as the
+    engine gives them; refused without return_logprob, for two prompts' lists, past the
+    vocabulary or past MAX_TOKEN_IDS ids."""
+    ids, named = tok.encode(PROMPT), [3, 11, 3]
+    engine = Engine.from_pretrained(str(checkpoint), ENGINE_CONFIG)
+    want = engine.generate([ids], SamplingParams(max_new_tokens=3, logprobs=0, prompt_logprobs=0,
+                                                 token_ids_logprob=tuple(named)))[0]
+    assert want.logprobs is not None and want.prompt_logprobs is not None
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                  "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": [named],
+            "return_text_in_logprobs": True}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    texts = [text_of(tok, i) for i in named]
+    wanted_rows = [r.asked for r in want.logprobs]
+    prompt_rows = [None if r is None else r.asked for r in want.prompt_logprobs]
+    for got_rows, rows in ((meta["output_token_ids_logprobs"], wanted_rows),
+                           (meta["input_token_ids_logprobs"], prompt_rows)):
+        assert len(got_rows) == len(rows) and (got_rows[0] is None) == (rows[0] is None)
+        for got, row in zip(got_rows, rows):
+            if row is None:
+                continue
+            assert [(i, t) for _, i, t in got] == list(zip(named, texts))
+            assert [v for v, _, _ in got] == pytest.approx([v for _, v in row], abs=TOLERANCE)
+    plain = http.post("/generate", json={**body, "token_ids_logprob": None}).json()
+    assert "output_token_ids_logprobs" not in plain["meta_info"]
+    for bad in ({"return_logprob": False}, {"token_ids_logprob": [named, named]},
+                {"token_ids_logprob": [10**6]}, {"token_ids_logprob": list(range(21))}):
+        refused = http.post("/generate", json={**body, **bad})
+        assert refused.status_code == 400, bad
+        assert "token_ids_logprob" in refused.text
+    again = http.post("/generate", json=body).json()["meta_info"]  # served on after refusals
+    assert again["output_token_ids_logprobs"] == meta["output_token_ids_logprobs"]
+
+
 def test_echo_repeats_the_prompt(client: openai.OpenAI) -> None:
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                     echo=True).choices[0]
@@ -206,6 +244,7 @@ def test_chat_and_generate_refusals(http: httpx.Client) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
     generate = {"text": PROMPT, "return_logprob": True}
     for extra, param in (({"logprob_start_len": -2}, "logprob_start_len"),
-                         ({"token_ids_logprob": [1, 2]}, "token_ids_logprob")):
+                         ({"token_ids_logprob": [1, 2], "return_logprob": False},
+                          "token_ids_logprob")):
         response = http.post("/generate", json={**generate, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -44,6 +44,7 @@ class SamplingFields:
     logprobs: int | None = None  # alternatives per token; None: no log probabilities
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     prompt_logprobs_start: int = 0  # the first prompt position they are given for
+    token_ids_logprob: Sequence[int] = ()  # ids whose log probabilities come at each position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,7 @@ class ServerContext:
                                   seed=fields.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
                                   logprobs=fields.logprobs,
                                   prompt_logprobs=fields.prompt_logprobs,
-                                  prompt_logprobs_start=fields.prompt_logprobs_start)
+                                  prompt_logprobs_start=fields.prompt_logprobs_start,
+                                  token_ids_logprob=tuple(fields.token_ids_logprob))
         except ValueError as e:
             raise ApiError(400, str(e)) from None

@@ -93,10 +93,12 @@ def chat_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts) -> dict[st
 
 
 def sglang_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts | None,
-                    prompt: PromptLogprobs | None = None) -> dict[str, Any]:
+                    prompt: PromptLogprobs | None = None,
+                    named: Sequence[int] = ()) -> dict[str, Any]:
     """SGLang's `meta_info` fields: (log probability, token id, text or None) per generated
     token and per alternative, and per prompt token from where they were asked for (`prompt`;
-    the first prompt token has a null log probability and no alternatives)."""
+    the first prompt token has a null log probability and no alternatives); with `named`
+    ids (token_ids_logprob), one for each of them per generated and per prompt token."""
     def names(tokens: list[int]) -> Iterable[str | None]:
         return itertools.repeat(None) if texts is None else texts(tokens)
 
@@ -107,5 +109,16 @@ def sglang_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts | None,
 
     output, output_top = columns(_Entries.of(None, records))
     prompt_entries, prompt_top = columns(_Entries.of(prompt, ()))
-    return {"output_token_logprobs": output, "output_top_logprobs": output_top,
-            "input_token_logprobs": prompt_entries, "input_top_logprobs": prompt_top}
+    fields = {"output_token_logprobs": output, "output_top_logprobs": output_top,
+              "input_token_logprobs": prompt_entries, "input_top_logprobs": prompt_top}
+    if named:
+        labels = list(zip(named, names(list(named))))
+
+        def row(values: Iterable[float]) -> list[tuple[float, int, str | None]]:
+            return [(value, token, name) for value, (token, name) in zip(values, labels)]
+
+        fields["output_token_ids_logprobs"] = [row(v for _, v in r.asked) for r in records]
+        fields["input_token_ids_logprobs"] = [] if prompt is None else [
+            row(values) if is_filled else None for values, is_filled
+            in zip(prompt.asked_values.tolist(), prompt.filled.tolist())]
+    return fields

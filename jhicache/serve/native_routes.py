@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -58,7 +58,8 @@ async def _when_idle(call: Callable[[], bool], done: str, refused: str) -> Respo
     return PlainTextResponse(f"{refused}: requests are running or waiting.\n", status_code=400)
 
 
-def _payload(rid: str, update: Update, text: TokenTexts | None) -> dict[str, Any]:
+def _payload(rid: str, update: Update, text: TokenTexts | None,
+             named: Sequence[int] = ()) -> dict[str, Any]:
     """The response (or a stream's event: text, ids and log probabilities cumulative)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
             "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
@@ -68,7 +69,7 @@ def _payload(rid: str, update: Update, text: TokenTexts | None) -> dict[str, Any
                                       "storage": update.storage_hit_tokens},
             "server_ttft_s": update.server_ttft_s, "engine_ttft_s": update.engine_ttft_s}
     if update.logprobs is not None:
-        meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs))
+        meta.update(sglang_logprobs(update.logprobs, text, update.prompt_logprobs, named))
     return {"text": update.text, "output_ids": update.token_ids, "meta_info": meta}
 
 
@@ -76,9 +77,9 @@ def _logprobs(ctx: ServerContext, body: GenerateRequest,
               fields: SamplingFields) -> tuple[SamplingFields, TokenTexts | None]:
     """The fields with the log probabilities asked for (generated tokens; with
     `logprob_start_len` >= 0 the prompt's from there on), and how a token's text is written."""
-    if body.token_ids_logprob is not None:
-        raise ApiError(400, "token_ids_logprob is not supported by this server",
-                       "token_ids_logprob")
+    if body.token_ids_logprob is not None and not body.return_logprob:
+        raise ApiError(400, "token_ids_logprob: their log probabilities come with the tokens'; "
+                            "set return_logprob too", "token_ids_logprob")
     if body.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len={body.logprob_start_len}: expected -1 (output "
                             f"tokens only) or a prompt position", "logprob_start_len")
@@ -89,7 +90,20 @@ def _logprobs(ctx: ServerContext, body: GenerateRequest,
     if body.logprob_start_len >= 0:
         fields = dataclasses.replace(fields, prompt_logprobs=top,
                                      prompt_logprobs_start=body.logprob_start_len)
-    return dataclasses.replace(fields, logprobs=top), text
+    return dataclasses.replace(fields, logprobs=top, token_ids_logprob=_named(body)), text
+
+
+def _named(body: GenerateRequest) -> list[int]:
+    """The ids `token_ids_logprob` names: a list, or a list of one list (one prompt)."""
+    named = body.token_ids_logprob or []
+    ids = [i for i in named if isinstance(i, int)]
+    lists = [i for i in named if isinstance(i, list)]
+    if not lists:
+        return ids
+    if len(lists) != 1 or ids:
+        raise ApiError(400, f"token_ids_logprob holds {len(lists)} lists: this server takes "
+                            f"one prompt a request", "token_ids_logprob")
+    return lists[0]
 
 
 def _limits(ctx: ServerContext) -> dict[str, Any]:
@@ -113,6 +127,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
                                 stop=sp.stop, stop_token_ids=sp.stop_token_ids,
                                 ignore_eos=sp.ignore_eos)
         fields, text = _logprobs(ctx, body, fields)
+        named = fields.token_ids_logprob
         prompt_ids = await _prompt(ctx, body)
         gen = ctx.generation(prompt_ids, fields, body.rid)
         rid = gen.spec.request_id
@@ -122,13 +137,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
             return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
-                yield sse(_payload(rid, update, text))  # text is cumulative
+                yield sse(_payload(rid, update, text, named))  # text is cumulative
 
             return event_stream(first, updates, chunks, lambda _: ())
         last = await last_update(request, first, updates)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        return JsonResponse(_payload(rid, last, text))
+        return JsonResponse(_payload(rid, last, text, named))
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -109,7 +109,9 @@ class GenerateRequest(_Body):
     return_logprob: bool = False
     top_logprobs_num: LogprobCount = 0
     logprob_start_len: int = -1  # -1: output tokens only; else the prompt's from there on
-    token_ids_logprob: TokenIds | None = None  # refused
+    # ids whose log probabilities come at every position given (a list of one list accepted,
+    # as for input_ids); needs return_logprob
+    token_ids_logprob: TokenIds | list[TokenIds] | None = None
     return_text_in_logprobs: bool = False
 
 
