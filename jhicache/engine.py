@@ -36,7 +36,7 @@ from jhicache.cache.storage import StorageNamespace
 from jhicache.compiles import CompileError, CompilePhase, CompileWatch
 from jhicache.config import CacheMode, EngineConfig, KVDtype
 from jhicache.grid import ShapeGrid, StepShape
-from jhicache.logprobs import MAX_TOKEN_IDS, asked_ids, prompt_reduction, token_logprobs
+from jhicache.logprobs import asked_ids, prompt_reduction, prompt_targets, token_logprobs
 from jhicache.logprobs import records as logprob_records
 from jhicache.models import (
     Qwen2Config,
@@ -460,7 +460,7 @@ class Engine:
         spans = _prompt_spans(batch)
         prompt = None
         if spans:
-            targets = _prompt_targets(spans, inputs.shape.tokens)
+            targets = _span_targets(spans, inputs.shape.tokens)
             on_device = jax.device_put(targets, rows.sharding)  # (replicated over a mesh)
             most = max(span.request.params.prompt_logprobs or 0 for span in spans)
             prompt = self.runner.programs.head_rows(rows, on_device, prompt_reduction(most))
@@ -694,10 +694,10 @@ def _prompt_spans(batch: Batch) -> list[_PromptSpan]:
     return spans
 
 
-def _prompt_targets(spans: list[_PromptSpan], tokens: int) -> np.ndarray:
-    """`head_rows`' targets for a step of `tokens` rows, [tokens, 1 + MAX_TOKEN_IDS] int32: a
-    span's rows hold the prompt tokens that follow them, then the ids their request names."""
-    targets = np.zeros((tokens, 1 + MAX_TOKEN_IDS), np.int32)
+def _span_targets(spans: list[_PromptSpan], tokens: int) -> np.ndarray:
+    """`prompt_targets` of a step of `tokens` rows, filled: a span's rows hold the prompt
+    tokens that follow them, then the ids their request names."""
+    targets = prompt_targets(tokens)
     for span in spans:
         rows = slice(span.row, span.row + span.length)
         targets[rows, 0] = span.request.tokens[span.position:span.position + span.length]

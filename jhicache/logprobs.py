@@ -125,11 +125,12 @@ def row_logprobs_top1(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array,
     each row gives its logsumexp and its top entry together (`logsumexp_and_max`)."""
     logits = logits.astype(jnp.float32)
     lse, top, ids = logsumexp_and_max(logits)
-    chosen, asked = _targets(logits, targets, lse)
+    chosen, asked = _target_logprobs(logits, targets, lse)
     return chosen, (top - lse)[:, None], ids[:, None], asked
 
 
-def _targets(logits: jax.Array, targets: jax.Array, lse: jax.Array) -> tuple[jax.Array, ...]:
+def _target_logprobs(logits: jax.Array, targets: jax.Array, lse: jax.Array
+                     ) -> tuple[jax.Array, ...]:
     """The log probabilities of each row's targets: its token's [B], the asked ids' [B, m]."""
     picked = jnp.take_along_axis(logits, targets, axis=-1) - lse[:, None]
     return picked[:, 0], picked[:, 1:]
@@ -139,7 +140,7 @@ def logsumexp_and_max(values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
     """Of each row of [B, n] float32: its logsumexp, its largest value and that value's first
     index, in one reduction that reads the row once (an online logsumexp: the running sum of
     exp(x - running max) rescaled whenever the max grows), where logsumexp then argmax would
-    read it three times. The rows are a scored prompt's logits, [256, vocab] at a time."""
+    read it three times. The rows are a scored prompt's logits, a `head_rows` block at a time."""
     index = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
 
     def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -172,7 +173,7 @@ def _row_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Ar
     # log probabilities are never written out, only each row's logsumexp
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    chosen, asked = _targets(logits, targets, lse)
+    chosen, asked = _target_logprobs(logits, targets, lse)
     top, ids = top_k_in_passes(logits, k)
     return chosen, top - lse[:, None], ids.astype(jnp.int32), asked
 
@@ -201,6 +202,13 @@ def token_logprobs(logits: jax.Array, sampled: jax.Array, asked: jax.Array
     `asked_ids`)."""
     batch = logits.shape[0]
     return row_logprobs(logits, jnp.concatenate([sampled[:batch, None], asked], axis=1))
+
+
+def prompt_targets(rows: int) -> np.ndarray:
+    """`head_rows`' targets for a step of `rows` rows, [rows, 1 + MAX_TOKEN_IDS] int32 zeros,
+    for the step to fill where prompt log probabilities are asked: a row's next prompt token,
+    then the ids its request names."""
+    return np.zeros((rows, 1 + MAX_TOKEN_IDS), np.int32)
 
 
 def asked_ids(asked: Iterable[Sequence[int]], rows: int) -> np.ndarray:

@@ -38,13 +38,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jhicache.batch import padding_inputs, patch_tokens
 from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
-from jhicache.logprobs import MAX_TOKEN_IDS, PROMPT_REDUCTIONS, asked_ids, token_logprobs
+from jhicache.logprobs import PROMPT_REDUCTIONS, asked_ids, prompt_targets, token_logprobs
 from jhicache.models.functional import output_type
 from jhicache.sampling import greedy, sample, sample_unfiltered, sampling_arrays
 
@@ -107,7 +106,7 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
     logits = output_type(rest, compiled)
     if prompt_logprobs and not shape.decode:  # the head over every row of a prefill
         hidden_rows = output_type(rest, compiled, 3)
-        targets = jax.device_put(_prompt_targets(shape), hidden_rows.sharding)
+        targets = jax.device_put(prompt_targets(shape.tokens), hidden_rows.sharding)
         for reduction in PROMPT_REDUCTIONS:
             _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
@@ -196,7 +195,7 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
         logits, hidden = engine.runner.finish(engine.runner.start(tokens, inputs.meta),
                                               inputs.meta, inputs.last_index)
         if not shape.decode:  # prompt log probabilities
-            targets = jax.device_put(_prompt_targets(shape), hidden.sharding)
+            targets = jax.device_put(prompt_targets(shape.tokens), hidden.sharding)
             for reduction in PROMPT_REDUCTIONS:
                 engine.runner.programs.head_rows(hidden, targets, reduction)
         sampled = greedy(logits, rows=rows)
@@ -206,10 +205,6 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
         token_logprobs(logits, sampled, asked_ids([], logits.shape[0]))
     jax.block_until_ready(sampled)
 
-
-def _prompt_targets(shape: StepShape) -> np.ndarray:
-    """`head_rows`' targets for a step of `shape` (as `Engine._launch` builds them)."""
-    return np.zeros((shape.tokens, 1 + MAX_TOKEN_IDS), np.int32)
 
 
 def _compile_ahead(engine: Engine, bar: tqdm) -> int:

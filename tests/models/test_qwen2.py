@@ -293,11 +293,13 @@ def test_head_rows_in_blocks_equals_one_reduction_of_every_row(model, rows: int,
     """The head over every row, `block` rows at a time (the last block padded where `rows` is
     not a multiple of it; one block of `rows` where they are fewer), reduced block by block:
     the same as the reduction of the head's logits of all rows at once."""
-    from jhicache.logprobs import row_logprobs
+    from jhicache.logprobs import MAX_TOKEN_IDS, row_logprobs
 
     rng = np.random.default_rng(rows)
     hidden = jnp.asarray(rng.standard_normal((rows, model.config.hidden_size)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, model.config.vocab_size, rows), jnp.int32)
+    # each row's next token, then the ids its request names (MAX_TOKEN_IDS columns)
+    targets = jnp.asarray(rng.integers(0, model.config.vocab_size, (rows, 1 + MAX_TOKEN_IDS)),
+                          jnp.int32)
     got = ModelPrograms(model).head_rows(hidden, targets, row_logprobs, block=block)
     want = row_logprobs(model.head(hidden), targets)
     for ours, ref in zip(got, want, strict=True):
