@@ -77,7 +77,7 @@ def _logprobs(ctx: ServerContext, body: GenerateRequest,
               fields: SamplingFields) -> tuple[SamplingFields, TokenTexts | None]:
     """The fields with the log probabilities asked for (generated tokens; with
     `logprob_start_len` >= 0 the prompt's from there on), and how a token's text is written."""
-    if body.token_ids_logprob is not None and not body.return_logprob:
+    if body.token_ids_logprob and not body.return_logprob:
         raise ApiError(400, "token_ids_logprob: their log probabilities come with the tokens'; "
                             "set return_logprob too", "token_ids_logprob")
     if body.logprob_start_len < -1:
