@@ -647,7 +647,7 @@ class Engine:
         steps = [c.sample_index or 0 for c in rows]
         # host arrays, passed as they are: a transfer, no program
         temperature, top_k, top_p, seeds = sampling_arrays(params, steps, logits.shape[0])
-        if not has_filters(params):  # no sort of the vocabulary
+        if not has_filters(params):  # no filter passes over the vocabulary
             return sample_unfiltered(logits, temperature, seeds, rows=out_rows)
         return sample(logits, temperature, top_k, top_p, seeds, rows=out_rows)
 

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +131,8 @@ def _padded(ids: jax.Array, rows: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="rows")
 def greedy(logits: jax.Array, *, rows: int) -> jax.Array:  # [B, vocab] -> [rows] int32
-    """Argmax rows: the whole batch is greedy, so the sort and mask work of `sample` is skipped."""
+    """Argmax rows: the whole batch is greedy, so the noise and filter work of `sample` is
+    skipped."""
     return _padded(jnp.argmax(logits, axis=-1).astype(jnp.int32), rows)
 
 
@@ -149,8 +150,8 @@ def _gumbel(seeds: jax.Array, vocab: int) -> jax.Array:  # [B, 3] -> [B, vocab] 
 
 
 def has_filters(params: list[SamplingParams]) -> bool:
-    """Whether a sampled row asks for top-k or top-p < 1 (then `sample`, which sorts, is
-    needed)."""
+    """Whether a sampled row asks for top-k or top-p < 1 (then `sample`, whose filters take
+    passes over the vocabulary, is needed)."""
     return any(not p.is_greedy and (p.top_k is not None or (p.top_p or 1.0) < 1.0)
                for p in params)
 
@@ -168,19 +169,86 @@ def sample(
     """Greedy rows take the argmax; the others sample from the filtered, tempered softmax."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    # Filter by rank in sorted order, so exactly k tokens survive top-k even among ties.
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    # top-p over the renormalised top-k distribution: the smallest prefix whose mass reaches p.
-    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    noise = jnp.take_along_axis(_gumbel(seeds, logits.shape[-1]), order, axis=-1)
-    picked = jnp.argmax(jnp.where(keep, sorted_logits + noise, -jnp.inf), axis=-1)
-    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    keep = filter_mask(scaled, top_k, top_p)
+    noise = _gumbel(seeds, logits.shape[-1])
+    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
     return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)
+
+
+def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Which tokens of each row [B, vocab] top-k and then top-p keep: in the order of value,
+    ties by the lower id, the first `top_k` (0: all), then of those the shortest run whose
+    renormalised mass reaches `top_p` (1: all), as HF and vLLM filter. Found without sorting
+    the rows: each cut is a value threshold found digit by digit (`_largest_reaching`), and
+    the tokens tied at it are cut by id the same way."""
+    vocab = scaled.shape[-1]
+    keys = _order_keys(scaled)
+    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]  # [B, 1]
+
+    def at_least_k(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: k tokens or more >= c
+        return _count(keys[:, None, :] >= c[:, :, None]) >= k
+
+    cut = _largest_reaching(at_least_k, scaled.shape[0], 32)[:, None]  # the k-th largest
+    in_top_k = _keep_ties(keys > cut, keys == cut, k - _count(keys > cut)[:, None], ids)
+    # the nucleus of the renormalised top-k: its mass in units of the largest token's
+    mass = jnp.where(in_top_k, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+    goal = (top_p * jnp.sum(mass, axis=-1))[:, None]  # [B, 1]
+
+    def reaches_p(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: mass of keys >= c >= goal
+        above = jnp.where(keys[:, None, :] >= c[:, :, None], mass[:, None, :], 0.0)
+        return jnp.sum(above, axis=-1) >= goal
+
+    low = _largest_reaching(reaches_p, scaled.shape[0], 32)[:, None]  # the last value kept
+    above = in_top_k & (keys > low)
+    tied = in_top_k & (keys == low)
+    before = jnp.sum(jnp.where(above, mass, 0.0), axis=-1, keepdims=True)  # mass ahead of them
+    each = jnp.max(jnp.where(tied, mass, 0.0), axis=-1, keepdims=True)  # a tied token's mass
+    # a tied token is kept while the mass before it is short of the goal
+    ahead = jnp.ceil((goal - before) / jnp.maximum(each, jnp.finfo(jnp.float32).tiny))
+    ahead = jnp.where(before + (ahead - 1) * each >= goal, ahead - 1, ahead)
+    ahead = jnp.where(before + ahead * each < goal, ahead + 1, ahead)
+    nucleus = _keep_ties(above, tied, ahead.astype(jnp.int32), ids)
+    return jnp.where((top_p < 1.0)[:, None], nucleus, in_top_k)
+
+
+_DIGIT_BITS = 4  # a threshold's bits found per pass: 2**4 candidates compared at once
+
+
+def _largest_reaching(reaches: Callable[[jax.Array], jax.Array], rows: int,
+                      bits: int) -> jax.Array:
+    """Per row, the largest t in [0, 2**bits) (uint32) with `reaches(t)`, for a test that holds
+    from 0 up to some t and fails above it (`reaches(0)` must hold): `bits / 4` passes, each
+    trying the 16 values of the next 4 bits below those already found."""
+    digits = jnp.arange(1 << _DIGIT_BITS, dtype=jnp.uint32)[None, :]
+    found = jnp.zeros((rows,), jnp.uint32)
+    for shift in range(-(-bits // _DIGIT_BITS) * _DIGIT_BITS - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        ok = reaches(found[:, None] | (digits << shift))
+        digit = jnp.maximum(jnp.sum(ok, axis=-1), 1).astype(jnp.uint32) - 1
+        found = found | (digit << shift)
+    return found
+
+
+def _keep_ties(above: jax.Array, tied: jax.Array, room: jax.Array,
+               ids: jax.Array) -> jax.Array:
+    """`above`, and the first `room` ([B, 1]) of the `tied` tokens by id."""
+    def fits(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: fewer than `room` tied ids < c
+        return _count(tied[:, None, :] & (ids[:, None, :] < c[:, :, None].astype(jnp.int32))) < room
+
+    id_bits = max(int(ids.shape[-1]).bit_length(), 1)
+    last = _largest_reaching(fits, ids.shape[0], id_bits)[:, None].astype(jnp.int32)
+    return above | (tied & (ids <= last) & (room > 0))
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask, axis=-1, dtype=jnp.int32)
+
+
+def _order_keys(values: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (-inf lowest): the sign bit set for the positive
+    values, every bit flipped for the negative ones."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
 @functools.partial(jax.jit, static_argnames="rows")
@@ -192,7 +260,7 @@ def sample_unfiltered(
     rows: int,
 ) -> jax.Array:  # [rows] int32
     """`sample` for a batch where no row asks for top-k or top-p: the same token for each row,
-    without sorting the vocabulary."""
+    without `filter_mask`'s passes."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     sampled = jnp.argmax(scaled + _gumbel(seeds, logits.shape[-1]), axis=-1).astype(jnp.int32)

@@ -8,6 +8,7 @@ import pytest
 
 from jhicache.sampling import (
     SamplingParams,
+    filter_mask,
     greedy,
     has_filters,
     sample,
@@ -114,3 +115,45 @@ def test_temperature_alone_draws_from_the_tempered_softmax(unfiltered: bool) -> 
 def test_sampled_rows_need_a_seed() -> None:
     with pytest.raises(ValueError, match="seed"):
         sampling_arrays([SamplingParams(temperature=1.0)], [0], 1)
+
+
+def _reference_mask(row: np.ndarray, k: int, p: float) -> np.ndarray:
+    """NumPy, by sorting (stable: ties by the lower id), in float64: the first k tokens by
+    value, then the shortest run of those whose renormalised mass reaches p."""
+    order = np.argsort(-row, kind="stable")[: k if 0 < k <= row.size else row.size]
+    keep = np.zeros(row.size, bool)
+    if p >= 1.0:
+        keep[order] = True
+        return keep
+    probs = np.exp(row[order].astype(np.float64) - row[order].max())
+    probs /= probs.sum()
+    keep[order[np.cumsum(probs) - probs < p]] = True
+    return keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filter_mask_equals_sorting_the_rows(seed: int) -> None:
+    """Fresh random rows, some of few distinct values (ties at every cut), with top-k off, small,
+    large and past the vocabulary, and top-p from tiny to off: the sort-free cuts keep exactly
+    the tokens a stable sort's cuts keep."""
+    rng = np.random.default_rng(seed)
+    rows, vocab = 24, 517
+    scaled = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    scaled[::3] = rng.integers(-4, 3, (8, vocab)).astype(np.float32)  # many ties
+    scaled[1, :] = 2.5  # one value throughout
+    scaled[2, 100:] = -1e30  # a floor of equal, negligible values
+    top_k = rng.choice([0, 1, 2, 7, 50, 516, 517, 600], rows).astype(np.int32)
+    top_p = rng.choice([1e-6, 0.1, 0.5, 0.77, 0.9, 0.999, 1.0], rows).astype(np.float32)
+    got = np.asarray(filter_mask(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for r in range(rows):
+        want = _reference_mask(scaled[r], int(top_k[r]), float(top_p[r]))
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}: k={top_k[r]} "
+                                                            f"p={top_p[r]}")
+
+
+def test_the_filtering_sampler_sorts_nothing() -> None:
+    """Its compiled program holds no sort of any row (the filters are value thresholds)."""
+    rows, vocab = 4, 300
+    lowered = sample.lower(jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
+                           jnp.ones(rows), jnp.zeros((rows, 3), jnp.uint32), rows=8)
+    assert "sort" not in lowered.compile().as_text().lower()
