@@ -156,4 +156,4 @@ def test_the_filtering_sampler_sorts_nothing() -> None:
     rows, vocab = 4, 300
     lowered = sample.lower(jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
                            jnp.ones(rows), jnp.zeros((rows, 3), jnp.uint32), rows=8)
-    assert "sort" not in lowered.compile().as_text().lower()
+    assert " sort(" not in lowered.compile().as_text()  # XLA's sort op, as jnp.argsort gives
