@@ -187,17 +187,18 @@ def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]  # [B, 1]
 
     def at_least_k(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: k tokens or more >= c
-        return _count(keys[:, None, :] >= c[:, :, None]) >= k
+        return _count(keys[:, :, None] >= c[:, None, :]) >= k
 
     cut = _largest_reaching(at_least_k, scaled.shape[0], 32)[:, None]  # the k-th largest
-    in_top_k = _keep_ties(keys > cut, keys == cut, k - _count(keys > cut)[:, None], ids)
+    in_top_k = _keep_ties(keys > cut, keys == cut,
+                          k - jnp.sum(keys > cut, axis=-1, dtype=jnp.int32)[:, None], ids)
     # the nucleus of the renormalised top-k: its mass in units of the largest token's
     mass = jnp.where(in_top_k, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
     goal = (top_p * jnp.sum(mass, axis=-1))[:, None]  # [B, 1]
 
     def reaches_p(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: mass of keys >= c >= goal
-        above = jnp.where(keys[:, None, :] >= c[:, :, None], mass[:, None, :], 0.0)
-        return jnp.sum(above, axis=-1) >= goal
+        above = jnp.where(keys[:, :, None] >= c[:, None, :], mass[:, :, None], 0.0)
+        return jnp.sum(above, axis=1) >= goal
 
     low = _largest_reaching(reaches_p, scaled.shape[0], 32)[:, None]  # the last value kept
     above = in_top_k & (keys > low)
@@ -233,7 +234,7 @@ def _keep_ties(above: jax.Array, tied: jax.Array, room: jax.Array,
                ids: jax.Array) -> jax.Array:
     """`above`, and the first `room` ([B, 1]) of the `tied` tokens by id."""
     def fits(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: fewer than `room` tied ids < c
-        return _count(tied[:, None, :] & (ids[:, None, :] < c[:, :, None].astype(jnp.int32))) < room
+        return _count(tied[:, :, None] & (ids[:, :, None] < c[:, None, :].astype(jnp.int32))) < room
 
     id_bits = max(int(ids.shape[-1]).bit_length(), 1)
     last = _largest_reaching(fits, ids.shape[0], id_bits)[:, None].astype(jnp.int32)
@@ -241,7 +242,10 @@ def _keep_ties(above: jax.Array, tied: jax.Array, room: jax.Array,
 
 
 def _count(mask: jax.Array) -> jax.Array:
-    return jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    """[B, vocab, D] -> [B, D]: the vocabulary the reduced axis and the candidates the minor
+    one, so that a reduction reads each token once for all its candidates, where with the
+    vocabulary minor it would read the row once per candidate."""
+    return jnp.sum(mask, axis=1, dtype=jnp.int32)
 
 
 def _order_keys(values: jax.Array) -> jax.Array:
