@@ -127,12 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="storage-hit: the prefix tokens found only in the storage tier")
     p.add_argument("--storage-hit-turn", **count, default=64 if gpu else 16,
                    help="storage-hit: new turn tokens")
-    p.add_argument("--storage-hit-trials", **count, default=3 if gpu else 1,
+    p.add_argument("--storage-hit-trials", **count, default=7 if gpu else 1,
                    help="storage-hit: measured trials (after a warm-up one); the figures printed "
                         "are the median trial's by storage-hit TTFT")
     p.add_argument("--scoring-prompt", **count, default=8192 if gpu else 256,
                    help="scoring: the prompt tokens scored, and prefilled for comparison")
-    p.add_argument("--scoring-trials", **count, default=3 if gpu else 1,
+    p.add_argument("--scoring-trials", **count, default=7 if gpu else 1,
                    help="scoring: measured pairs (after a warm-up pair); the figures printed "
                         "are the median pair's by ratio")
     p.add_argument("--storage-dir", type=storage_directory, metavar="DIR", default=None,
