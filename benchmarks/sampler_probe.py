@@ -1,14 +1,14 @@
-"""What a decode step's sampling costs on the device, by kind of batch: the filtering sampler
-(`sample`: top-k and top-p), the sort-free one for batches that filter nothing
-(`sample_unfiltered`) and greedy, on random float32 logits of the preset's vocabulary, timed with
-device completion (median of calls dispatched back to back, the host's dispatch hidden).
+"""What a decode step's sampling costs on the device, by kind of batch: `sample` with the cuts
+its batch asks for (`Filters`: top-k, top-p, both, neither) and greedy, on random float32 logits
+of the preset's vocabulary, timed with device completion (median of calls dispatched back to
+back, the host's dispatch hidden).
 
     PYTHONPATH=. python3 benchmarks/sampler_probe.py [--preset qwen2-7b] --out FILE.json
 
-Each batch size times every row sampling at temperature 1.0: with top-p 0.9 (`top_p`), with
-top-k 50 and top-p 0.9 (`top_k_top_p`), with neither through `sample` (`sample_no_filter`) and
-through `sample_unfiltered` (`unfiltered`); and `greedy`. The difference between `top_p` and
-`unfiltered` is what a top-p request adds to a step's sampling.
+Each batch size times every row sampling at temperature 1.0: with top-p 0.9 (`top_p`), top-k
+50 (`top_k`), both (`top_k_top_p`), neither but both cuts taken (`sample_no_filter`: the passes
+alone), neither (`unfiltered`); and `greedy`. The difference between `top_p` and `unfiltered` is
+what a top-p request adds to a step's sampling.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jhicache.models.config import PRESETS
 
 from jhicache.bench.command import save_json
-from jhicache.sampling import SamplingParams, greedy, sample, sample_unfiltered, sampling_arrays
+from jhicache.sampling import Filters, SamplingParams, greedy, sample, sampling_arrays
 
 BATCHES = (1, 8, 32, 64)
 CALLS = 20  # dispatched back to back per timing
@@ -52,14 +52,14 @@ def timings(batch: int, vocab: int, seed: int) -> dict[str, float]:
         return [jnp.asarray(a) for a in sampling_arrays(rows, steps, batch)]
 
     out: dict[str, float] = {}
-    for name, params in (("top_p", {"top_p": 0.9}), ("top_k_top_p", {"top_k": 50, "top_p": 0.9}),
-                         ("sample_no_filter", {})):
+    variants: tuple[tuple[str, dict[str, float | int], Filters], ...] = (
+        ("top_p", {"top_p": 0.9}, Filters.TOP_P), ("top_k", {"top_k": 50}, Filters.TOP_K),
+        ("top_k_top_p", {"top_k": 50, "top_p": 0.9}, Filters.BOTH),
+        ("sample_no_filter", {}, Filters.BOTH), ("unfiltered", {}, Filters.NONE))
+    for name, params, filters in variants:
         temperature, top_k, top_p, seeds = arrays(**params)
-        out[name] = back_to_back_ms(
-            lambda: sample(logits, temperature, top_k, top_p, seeds, rows=batch))
-    temperature, _, _, seeds = arrays()
-    out["unfiltered"] = back_to_back_ms(
-        lambda: sample_unfiltered(logits, temperature, seeds, rows=batch))
+        out[name] = back_to_back_ms(lambda: sample(logits, temperature, top_k, top_p, seeds,
+                                                   rows=batch, filters=filters))
     out["greedy"] = back_to_back_ms(lambda: greedy(logits, rows=batch))
     return out
 

@@ -53,10 +53,9 @@ from jhicache.sampling import (
     SEED_LIMIT,
     SamplingParams,
     greedy,
-    has_filters,
     sample,
-    sample_unfiltered,
     sampling_arrays,
+    step_filters,
 )
 from jhicache.scheduler import Scheduler
 from jhicache.stats import EngineStats, Occupancy, StartupTimes, StepCounters
@@ -647,9 +646,8 @@ class Engine:
         steps = [c.sample_index or 0 for c in rows]
         # host arrays, passed as they are: a transfer, no program
         temperature, top_k, top_p, seeds = sampling_arrays(params, steps, logits.shape[0])
-        if not has_filters(params):  # no filter passes over the vocabulary
-            return sample_unfiltered(logits, temperature, seeds, rows=out_rows)
-        return sample(logits, temperature, top_k, top_p, seeds, rows=out_rows)
+        return sample(logits, temperature, top_k, top_p, seeds, rows=out_rows,
+                      filters=step_filters(params))
 
 
 class _Launched(NamedTuple):

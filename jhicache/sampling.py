@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import numbers
@@ -149,14 +150,34 @@ def _gumbel(seeds: jax.Array, vocab: int) -> jax.Array:  # [B, 3] -> [B, vocab] 
     return jax.vmap(lambda words: jax.random.gumbel(_row_key(words), (vocab,)))(seeds)
 
 
-def has_filters(params: list[SamplingParams]) -> bool:
-    """Whether a sampled row asks for top-k or top-p < 1 (then `sample`, whose filters take
-    passes over the vocabulary, is needed)."""
-    return any(not p.is_greedy and (p.top_k is not None or (p.top_p or 1.0) < 1.0)
-               for p in params)
+class Filters(enum.Enum):
+    """The cuts a step's sampled rows ask for: the sampler takes its passes over the vocabulary
+    for these alone (a static argument: one program each)."""
+
+    NONE = "none"
+    TOP_K = "top_k"
+    TOP_P = "top_p"
+    BOTH = "both"
+
+    @property
+    def top_k(self) -> bool:
+        return self in (Filters.TOP_K, Filters.BOTH)
+
+    @property
+    def top_p(self) -> bool:
+        return self in (Filters.TOP_P, Filters.BOTH)
 
 
-@functools.partial(jax.jit, static_argnames="rows")
+def step_filters(params: list[SamplingParams]) -> Filters:
+    """The cuts any sampled row of `params` asks for: top-k, top-p < 1, both or neither."""
+    sampled = [p for p in params if not p.is_greedy]
+    top_k = any(p.top_k is not None for p in sampled)
+    top_p = any((p.top_p or 1.0) < 1.0 for p in sampled)
+    return {(False, False): Filters.NONE, (True, False): Filters.TOP_K,
+            (False, True): Filters.TOP_P, (True, True): Filters.BOTH}[top_k, top_p]
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "filters"))
 def sample(
     logits: jax.Array,  # [B, vocab] float32
     temperature: jax.Array,  # [B]
@@ -165,34 +186,57 @@ def sample(
     seeds: jax.Array,  # [B, 3] uint32: (seed low, seed high, step) per row
     *,
     rows: int,  # >= B: the output is padded to it
+    filters: Filters,  # the cuts any row asks for (`step_filters`); the others are not taken
 ) -> jax.Array:  # [rows] int32
-    """Greedy rows take the argmax; the others sample from the filtered, tempered softmax."""
+    """Greedy rows take the argmax; the others sample from the filtered, tempered softmax (the
+    Gumbel-max over token ids, so a row draws the same token whatever `filters` its batch
+    needs)."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    keep = filter_mask(scaled, top_k, top_p)
-    noise = _gumbel(seeds, logits.shape[-1])
-    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+    drawn = scaled + _gumbel(seeds, logits.shape[-1])
+    if filters is not Filters.NONE:
+        drawn = jnp.where(filter_mask(scaled, top_k, top_p, filters), drawn, -jnp.inf)
+    sampled = jnp.argmax(drawn, axis=-1).astype(jnp.int32)
     return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)
 
 
-def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                filters: Filters = Filters.BOTH) -> jax.Array:
     """Which tokens of each row [B, vocab] top-k and then top-p keep: in the order of value,
     ties by the lower id, the first `top_k` (0: all), then of those the shortest run whose
     renormalised mass reaches `top_p` (1: all), as HF and vLLM filter. Found without sorting
     the rows: each cut is a value threshold found digit by digit (`_largest_reaching`), and
-    the tokens tied at it are cut by id the same way."""
-    vocab = scaled.shape[-1]
+    the tokens tied at it are cut by id the same way. A cut `filters` leaves out is not
+    taken: every row must then have it off."""
     keys = _order_keys(scaled)
     ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    in_top_k = (_top_k_mask(keys, ids, top_k) if filters.top_k
+                else jnp.ones(scaled.shape, jnp.bool_))
+    if not filters.top_p:
+        return in_top_k
+    nucleus = _nucleus(scaled, keys, ids, in_top_k, top_p)
+    return jnp.where((top_p < 1.0)[:, None], nucleus, in_top_k)
+
+
+def _top_k_mask(keys: jax.Array, ids: jax.Array, top_k: jax.Array) -> jax.Array:
+    """The first `top_k` tokens of each row by key, ties by id (0 or past the vocabulary:
+    all)."""
+    vocab = keys.shape[-1]
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]  # [B, 1]
 
     def at_least_k(c: jax.Array) -> jax.Array:  # [B, D] -> [B, D]: k tokens or more >= c
         return _count(keys[:, :, None] >= c[:, None, :]) >= k
 
-    cut = _largest_reaching(at_least_k, scaled.shape[0], 32)[:, None]  # the k-th largest
-    in_top_k = _keep_ties(keys > cut, keys == cut,
-                          k - jnp.sum(keys > cut, axis=-1, dtype=jnp.int32)[:, None], ids)
-    # the nucleus of the renormalised top-k: its mass in units of the largest token's
+    cut = _largest_reaching(at_least_k, keys.shape[0], 32)[:, None]  # the k-th largest
+    return _keep_ties(keys > cut, keys == cut,
+                      k - jnp.sum(keys > cut, axis=-1, dtype=jnp.int32)[:, None], ids)
+
+
+def _nucleus(scaled: jax.Array, keys: jax.Array, ids: jax.Array, in_top_k: jax.Array,
+             top_p: jax.Array) -> jax.Array:
+    """Of each row's `in_top_k` tokens, the shortest run by key (ties by id) whose mass,
+    renormalised over them, reaches `top_p`."""
+    # in units of the largest token's mass
     mass = jnp.where(in_top_k, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
     goal = (top_p * jnp.sum(mass, axis=-1))[:, None]  # [B, 1]
 
@@ -200,7 +244,7 @@ def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
         above = jnp.where(keys[:, :, None] >= c[:, None, :], mass[:, :, None], 0.0)
         return jnp.sum(above, axis=1) >= goal
 
-    low = _largest_reaching(reaches_p, scaled.shape[0], 32)[:, None]  # the last value kept
+    low = _largest_reaching(reaches_p, keys.shape[0], 32)[:, None]  # the last value kept
     above = in_top_k & (keys > low)
     tied = in_top_k & (keys == low)
     before = jnp.sum(jnp.where(above, mass, 0.0), axis=-1, keepdims=True)  # mass ahead of them
@@ -209,8 +253,7 @@ def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     ahead = jnp.ceil((goal - before) / jnp.maximum(each, jnp.finfo(jnp.float32).tiny))
     ahead = jnp.where(before + (ahead - 1) * each >= goal, ahead - 1, ahead)
     ahead = jnp.where(before + ahead * each < goal, ahead + 1, ahead)
-    nucleus = _keep_ties(above, tied, ahead.astype(jnp.int32), ids)
-    return jnp.where((top_p < 1.0)[:, None], nucleus, in_top_k)
+    return _keep_ties(above, tied, ahead.astype(jnp.int32), ids)
 
 
 _DIGIT_BITS = 4  # a threshold's bits found per pass: 2**4 candidates compared at once
@@ -253,19 +296,3 @@ def _order_keys(values: jax.Array) -> jax.Array:
     values, every bit flipped for the negative ones."""
     bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-@functools.partial(jax.jit, static_argnames="rows")
-def sample_unfiltered(
-    logits: jax.Array,  # [B, vocab] float32
-    temperature: jax.Array,  # [B]
-    seeds: jax.Array,  # [B, 3] uint32
-    *,
-    rows: int,
-) -> jax.Array:  # [rows] int32
-    """`sample` for a batch where no row asks for top-k or top-p: the same token for each row,
-    without `filter_mask`'s passes."""
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    sampled = jnp.argmax(scaled + _gumbel(seeds, logits.shape[-1]), axis=-1).astype(jnp.int32)
-    return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)

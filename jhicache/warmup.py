@@ -45,7 +45,7 @@ from jhicache.compiles import CompilePhase
 from jhicache.grid import StepShape
 from jhicache.logprobs import PROMPT_REDUCTIONS, asked_ids, prompt_targets, token_logprobs
 from jhicache.models.functional import output_type
-from jhicache.sampling import greedy, sample, sample_unfiltered, sampling_arrays
+from jhicache.sampling import Filters, greedy, sample, sampling_arrays
 
 if TYPE_CHECKING:
     from jhicache.cache.write_back import WriteBacks
@@ -111,8 +111,9 @@ def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractCo
             _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
     sampled = _compiled(greedy.lower(logits, rows=rows), lock)
     temperature, top_k, top_p, seeds = sampling_arrays([], [], shape.requests)
-    _compiled(sample.lower(logits, temperature, top_k, top_p, seeds, rows=rows), lock)
-    _compiled(sample_unfiltered.lower(logits, temperature, seeds, rows=rows), lock)
+    for filters in Filters:
+        _compiled(sample.lower(logits, temperature, top_k, top_p, seeds, rows=rows,
+                               filters=filters), lock)
     if sampled_logprobs:
         _compiled(token_logprobs.lower(logits, sampled, asked_ids([], logits.shape[0])), lock)
     if inputs.patches is not None:
@@ -200,8 +201,8 @@ def _padding_step(engine: Engine, shape: StepShape) -> None:
                 engine.runner.programs.head_rows(hidden, targets, reduction)
         sampled = greedy(logits, rows=rows)
         temperature, top_k, top_p, seeds = sampling_arrays([], [], logits.shape[0])
-        sample(logits, temperature, top_k, top_p, seeds, rows=rows)
-        sample_unfiltered(logits, temperature, seeds, rows=rows)
+        for filters in Filters:
+            sample(logits, temperature, top_k, top_p, seeds, rows=rows, filters=filters)
         token_logprobs(logits, sampled, asked_ids([], logits.shape[0]))
     jax.block_until_ready(sampled)
 

@@ -7,45 +7,44 @@ import numpy as np
 import pytest
 
 from jhicache.sampling import (
+    Filters,
     SamplingParams,
     filter_mask,
     greedy,
-    has_filters,
     sample,
-    sample_unfiltered,
     sampling_arrays,
+    step_filters,
 )
 
 
 def _sample(logits: np.ndarray, params: list[SamplingParams], step: int = 0,
-            unfiltered: bool = False) -> np.ndarray:
+            filters: Filters | None = None) -> np.ndarray:
+    """`sample` with the cuts `params` ask for, or with `filters`."""
     temperature, top_k, top_p, seeds = map(jnp.asarray, sampling_arrays(
         params, [step] * len(params), logits.shape[0]))
     rows = logits.shape[0] + 3  # padded past the batch, as the engine pads to its grid
-    if unfiltered:
-        out = sample_unfiltered(jnp.asarray(logits), temperature, seeds, rows=rows)
-    else:
-        out = sample(jnp.asarray(logits), temperature, top_k, top_p, seeds, rows=rows)
-    out = np.asarray(out)
+    out = np.asarray(sample(jnp.asarray(logits), temperature, top_k, top_p, seeds, rows=rows,
+                            filters=step_filters(params) if filters is None else filters))
     np.testing.assert_array_equal(out[logits.shape[0]:], 0)
     return out[: logits.shape[0]]
 
 
-def test_a_row_that_filters_nothing_draws_the_same_token_from_either_sampler() -> None:
-    """The sort-free sampler, for batches where no row filters, draws what the sorting one does
-    for each row; so a seeded row's token does not depend on its neighbours' filters."""
+def test_a_row_that_filters_nothing_draws_the_same_token_whatever_cuts_are_taken() -> None:
+    """A row that filters nothing draws the same token in a batch that takes no cut as in one
+    that takes both; so a seeded row's token does not depend on its neighbours' filters."""
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(8, 301)).astype(np.float32) * 3
     plain = [SamplingParams(temperature=float(t), seed=int(s))
              for t, s in zip(rng.uniform(0.3, 2.0, 6), rng.integers(0, 2**40, 6))]
     params = [SamplingParams(), *plain, SamplingParams(top_p=1.0, temperature=0.7, seed=5)]
-    assert not has_filters(params)
+    assert step_filters(params) is Filters.NONE
     for step in (0, 9):
-        alone = _sample(logits, params, step, unfiltered=True)
-        np.testing.assert_array_equal(alone, _sample(logits, params, step))
-        # beside rows that filter (the sorting sampler then runs for the whole batch)
-        mixed = [*params[:-1], SamplingParams(temperature=1.0, top_k=3, seed=8)]
-        assert has_filters(mixed)
+        alone = _sample(logits, params, step)
+        for filters in Filters:
+            np.testing.assert_array_equal(alone, _sample(logits, params, step, filters))
+        # beside rows that filter (the cuts are then taken for the whole batch)
+        mixed = [*params[:-1], SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=8)]
+        assert step_filters(mixed) is Filters.BOTH
         np.testing.assert_array_equal(_sample(logits, mixed, step)[:-1], alone[:-1])
     assert len(set(alone[1:7].tolist())) > 1  # the rows do sample
 
@@ -101,12 +100,12 @@ def test_joint_top_k_top_p_draws_follow_the_renormalised_distribution() -> None:
     assert freq[3] == 0 and np.all(np.abs(freq - expected) <= 4 * sigma + 1e-9), freq
 
 
-@pytest.mark.parametrize("unfiltered", [False, True])
-def test_temperature_alone_draws_from_the_tempered_softmax(unfiltered: bool) -> None:
+@pytest.mark.parametrize("filters", [Filters.NONE, Filters.BOTH])
+def test_temperature_alone_draws_from_the_tempered_softmax(filters: Filters) -> None:
     n, probs = 4000, np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(np.asarray([probs] * n, np.float32))
     draws = _sample(logits, [SamplingParams(temperature=2.0, seed=s) for s in range(n)],
-                    unfiltered=unfiltered)
+                    filters=filters)
     tempered = probs ** 0.5 / np.sum(probs ** 0.5)
     freq = np.bincount(draws, minlength=4) / n
     assert np.all(np.abs(freq - tempered) <= 4 * np.sqrt(tempered * (1 - tempered) / n)), freq
@@ -151,9 +150,42 @@ def test_filter_mask_equals_sorting_the_rows(seed: int) -> None:
                                                             f"p={top_p[r]}")
 
 
-def test_the_filtering_sampler_sorts_nothing() -> None:
-    """Its compiled program holds no sort of any row (the filters are value thresholds)."""
+@pytest.mark.parametrize("filters", list(Filters))
+def test_the_sampler_sorts_nothing(filters: Filters) -> None:
+    """No program of the sampler holds a sort of any row (the filters are value thresholds)."""
     rows, vocab = 4, 300
     lowered = sample.lower(jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
-                           jnp.ones(rows), jnp.zeros((rows, 3), jnp.uint32), rows=8)
+                           jnp.ones(rows), jnp.zeros((rows, 3), jnp.uint32), rows=8,
+                           filters=filters)
     assert " sort(" not in lowered.compile().as_text()  # XLA's sort op, as jnp.argsort gives
+
+
+@pytest.mark.parametrize("filters", [Filters.TOP_K, Filters.TOP_P, Filters.NONE])
+def test_filter_mask_takes_only_the_cuts_its_batch_asks_for(filters: Filters) -> None:
+    """A batch whose rows ask for top-k alone, top-p alone or neither, its cuts taken by the
+    program for those alone: the same tokens kept as the sorting reference, on rows of distinct
+    values and on rows full of ties."""
+    rng = np.random.default_rng(20 + list(Filters).index(filters))
+    rows, vocab = 12, 389
+    scaled = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    scaled[::2] = rng.integers(-3, 3, (rows // 2, vocab)).astype(np.float32)  # ties
+    top_k = (rng.choice([1, 3, 40, 388, 0], rows) if filters.top_k
+             else np.zeros(rows)).astype(np.int32)
+    top_p = (rng.choice([0.05, 0.5, 0.9, 1.0], rows) if filters.top_p
+             else np.ones(rows)).astype(np.float32)
+    got = np.asarray(filter_mask(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p),
+                                 filters))
+    for r in range(rows):
+        want = _reference_mask(scaled[r], int(top_k[r]), float(top_p[r]))
+        np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
+
+
+def test_step_filters_names_the_cuts_of_the_sampled_rows() -> None:
+    greedy_top_k = SamplingParams(top_k=5)  # greedy: its cut is never taken
+    assert step_filters([SamplingParams(), greedy_top_k]) is Filters.NONE
+    assert step_filters([SamplingParams(temperature=1.0, seed=1, top_k=5),
+                         greedy_top_k]) is Filters.TOP_K
+    assert step_filters([SamplingParams(temperature=1.0, seed=1, top_p=0.9),
+                         SamplingParams(temperature=1.0, seed=2, top_p=1.0)]) is Filters.TOP_P
+    assert step_filters([SamplingParams(temperature=1.0, seed=1, top_p=0.9),
+                         SamplingParams(temperature=1.0, seed=2, top_k=3)]) is Filters.BOTH
