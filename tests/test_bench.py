@@ -386,11 +386,13 @@ def test_multiturn_with_logprobs_asks_them_of_every_request(tmp_path) -> None:
         command.main(["multiturn", *TINY, "--logprobs", "21"])
 
 
-def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path) -> None:
+@pytest.mark.parametrize("server", ["process", "thread"])
+def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path, server: str) -> None:
     out = tmp_path / "scoring.json"
     assert command.main(["scoring", *TINY, "--scoring-prompt", "100", "--scoring-trials", "2",
-                         "--out", str(out)]) == 0
+                         "--scoring-server", server, "--out", str(out)]) == 0
     result = json.loads(out.read_text())["scoring"]
+    assert result["server"] == server
     assert len(result["trials"]) == 2 and result["prompt_tokens"] == 100
     assert all(t["compiles"] == 0 for t in result["trials"])
     assert result["scored_over_prefill"] == pytest.approx(

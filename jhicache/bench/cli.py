@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring-trials", **count, default=7 if gpu else 1,
                    help="scoring: measured pairs (after a warm-up pair); the figures printed "
                         "are the median pair's by ratio")
+    p.add_argument("--scoring-server", default="process", choices=("process", "thread"),
+                   help="scoring: the server leg's engine in an engine process (as `python -m "
+                        "jhicache.serve` runs it; this process's engine is closed first) or "
+                        "this process's engine in a thread of the server's")
     p.add_argument("--storage-dir", type=storage_directory, metavar="DIR", default=None,
                    help="storage-hit: where its storage tier and the disk probe's files go "
                         "(unset: the system's temporary directory); multiturn: a storage tier "

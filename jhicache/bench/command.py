@@ -83,10 +83,11 @@ def save_json(result: dict, path: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "serve-overhead" in argv or any(a == "--url" or a.startswith("--url=") for a in argv):
+    if ("serve-overhead" in argv or "scoring" in argv
+            or any(a == "--url" or a.startswith("--url=") for a in argv)):
         # The client needs no accelerator memory, and the server on the same GPU (--url) or
-        # the engine process (serve-overhead, which inherits this setting) needs all of it:
-        # JAX's default preallocation (75%) at the first backend call would take it.
+        # the engine process (serve-overhead and scoring, which inherit this setting) needs
+        # it: JAX's default preallocation (75%) at the first backend call would take it.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
     if args.what == "kernels":

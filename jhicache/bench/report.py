@@ -223,6 +223,10 @@ def storage_hit_table(result: dict) -> str:
             f"{result['median_trial'] + 1}): {min(ttfts):.1f}-{max(ttfts):.1f} ms")
 
 
+_SERVERS = {"thread": "the engine in a thread of the server's process",
+            "process": "the engine in an engine process, as the server's command runs it"}
+
+
 def scoring_table(result: dict) -> str:
     pairs, http = len(result["trials"]), result.get("http")
     text = (f"scoring a {result['prompt_tokens']}-token prompt (its tokens' log probabilities, "
@@ -233,8 +237,8 @@ def scoring_table(result: dict) -> str:
             f"pairs {sum(t['compiles'] for t in result['trials'])}")
     if http is not None:
         text += (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, "
-                 f"one new token, timed by the client; the engine in a thread of the server's "
-                 f"process): {_against(http, 'e2e_s', 'scored_over_prefill')}; compiles "
+                 f"one new token, timed by the client; {_SERVERS[result.get('server', 'thread')]}"
+                 f"): {_against(http, 'e2e_s', 'scored_over_prefill')}; compiles "
                  f"{sum(t['compiles'] for t in http['trials'])}")
     return text
 

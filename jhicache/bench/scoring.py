@@ -1,10 +1,12 @@
 """The scoring bench: the TTFT of a prompt scored (the log probabilities of its tokens, what
 `echo` with `logprobs` asks for) against the same length's plain prefill, nothing cached, in
-process and through the server's /v1/completions as an evaluation harness sends it."""
+process and through the server's /v1/completions as an evaluation harness sends it (the engine
+in an engine process, as the server's command runs it, or in a thread of the server's)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 import urllib.request
@@ -14,7 +16,7 @@ import numpy as np
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import as_served, make_engine
+from jhicache.bench.engines import as_served, engine_spec, make_engine
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
@@ -62,31 +64,31 @@ def _post(url: str, body: dict) -> tuple[float, dict]:
     return time.perf_counter() - start, json.loads(data)
 
 
-def http_pairs(engine: Engine, rng: np.random.Generator, tokens: int, trials: int) -> dict:
-    """`trials` pairs after a warm-up pair through a server over `engine` (stepped in a thread
-    of this process; closed at the end), as lm-evaluation-harness's completions model asks
-    for a log-likelihood: a text prompt with `echo`, `logprobs` 1 and one new token, against the
-    same request without `echo` and `logprobs`; each request timed by its client, end to end.
-    The pair with the median ratio, and every pair."""
-    vocab = engine.model_config.vocab_size
-    ctx = ServerContext.create(AsyncEngine(engine), word_tokenizer(vocab), "bench", "bench")
+def http_pairs(engine: AsyncEngine, rng: np.random.Generator, tokens: int, trials: int) -> dict:
+    """`trials` pairs after a warm-up pair through a server over `engine` (warmed up; closed at
+    the end), as lm-evaluation-harness's completions model asks for a log-likelihood: a text
+    prompt with `echo`, `logprobs` 1 and one new token, against the same request without
+    `echo` and `logprobs`; each request timed by its client, end to end. The pair with the
+    median ratio, and every pair, with the programs the engine compiled in each."""
+    vocab = engine.info.vocab_size
+    ctx = ServerContext.create(engine, word_tokenizer(vocab), "bench", "bench")
     pairs = []
     with ServerThread(ctx) as server:
         for trial in range(trials + 1):  # the first: the server's own first requests
             plain, scored = (" ".join(f"w{t}" for t in p)
                              for p in random_prompts(rng, vocab, 2, tokens))
-            with CompileCounter() as compiles:
-                plain_s, _ = _post(server.url, {"prompt": plain, "max_tokens": 1})
-                scored_s, body = _post(server.url, {"prompt": scored, "max_tokens": 1,
-                                                    "echo": True, "logprobs": 1})
+            before = engine.compile_counts()["serving"]
+            plain_s, _ = _post(server.url, {"prompt": plain, "max_tokens": 1})
+            scored_s, body = _post(server.url, {"prompt": scored, "max_tokens": 1,
+                                                "echo": True, "logprobs": 1})
+            compiled = engine.compile_counts()["serving"] - before
             scores = body["choices"][0]["logprobs"]["token_logprobs"]
             if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
                 raise RuntimeError(f"the scored prompt came back with {len(scores)} log "
                                    f"probabilities for {tokens} + 1 tokens")
             if trial:
                 pairs.append({"prefill_e2e_s": plain_s, "scored_e2e_s": scored_s,
-                              "scored_over_prefill": scored_s / plain_s,
-                              "compiles": compiles.count})
+                              "scored_over_prefill": scored_s / plain_s, "compiles": compiled})
     ratios = [p["scored_over_prefill"] for p in pairs]
     median = median_index(ratios)
     return {**pairs[median], "trials": pairs, "median_trial": median}
@@ -96,11 +98,38 @@ def bench_scoring(args: argparse.Namespace) -> dict:
     """On an engine warmed up as a server's is, `--scoring-trials` pairs after a warm-up pair,
     each on fresh random prompts (nothing cached): a plain prefill, then the same length scored
     with one alternative per token, in process; then as many through the server
-    (`http_pairs`). The pair with the median ratio, and every pair."""
+    (`http_pairs`), its engine in an engine process (`--scoring-server process`: this
+    process's engine closed first) or this one in a thread. The pair with the median ratio,
+    and every pair."""
     tokens = args.scoring_prompt
-    engine = make_engine(args, cache_mode="device", device_kv_tokens=2 * (tokens + 64))
+    overrides = {"cache_mode": "device", "device_kv_tokens": 2 * (tokens + 64)}
+    rng = np.random.default_rng(args.seed + 3)
+    engine = make_engine(args, **overrides)
     with as_served(engine):
-        return _pairs(engine, tokens, np.random.default_rng(args.seed + 3), args.scoring_trials)
+        result = _pairs(engine, tokens, rng, args.scoring_trials)
+        if args.scoring_server == "thread":
+            return {**result, "http": http_pairs(AsyncEngine(engine), rng, tokens,
+                                                 args.scoring_trials), "server": "thread"}
+    engine.close()
+    del engine
+    gc.collect()  # its device arrays freed before the engine process takes its own
+    served = AsyncEngine(engine_spec(args, **overrides))
+    try:
+        _warm_up(served)
+        with as_served():
+            http = http_pairs(served, rng, tokens, args.scoring_trials)
+    finally:
+        served.close()
+    return {**result, "http": http, "server": "process"}
+
+
+def _warm_up(engine: AsyncEngine) -> None:
+    """`engine`'s warm-up, as the server's start runs it (the heap frozen at its end)."""
+    engine.start_warmup(progress=False, freeze_heap=True)
+    while not engine.is_ready:
+        if not engine.is_running:
+            raise RuntimeError(f"the engine process stopped: {engine.error}")
+        time.sleep(0.05)
 
 
 def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) -> dict:
@@ -121,6 +150,4 @@ def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) ->
                            "compiles": compiles.count})
     ratios = [t["scored_over_prefill"] for t in trials]
     median = median_index(ratios)
-    http = http_pairs(engine, rng, tokens, count)
-    return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median,
-            "http": http}
+    return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median}
