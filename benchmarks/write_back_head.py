@@ -23,7 +23,7 @@ import numpy as np
 from jhicache.bench import host_hit, workload
 from jhicache.bench.cli import parse_args
 from jhicache.bench.command import save_json
-from jhicache.cache import TransferTuning
+from jhicache.config import TransferTuning
 
 
 def trial(engine, rng: np.random.Generator, prefix_len: int, turn_len: int) -> dict:

@@ -89,6 +89,38 @@ def _page_multiple(field: str, tokens: int, page_size: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferTuning:
+    """How much the transfers queue at a time (bytes of one device shard).
+
+    Attributes:
+      write_piece_bytes: host copies of write-backs queued per poll (and per `launch_writes`):
+        small against a whole write-back, because a forward's own small device->host copy
+        (its sampled tokens) waits behind copies queued before it (`WriteBacks._issue`).
+      gather_head_bytes: a write-back larger than this gathers this many bytes first (whole
+        pages, a power of two of them), then pieces that double (`gather_pieces`): the first
+        piece's copies start once it has gathered, while the rest gathers, instead of after
+        the whole write-back's staging. Small enough to gather in a fraction of a millisecond,
+        large enough that its per-layer copies run at the PCIe rate (BENCHMARKS.md, the
+        write-back table).
+      load_head_bytes: a load launched by its first layers queues at least this many bytes
+        (whole layers) before the rest: enough copying to keep the copy engine busy while the
+        host builds the step's inputs and dispatches the forward's first program, after which
+        it queues the rest (the host-hit phases in BENCHMARKS.md). Where the whole load is
+        smaller, it is queued at once.
+    """
+
+    write_piece_bytes: int = 64 << 20
+    gather_head_bytes: int = 256 << 20
+    load_head_bytes: int = 96 << 20
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TransferTuning.{field.name}={value!r}: expected an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine settings. Enum fields also accept their string values; `None` sizes are derived.
 
@@ -139,6 +171,8 @@ class EngineConfig:
       fetch_timeout_s, fetch_timeout_per_ki_token_s: the timeout policy's allowance: the base
         plus this much per 1024 tokens asked for.
       storage_io_threads: threads reading from storage at once.
+      transfer_tuning: how much the host tier's copies queue at a time (`TransferTuning`; on
+        the command line, one flag per field: `--transfer-tuning-load-head-bytes`...).
     """
 
     page_size: int = 64
@@ -167,6 +201,7 @@ class EngineConfig:
     fetch_timeout_s: float = 2.0
     fetch_timeout_per_ki_token_s: float = 0.1
     storage_io_threads: int = 8
+    transfer_tuning: TransferTuning = TransferTuning()
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -194,6 +229,9 @@ class EngineConfig:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: "
                                  "expected True or False")
+        if not isinstance(self.transfer_tuning, TransferTuning):
+            raise ValueError(f"EngineConfig.transfer_tuning={self.transfer_tuning!r}: expected "
+                             "a TransferTuning")
         self._check_storage()
         if self.chunked_prefill_tokens < self.page_size:
             raise ValueError("EngineConfig.chunked_prefill_tokens must be at least page_size")

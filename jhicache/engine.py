@@ -92,7 +92,8 @@ class Engine:
                    if host_pool is not None and config.storage_dir is not None else None)
         self.cache = PrefixCache(config.page_size, self.device_pool, host_pool, config.write_policy,
                                  config.load_back_threshold, config.write_through_threshold, copier,
-                                 storage, config.storage_io_threads, config.storage_write_policy)
+                                 storage, config.storage_io_threads, config.storage_write_policy,
+                                 config.transfer_tuning)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, self.device_pool, self.tp)
         # With a host tier every forward takes the load flags (one compiled variant per shape,

@@ -12,6 +12,7 @@ from jhicache.models import init_random, preset_config
 import jhicache.engine as engine_module
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
+from jhicache.config import TransferTuning
 from tests.cache._helpers import DeferredCopier
 
 SPEC = MultiTurnSpec(num_clients=3, num_rounds=3, request_length=70, output_length=3,
@@ -65,6 +66,16 @@ def assert_matches_no_cache_with_transfers(engine: Engine) -> None:
     assert stats.write_back_ops > 0 and stats.load_back_ops > 0 and stats.host_hit_tokens > 0
     assert stats.write_back_s > 0 and stats.load_back_s > 0  # the copies, timed by their marks
     assert_idle_and_consistent(engine)
+
+
+def test_the_config_s_transfer_tuning_reaches_the_transfers() -> None:
+    """EngineConfig.transfer_tuning is what the host tier's copies queue by: with every piece
+    one byte (each write-back gathered and copied a page at a time, each load queued a layer
+    at a time), the histories still equal cache-off ones."""
+    tuning = TransferTuning(write_piece_bytes=1, gather_head_bytes=1, load_head_bytes=1)
+    engine = make_engine(transfer_tuning=tuning)
+    assert engine.cache.transfers is not None and engine.cache.transfers.tuning == tuning
+    assert_matches_no_cache_with_transfers(engine)
 
 
 def deferred_copies(monkeypatch: pytest.MonkeyPatch) -> DeferredCopier:

@@ -246,6 +246,7 @@ BAD_CONFIGS = [
     ("fetch_timeout_s", dict(fetch_timeout_s=-1.0)),
     ("fetch_timeout_per_ki_token_s", dict(fetch_timeout_per_ki_token_s=math.inf)),
     ("storage_io_threads", dict(storage_io_threads=0)),
+    ("transfer_tuning", dict(transfer_tuning={"load_head_bytes": 1})),
 ]
 
 

@@ -14,6 +14,7 @@ for _module in ("fastapi", "uvicorn", "tokenizers", "jinja2"):
 
 
 from jhicache import EngineConfig
+from jhicache.config import TransferTuning
 from jhicache.serve import cli
 from jhicache.serve.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from jhicache.serve.stop_strings import StopStrings
@@ -105,10 +106,12 @@ def test_engine_flags_mirror_engine_config():
     parser = cli.build_parser()
     args = parser.parse_args(["--preset", "tiny", "--page-size", "16", "--device-kv-tokens", "256",
                               "--cache-mode", "device", "--no-overlap-schedule",
-                              "--host-to-device-ratio", "2.5"])
+                              "--host-to-device-ratio", "2.5",
+                              "--transfer-tuning-load-head-bytes", "4096"])
     config = cli.engine_config(args)
     assert config == EngineConfig(page_size=16, device_kv_tokens=256, cache_mode="device",
-                                  overlap_schedule=False, host_to_device_ratio=2.5)
+                                  overlap_schedule=False, host_to_device_ratio=2.5,
+                                  transfer_tuning=TransferTuning(load_head_bytes=4096))
     assert cli.engine_config(parser.parse_args(["--preset", "tiny"])) == EngineConfig()
     help_text = parser.format_help()
     for flag, words in [("--write-policy", "write_through_selective"),

@@ -10,12 +10,12 @@ from jhicache.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree
 from jhicache.cache.step import TransferStep
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier, Tier
-from jhicache.cache.transfer_op import TransferKind, TransferOp, TransferTuning
+from jhicache.cache.transfer_op import TransferKind, TransferOp
 from jhicache.cache.transfers import Transfers
 
 __all__ = [
     "RESERVED_PAGES", "Copier", "CudaCopier", "DevicePool", "DeviceTier", "HostCopier",
     "HostPool", "HostTier", "InsertResult", "InvariantError", "LoadTicket", "MatchResult", "Node",
     "PageAllocator", "PagePool", "PoolLayout", "PrefixCache", "RadixTree", "Tier", "TransferKind",
-    "TransferOp", "TransferStep", "TransferTuning", "Transfers", "check_invariants", "make_copier",
+    "TransferOp", "TransferStep", "Transfers", "check_invariants", "make_copier",
 ]

@@ -25,8 +25,9 @@ import numpy as np
 from jhicache.cache.copier import Copier, CopyRows, Direction, Mark
 from jhicache.cache.device_pool import DevicePool
 from jhicache.cache.host_pool import HostPool
-from jhicache.cache.transfer_op import TransferOp, TransferTuning, is_ready, runs
+from jhicache.cache.transfer_op import TransferOp, is_ready, runs
 from jhicache.cache.write_back import WriteBacks
+from jhicache.config import TransferTuning
 
 
 class _Fence(NamedTuple):

@@ -43,7 +43,7 @@ from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier
 from jhicache.cache.transfer_op import TransferKind, TransferOp
 from jhicache.cache.transfers import Transfers
-from jhicache.config import StorageWritePolicy, WritePolicy
+from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
 
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
@@ -57,8 +57,8 @@ class PrefixCache:
                  policy: WritePolicy | str = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
                  write_through_threshold: int = 2, copier: Copier | None = None,
                  storage: Storage | None = None, storage_io_threads: int = 8,
-                 storage_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH
-                 ) -> None:
+                 storage_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH,
+                 tuning: TransferTuning = TransferTuning()) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
@@ -74,7 +74,7 @@ class PrefixCache:
         self._stats = dict.fromkeys(_STATS, 0)
         if copier is None:  # copies at once, one memmove per device shard (the CPU's way)
             copier = make_copier("cpu", range(device_pool.num_shards))[0]
-        self.transfers = (Transfers(device_pool, host_pool, copier)
+        self.transfers = (Transfers(device_pool, host_pool, copier, tuning)
                           if host_pool is not None else None)
         self.host = HostTier(self.tree, host_pool.layout.num_pages) if host_pool else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done

@@ -1,9 +1,8 @@
-"""TransferOp: one queued copy of page pairs between tiers, its kind, the tuning of how much is
-queued at a time, and the helpers both directions share."""
+"""TransferOp: one queued copy of page pairs between tiers, its kind, and the helpers both
+directions share (their tuning, `TransferTuning`, is the engine's config's)."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import NamedTuple
 
@@ -12,38 +11,6 @@ import numpy as np
 
 from jhicache.cache.copier import Copier, Mark
 from jhicache.cache.ticket import LoadTicket
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferTuning:
-    """How much the transfers queue at a time (bytes of one device shard).
-
-    Attributes:
-      write_piece_bytes: host copies of write-backs queued per poll (and per `launch_writes`):
-        small against a whole write-back, because a forward's own small device->host copy
-        (its sampled tokens) waits behind copies queued before it (`WriteBacks._issue`).
-      gather_head_bytes: a write-back larger than this gathers this many bytes first (whole
-        pages, a power of two of them), then pieces that double (`gather_pieces`): the first
-        piece's copies start once it has gathered, while the rest gathers, instead of after
-        the whole write-back's staging. Small enough to gather in a fraction of a millisecond,
-        large enough that its per-layer copies run at the PCIe rate (BENCHMARKS.md, the
-        write-back table).
-      load_head_bytes: a load launched by its first layers queues at least this many bytes
-        (whole layers) before the rest: enough copying to keep the copy engine busy while the
-        host builds the step's inputs and dispatches the forward's first program, after which
-        it queues the rest (the host-hit phases in BENCHMARKS.md). Where the whole load is
-        smaller, it is queued at once.
-    """
-
-    write_piece_bytes: int = 64 << 20
-    gather_head_bytes: int = 256 << 20
-    load_head_bytes: int = 96 << 20
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TransferTuning.{field.name}={value!r}: expected an int >= 1")
 
 
 class TransferKind(enum.Enum):

@@ -31,8 +31,9 @@ from jhicache.cache.device_pool import DevicePool
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.load_back import LoadBacks
 from jhicache.cache.ticket import LoadTicket
-from jhicache.cache.transfer_op import TransferKind, TransferOp, TransferTuning, timed_s
+from jhicache.cache.transfer_op import TransferKind, TransferOp, timed_s
 from jhicache.cache.write_back import WriteBacks
+from jhicache.config import TransferTuning
 
 
 class Transfers:

@@ -24,7 +24,8 @@ from jhicache.buckets import pow2_bucket
 from jhicache.cache.copier import Copier, Direction, Mark
 from jhicache.cache.device_pool import DevicePool, PagePool
 from jhicache.cache.host_pool import HostPool
-from jhicache.cache.transfer_op import TransferOp, TransferTuning, is_ready, runs
+from jhicache.cache.transfer_op import TransferOp, is_ready, runs
+from jhicache.config import TransferTuning
 
 
 def _stack_pages(ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...],

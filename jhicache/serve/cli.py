@@ -55,11 +55,22 @@ def _parser_type(hint: Any) -> tuple[Callable[[str], Any] | None, list[str] | No
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`--page-size` for page_size), its help from the docs."""
+    """One flag per EngineConfig field (`--page-size` for page_size), its help from the docs;
+    a field that is a dataclass of its own (`transfer_tuning`), one per field of that
+    (`--transfer-tuning-load-head-bytes`)."""
     group = parser.add_argument_group("engine (EngineConfig fields)")
     hints, docs = typing.get_type_hints(EngineConfig), _field_docs()
     for field in dataclasses.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
+        nested = _nested(field)
+        if nested is not None:
+            for sub in dataclasses.fields(nested):
+                default = getattr(nested, sub.name)
+                group.add_argument(_flag(field.name, sub.name), type=type(default), default=default,
+                                   dest=f"{field.name}__{sub.name}",
+                                   help=f"{type(nested).__name__}.{sub.name} (default: "
+                                        f"{default})")
+            continue
+        flag = _flag(field.name)
         kind, choices = _parser_type(hints[field.name])
         default = field.default.value if isinstance(field.default, enum.Enum) else field.default
         shown = "unset" if default is None else default
@@ -72,8 +83,28 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                help=help_text.replace("%", "%%"))
 
 
+def _flag(*names: str) -> str:
+    return "--" + "-".join(names).replace("_", "-")
+
+
+def _nested(field: dataclasses.Field[Any]) -> Any:
+    """A field's default where it is a dataclass of its own (its fields get flags), else
+    None."""
+    default = field.default
+    return default if dataclasses.is_dataclass(default) and not isinstance(default, type) else None
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineConfig):
+        nested = _nested(field)
+        if nested is not None:  # its fields' flags, gathered
+            values[field.name] = dataclasses.replace(
+                nested, **{sub.name: getattr(args, f"{field.name}__{sub.name}")
+                           for sub in dataclasses.fields(nested)})
+        else:
+            values[field.name] = getattr(args, field.name)
+    return EngineConfig(**values)
 
 
 def build_parser() -> argparse.ArgumentParser:

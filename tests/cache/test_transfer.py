@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from jhicache.buckets import pow2_bucket
-from jhicache.cache import Transfers, make_copier, transfer_op, write_back
+from jhicache.cache import Transfers, make_copier, write_back
 from jhicache.cache.copier import CudaCopier, Direction, Mark
 from jhicache.cache.cuda_driver import CudaDriver
-from jhicache.config import WritePolicy
+from jhicache.config import TransferTuning, WritePolicy
 from tests.cache._helpers import (
     DeferredCopier,
     assert_device_kv,
@@ -427,7 +427,7 @@ def test_gather_pieces_cover_a_write_in_order_and_never_gather_more() -> None:
 def test_transfer_tuning_refuses_sizes_that_are_not_positive_ints() -> None:
     for bad in (0, -1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="TransferTuning.write_piece_bytes"):
-            transfer_op.TransferTuning(write_piece_bytes=bad)
+            TransferTuning(write_piece_bytes=bad)
 
 
 def test_gather_pieces_start_with_the_head_then_double() -> None:
