@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import numpy as np
 from jhicache.bench.clients import median_index
 from jhicache.bench.engines import make_engine
 from jhicache.bench.workload import random_prompts
+from jhicache.config import TransferTuning
 from jhicache.engine import Engine
 from jhicache.request import RequestOutput
 from jhicache.sampling import SamplingParams
@@ -148,13 +148,8 @@ def host_hit_engine(args: argparse.Namespace, **tuning: int) -> Engine:
     four times (the prefix, its turn and two pages) tokens. `tuning`: `TransferTuning` fields
     its transfers use instead (a probe for the benchmark scripts)."""
     tokens = 4 * (args.host_hit_prefix + args.host_hit_turn + 2 * args.page_size)
-    engine = make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
-                         load_back_threshold=1)
-    if tuning:
-        transfers = engine.cache.transfers
-        assert transfers is not None  # hierarchical
-        transfers.tuning = dataclasses.replace(transfers.tuning, **tuning)
-    return engine
+    return make_engine(args, cache_mode="hierarchical", device_kv_tokens=tokens,
+                       load_back_threshold=1, transfer_tuning=TransferTuning(**tuning))
 
 
 def bench_host_hit(args: argparse.Namespace) -> dict:
