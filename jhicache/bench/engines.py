@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
 
+from jhicache.async_engine import AsyncEngine
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
 from jhicache.engine_process import EngineSpec
@@ -50,3 +52,13 @@ def as_served(engine: Engine | None = None) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def warm_up_served(engine: AsyncEngine) -> None:
+    """`engine`'s warm-up, as a server's start runs it (the heap frozen at its end), waited
+    for; RuntimeError if its engine process stops meanwhile."""
+    engine.start_warmup(progress=False, freeze_heap=True)
+    while not engine.is_ready:
+        if not engine.is_running:
+            raise RuntimeError(f"the engine process stopped: {engine.error}")
+        time.sleep(0.05)

@@ -16,7 +16,7 @@ import numpy as np
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import as_served, engine_spec, make_engine
+from jhicache.bench.engines import as_served, engine_spec, make_engine, warm_up_served
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
@@ -115,21 +115,12 @@ def bench_scoring(args: argparse.Namespace) -> dict:
     gc.collect()  # its device arrays freed before the engine process takes its own
     served = AsyncEngine(engine_spec(args, **overrides))
     try:
-        _warm_up(served)
+        warm_up_served(served)
         with as_served():
             http = http_pairs(served, rng, tokens, args.scoring_trials)
     finally:
         served.close()
     return {**result, "http": http, "server": "process"}
-
-
-def _warm_up(engine: AsyncEngine) -> None:
-    """`engine`'s warm-up, as the server's start runs it (the heap frozen at its end)."""
-    engine.start_warmup(progress=False, freeze_heap=True)
-    while not engine.is_ready:
-        if not engine.is_running:
-            raise RuntimeError(f"the engine process stopped: {engine.error}")
-        time.sleep(0.05)
 
 
 def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) -> dict:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients, multiturn
 from jhicache.bench.compile_counter import CompileCounter
-from jhicache.bench.engines import as_served, engine_spec, make_engine
+from jhicache.bench.engines import as_served, engine_spec, make_engine, warm_up_served
 from jhicache.bench.remote_run import drive_url
 from jhicache.bench.workload import MultiTurnSpec
 from jhicache.serve.context import ServerContext
@@ -148,11 +148,7 @@ def process_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
     overrides = multiturn.mode_overrides(args, spec, mode)
     engine = AsyncEngine(engine_spec(args, **overrides))
     try:
-        engine.start_warmup(progress=False, freeze_heap=True)  # as a server's start does
-        while not engine.is_ready:
-            if not engine.is_running:
-                raise RuntimeError(f"the engine process stopped: {engine.error}")
-            time.sleep(0.05)
+        warm_up_served(engine)
         run_spec = dataclasses.replace(spec, vocab_size=engine.info.vocab_size)
         before = engine.compile_counts()["serving"]
         ctx = ServerContext.create(engine, None, "bench", "bench")
