@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from jhicache.logprobs import PromptLogprobs, TokenLogprob
 from jhicache.serve.tokenizer import Tokenizer
@@ -26,42 +28,53 @@ def token_texts(tokenizer: Tokenizer | None) -> TokenTexts:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Entries:
     """Entries as flat columns, a prompt's then generated tokens': a scored prompt has one per
-    token, and each column is built in a few list operations from its arrays, where records
-    would take an object each."""
+    token, and its columns are built from its arrays in a few list operations, its
+    alternatives grouped a run of entries at a time, where records would take an object and
+    Python steps each."""
 
     ids: list[int]
     logprobs: list[float | None]  # None: no entry (a prompt's position 0)
-    counts: list[int]  # alternatives per entry (0 where there is none)
+    missing: list[int]  # the positions without an entry
+    # (entries, alternatives each): the layout of `alt_ids`, a prompt's run then a record's each
+    # (a position without an entry keeps its place in its run's alternatives)
+    runs: list[tuple[int, int]]
     alt_ids: list[int]  # every entry's alternatives, entry after entry
     alt_values: list[float]
 
     @classmethod
     def of(cls, prompt: PromptLogprobs | None, records: Sequence[TokenLogprob]) -> _Entries:
         """The prompt's entries (none without `prompt`), then the records'."""
-        entries = cls([], [], [], [], [])
+        entries = cls([], [], [], [], [], [])
         if prompt is not None:
-            filled = prompt.filled
             entries.ids.extend(prompt.token_ids.tolist())
-            entries.logprobs.extend(value if is_filled else None for value, is_filled
-                                    in zip(prompt.logprobs.tolist(), filled.tolist()))
-            entries.counts.extend((filled * prompt.top_ids.shape[1]).tolist())
-            entries.alt_ids.extend(prompt.top_ids[filled].ravel().tolist())
-            entries.alt_values.extend(prompt.top_values[filled].ravel().tolist())
+            entries.logprobs.extend(prompt.logprobs.tolist())
+            entries.missing.extend(np.flatnonzero(~prompt.filled).tolist())
+            for position in entries.missing:
+                entries.logprobs[position] = None
+            entries.runs.append(prompt.top_ids.shape)
+            entries.alt_ids.extend(prompt.top_ids.ravel().tolist())
+            entries.alt_values.extend(prompt.top_values.ravel().tolist())
         for r in records:
             entries.ids.append(r.token_id)
             entries.logprobs.append(r.logprob)
-            entries.counts.append(len(r.top))
+            entries.runs.append((1, len(r.top)))
             entries.alt_ids.extend(i for i, _ in r.top)
             entries.alt_values.extend(v for _, v in r.top)
         return entries
 
-    def grouped(self, cells: Iterable[_Cell], row: Callable[[Iterator[_Cell]], _Row]
+    def grouped(self, cells: Iterable[_Cell], row: Callable[[tuple[_Cell, ...]], _Row]
                 ) -> list[_Row | None]:
         """Per entry, `row` of its alternatives' `cells` (one each, in `alt_ids`' order), or
         None where it has no entry."""
         rest = iter(cells)
-        return [None if logprob is None else row(itertools.islice(rest, count))
-                for logprob, count in zip(self.logprobs, self.counts)]
+        rows: list[_Row | None] = []
+        for entries, alternatives in self.runs:
+            # `alternatives` references to one iterator: zip takes that many cells a group
+            groups = zip(*[rest] * alternatives) if alternatives else itertools.repeat(())
+            rows.extend(map(row, itertools.islice(groups, entries)))
+        for position in self.missing:
+            rows[position] = None
+        return rows
 
 
 def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob],
