@@ -236,8 +236,9 @@ def scoring_table(result: dict) -> str:
             f"{_against(result, 'e2e_s', 'scored_over_prefill_e2e')}; compiles in the measured "
             f"pairs {sum(t['compiles'] for t in result['trials'])}")
     if http is not None:
+        server = _SERVERS[result.get("server", "thread")]
         text += (f"\n  through the server (/v1/completions, echo and logprobs 1 against neither, "
-                 f"one new token, timed by the client; {_SERVERS[result.get('server', 'thread')]}"
+                 f"one new token, timed by a client in a process of its own; {server}"
                  f"): {_against(http, 'e2e_s', 'scored_over_prefill')}; compiles "
                  f"{sum(t['compiles'] for t in http['trials'])}")
     return text

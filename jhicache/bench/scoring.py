@@ -1,13 +1,16 @@
 """The scoring bench: the TTFT of a prompt scored (the log probabilities of its tokens, what
 `echo` with `logprobs` asks for) against the same length's plain prefill, nothing cached, in
-process and through the server's /v1/completions as an evaluation harness sends it (the engine
-in an engine process, as the server's command runs it, or in a thread of the server's)."""
+process and through the server's /v1/completions as an evaluation harness sends it, from a
+client process of its own (the engine in an engine process, as the server's command runs it, or
+in a thread of the server's)."""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
+import multiprocessing
 import time
 import urllib.request
 
@@ -17,6 +20,7 @@ from jhicache.async_engine import AsyncEngine
 from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, engine_spec, make_engine, warm_up_served
+from jhicache.bench.remote import serving_compiles
 from jhicache.bench.workload import random_prompts
 from jhicache.engine import Engine
 from jhicache.sampling import SamplingParams
@@ -68,30 +72,49 @@ def http_pairs(engine: AsyncEngine, rng: np.random.Generator, tokens: int, trial
     """`trials` pairs after a warm-up pair through a server over `engine` (warmed up; closed at
     the end), as lm-evaluation-harness's completions model asks for a log-likelihood: a text
     prompt with `echo`, `logprobs` 1 and one new token, against the same request without
-    `echo` and `logprobs`; each request timed by its client, end to end. The pair with the
-    median ratio, and every pair, with the programs the engine compiled in each."""
+    `echo` and `logprobs`; each request timed end to end by a client in a process of its own,
+    as an evaluation harness is (`_client_pairs`). The server's process has its heap frozen
+    once the server is built, as a server's is after its start. The pair with the median
+    ratio, and every pair, with the programs the engine compiled in each."""
     vocab = engine.info.vocab_size
+    texts = [(_words(plain), _words(scored)) for plain, scored  # the first: the server's first
+             in (random_prompts(rng, vocab, 2, tokens) for _ in range(trials + 1))]
     ctx = ServerContext.create(engine, word_tokenizer(vocab), "bench", "bench")
-    pairs = []
-    with ServerThread(ctx) as server:
-        for trial in range(trials + 1):  # the first: the server's own first requests
-            plain, scored = (" ".join(f"w{t}" for t in p)
-                             for p in random_prompts(rng, vocab, 2, tokens))
-            before = engine.compile_counts()["serving"]
-            plain_s, _ = _post(server.url, {"prompt": plain, "max_tokens": 1})
-            scored_s, body = _post(server.url, {"prompt": scored, "max_tokens": 1,
-                                                "echo": True, "logprobs": 1})
-            compiled = engine.compile_counts()["serving"] - before
-            scores = body["choices"][0]["logprobs"]["token_logprobs"]
-            if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
-                raise RuntimeError(f"the scored prompt came back with {len(scores)} log "
-                                   f"probabilities for {tokens} + 1 tokens")
-            if trial:
-                pairs.append({"prefill_e2e_s": plain_s, "scored_e2e_s": scored_s,
-                              "scored_over_prefill": scored_s / plain_s, "compiles": compiled})
+    context = multiprocessing.get_context("spawn")  # no copy of this process's JAX state
+    with ServerThread(ctx) as server, as_served(), \
+            concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        pairs = pool.submit(_client_pairs, server.url, texts, tokens).result()[1:]
     ratios = [p["scored_over_prefill"] for p in pairs]
     median = median_index(ratios)
     return {**pairs[median], "trials": pairs, "median_trial": median}
+
+
+def _words(prompt: list[int]) -> str:
+    """The text of `prompt` in `word_tokenizer`'s words."""
+    return " ".join(f"w{t}" for t in prompt)
+
+
+def _client_pairs(url: str, texts: list[tuple[str, str]], tokens: int) -> list[dict]:
+    """The client's side of `http_pairs`, one pair per (plain, scored) prompt text: each
+    request's time, their ratio, and the server's compiles meanwhile (its /metrics); the
+    scored body's log probabilities checked (one per token, the first null)."""
+    pairs = []
+    for plain, scored in texts:
+        before = serving_compiles(url)
+        plain_s, _ = _post(url, {"prompt": plain, "max_tokens": 1})
+        scored_s, body = _post(url, {"prompt": scored, "max_tokens": 1, "echo": True,
+                                     "logprobs": 1})
+        after = serving_compiles(url)
+        scores = body["choices"][0]["logprobs"]["token_logprobs"]
+        if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
+            raise RuntimeError(f"the scored prompt came back with {len(scores)} log "
+                               f"probabilities for {tokens} + 1 tokens")
+        if before is None or after is None:
+            raise RuntimeError(f"the server at {url} does not report its compiles")
+        pairs.append({"prefill_e2e_s": plain_s, "scored_e2e_s": scored_s,
+                      "scored_over_prefill": scored_s / plain_s,
+                      "compiles": int(after - before)})
+    return pairs
 
 
 def bench_scoring(args: argparse.Namespace) -> dict:
@@ -116,8 +139,7 @@ def bench_scoring(args: argparse.Namespace) -> dict:
     served = AsyncEngine(engine_spec(args, **overrides))
     try:
         warm_up_served(served)
-        with as_served():
-            http = http_pairs(served, rng, tokens, args.scoring_trials)
+        http = http_pairs(served, rng, tokens, args.scoring_trials)
     finally:
         served.close()
     return {**result, "http": http, "server": "process"}
