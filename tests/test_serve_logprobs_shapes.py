@@ -44,8 +44,8 @@ def generated(rng: np.random.Generator) -> list[TokenLogprob]:
 def entry_by_entry(prompt: PromptLogprobs | None, records: list[TokenLogprob], offset: int
                    ) -> dict[str, Any]:
     entries = (list(prompt) if prompt is not None else []) + records
-    tokens = texts([prompt.token_ids.tolist()[i] if prompt is not None and i < len(prompt)
-                    else entries[i].token_id for i in range(len(entries))])  # type: ignore
+    ids = (prompt.token_ids.tolist() if prompt is not None else []) + [r.token_id for r in records]
+    tokens = texts(ids)
     starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
     return {"tokens": tokens,
             "token_logprobs": [None if e is None else e.logprob for e in entries],
