@@ -3,6 +3,7 @@ split over tokens), stop strings, the tokenizer's chat template and EOS ids, and
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,14 @@ def test_token_text_is_each_tokens_own_decoding_special_tokens_kept(tokenizer: T
     decoded_at_once = Tokenizer.from_dir(tokenizer.path)  # as a server keeps them at its start
     decoded_at_once.decode_vocabulary()
     assert [decoded_at_once.token_text(i) for i in ids] == first
+    # in one call, in any order, with an id past the tokenizer's (a model's padding row,
+    # which an alternative may name): before the vocabulary is decoded and after
+    past = tokenizer.vocab_size + 3
+    shuffled = [*random.Random(0).sample(ids, len(ids)), past]
+    expected = [first[i] for i in shuffled[:-1]] + [tokenizer.decode([past], False)]
+    assert Tokenizer.from_dir(tokenizer.path).token_texts(shuffled) == expected
+    assert decoded_at_once.token_texts(shuffled) == expected
+    assert decoded_at_once.token_texts(shuffled[:-1]) == expected[:-1]
 
 def test_detokenizer_after_a_prompt_and_in_chunks(tokenizer: Tokenizer):
     prompt = tokenizer.encode("hello world 日")

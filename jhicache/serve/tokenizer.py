@@ -44,7 +44,11 @@ class Tokenizer:
         self._template = _compile(chat_template) if chat_template else None
         self.eos_token_ids = eos_token_ids
         self.path = path
-        self._token_texts: dict[int, str] = {}  # at most the vocabulary's
+        self._token_texts: dict[int, str] = {}  # tokens decoded one at a time
+        # every token's text by id once `decode_vocabulary` has run: a list, as a scored
+        # prompt looks up thousands of random ids, which a list finds at an offset where a
+        # dict of the whole vocabulary probes a table too large for the CPU's caches
+        self._vocabulary: list[str] = []
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -85,6 +89,8 @@ class Tokenizer:
     def token_text(self, token: int) -> str:
         """One token's own decoding, special tokens kept (how log probabilities name tokens).
         Kept once decoded: a scored prompt names a token, and its alternatives, per position."""
+        if 0 <= token < len(self._vocabulary):
+            return self._vocabulary[token]
         text = self._token_texts.get(token)
         if text is None:
             text = self._token_texts[token] = self.decode([token], skip_special_tokens=False)
@@ -93,8 +99,8 @@ class Tokenizer:
     def token_texts(self, tokens: list[int]) -> list[str]:
         """`token_text` of each of `tokens`: lookups alone once the vocabulary is decoded."""
         try:
-            return list(map(self._token_texts.__getitem__, tokens))
-        except KeyError:  # a token not decoded yet
+            return list(map(self._vocabulary.__getitem__, tokens))
+        except IndexError:  # before `decode_vocabulary`, or an id past the tokenizer's
             return [self.token_text(token) for token in tokens]
 
     def decode_vocabulary(self) -> None:
@@ -103,7 +109,7 @@ class Tokenizer:
         first request on, where each token not met before would be a decode call."""
         texts = self._backend.decode_batch([[i] for i in range(self.vocab_size)],
                                            skip_special_tokens=False)
-        self._token_texts.update(enumerate(texts))
+        self._vocabulary = texts
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str:
