@@ -103,8 +103,10 @@ class _TextState:
             text, reason, matched = text[:hit[0]], FinishReason.STOP, hit[1]
         end = len(text) if reason is not None else self._stops.streamable(len(text))
         delta, self._released = text[self._released:end], max(end, self._released)
-        return Update(delta=delta, text=text[:self._released], token_ids=list(out.token_ids),
-                      new_token_ids=list(out.new_token_ids), finish_reason=reason,
+        # the output's lists as they are: each output has lists of its own, which nothing
+        # changes later, and a copy of `token_ids` would cost a running stream O(tokens) a step
+        return Update(delta=delta, text=text[:self._released], token_ids=out.token_ids,
+                      new_token_ids=out.new_token_ids, finish_reason=reason,
                       matched_stop=matched, prompt_tokens=out.prompt_len,
                       device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
                       storage_hit_tokens=out.storage_hit_tokens, logprobs=logprobs,
