@@ -101,6 +101,8 @@ def _client_pairs(url: str, texts: list[tuple[str, str]], tokens: int) -> list[d
     pairs = []
     for plain, scored in texts:
         before = serving_compiles(url)
+        if before is None:
+            raise RuntimeError(f"the server at {url} does not report its compiles")
         plain_s, _ = _post(url, {"prompt": plain, "max_tokens": 1})
         scored_s, body = _post(url, {"prompt": scored, "max_tokens": 1, "echo": True,
                                      "logprobs": 1})
@@ -109,8 +111,8 @@ def _client_pairs(url: str, texts: list[tuple[str, str]], tokens: int) -> list[d
         if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
             raise RuntimeError(f"the scored prompt came back with {len(scores)} log "
                                f"probabilities for {tokens} + 1 tokens")
-        if before is None or after is None:
-            raise RuntimeError(f"the server at {url} does not report its compiles")
+        if after is None:
+            raise RuntimeError(f"the server at {url} stopped reporting its compiles")
         pairs.append({"prefill_e2e_s": plain_s, "scored_e2e_s": scored_s,
                       "scored_over_prefill": scored_s / plain_s,
                       "compiles": int(after - before)})
@@ -130,9 +132,9 @@ def bench_scoring(args: argparse.Namespace) -> dict:
     engine = make_engine(args, **overrides)
     with as_served(engine):
         result = _pairs(engine, tokens, rng, args.scoring_trials)
-        if args.scoring_server == "thread":
-            return {**result, "http": http_pairs(AsyncEngine(engine), rng, tokens,
-                                                 args.scoring_trials), "server": "thread"}
+    if args.scoring_server == "thread":  # warmed up; `http_pairs` freezes its server's heap
+        return {**result, "http": http_pairs(AsyncEngine(engine), rng, tokens,
+                                             args.scoring_trials), "server": "thread"}
     engine.close()
     del engine
     gc.collect()  # its device arrays freed before the engine process takes its own
