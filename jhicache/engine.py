@@ -110,6 +110,9 @@ class Engine:
         self._in_flight: _Launched | None = None  # overlap: the dispatched step not yet ended
         self._idle_steps = 0
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, not yet given
+        # requests whose prompt log probabilities an ended step filled before their first token
+        # (a chunk before the last), not yet given an output
+        self._filled: list[Request] = []
         self._seeds = np.random.default_rng()  # seeds for unseeded sampled requests
         self._lock = threading.RLock()  # the engine is single-threaded: calls take turns
         self._closed = False
@@ -222,17 +225,21 @@ class Engine:
             raise ValueError("request ids repeat")
 
     def step(self, cumulative: bool = True) -> list[RequestOutput]:
-        """One engine step; an output for every request that gained a token or finished in it.
-        Not `cumulative`, a running request's output carries its new tokens alone (`token_ids`
-        empty, `logprobs` those of the new tokens), as a caller that keeps them needs, without a
-        copy of each request's tokens so far every step; a final output carries all.
+        """One engine step; an output for every request that gained a token or finished in it,
+        and for one whose prompt log probabilities it filled further before its first token
+        (a chunk before the prompt's last: no token, `prompt_logprobs` as filled so far, so
+        that a caller can use them while the next chunk computes). Not `cumulative`, a running
+        request's output carries its new tokens alone (`token_ids` empty, `logprobs` those of
+        the new tokens), as a caller that keeps them needs, without a copy of each request's
+        tokens so far every step; a final output carries all.
 
         With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
         the one before, so the outputs a step returns are those of the batch dispatched by the
         previous call."""
         with self._lock, self._serving():
             aborted, self._aborted = self._aborted, []
-            return aborted + _outputs(self._step(), cumulative)
+            gained = self._step()
+            return aborted + self._filled_outputs(cumulative) + _outputs(gained, cumulative)
 
     def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
@@ -403,6 +410,7 @@ class Engine:
         forward's two programs), prefetch the next step's loads; on leaving `cache.step()`,
         the queued write-backs and loads start; then end the step before (overlap) or this
         one, and commit. Returns the requests that gained a token."""
+        self._filled.clear()  # a caller of `_step` alone (`generate`) takes no outputs
         with self.cache.step() as transfers:
             batch, gained, ended_early = self._schedule(transfers)
             launched = None if batch is None else self._launch(batch, transfers)
@@ -481,6 +489,7 @@ class Engine:
         now = time.perf_counter()
         if prompt is not None:
             self._add_prompt_logprobs(step.prompt_spans, *prompt)
+            self._filled += [span.request for span in step.prompt_spans]
         self.counters.record_forward(step.batch, now - step.dispatched_s, step.gated)
         gained = self.scheduler.commit(step.batch, ids, now)
         if logprobs is not None:
@@ -568,9 +577,18 @@ class Engine:
         step = self._take_in_flight()
         outputs, self._aborted = self._aborted, []
         if step is not None:
-            outputs += _outputs(self._end(step), cumulative)
+            gained = self._end(step)
+            outputs += self._filled_outputs(cumulative) + _outputs(gained, cumulative)
         self.cache.flush()
         return outputs
+
+    def _filled_outputs(self, cumulative: bool) -> list[RequestOutput]:
+        """Outputs of the requests whose prompt log probabilities the steps just ended filled
+        and which are still before their first token (one that has it now gets its token's
+        output, which carries them all)."""
+        filled, self._filled = self._filled, []
+        return [r.to_output([], cumulative) for r in dict.fromkeys(filled)
+                if r.num_output == 0 and r.request_id in self._requests]
 
     # ---- internals -----------------------------------------------------------------------
 

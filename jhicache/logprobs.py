@@ -76,6 +76,20 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
         self.asked_values[first:end] = asked[:, :len(self.asked_ids)]
         self.filled[first:end] = True
 
+    def rows(self, start: int, stop: int) -> PromptLogprobs:
+        """Entries `start` to `stop` alone, as views of these columns (the asked ids whole)."""
+        part = slice(start, stop)
+        return PromptLogprobs(self.token_ids[part], self.logprobs[part], self.top_ids[part],
+                              self.top_values[part], self.filled[part], self.asked_ids,
+                              self.asked_values[part])
+
+    def settled(self) -> int:
+        """How many leading entries no later step changes: those up to the last filled one
+        (steps fill a prompt's entries in order; an entry before it left unfilled has nothing
+        before it to give it a value)."""
+        filled = np.flatnonzero(self.filled)
+        return int(filled[-1]) + 1 if len(filled) else 0
+
     def copy(self) -> PromptLogprobs:
         """A copy whose columns a later `fill` of this one leaves as they are."""
         return PromptLogprobs(*(column.copy() for column in self._columns()))

@@ -25,8 +25,9 @@ class FinishReason(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """One request's progress: what `Engine.step` reports when it gains tokens or finishes, and
-    what `Engine.generate` returns (then `new_token_ids` holds every generated token)."""
+    """One request's progress: what `Engine.step` reports when it gains tokens, finishes, or
+    has more of its prompt's log probabilities (then without tokens), and what
+    `Engine.generate` returns (then `new_token_ids` holds every generated token)."""
 
     request_id: str
     token_ids: list[int]  # every token generated so far; a stop token is included
@@ -41,7 +42,8 @@ class RequestOutput:
     # with SamplingParams.logprobs: one record per generated token, as `token_ids`; else None
     logprobs: list[TokenLogprob] | None = None
     # with SamplingParams.prompt_logprobs: one per prompt position from its start on (None for
-    # position 0, which nothing precedes); given with the first token and with the last output
+    # position 0, which nothing precedes); given with the first token and with the last output,
+    # and before the first token with each output of a step that filled more of them
     prompt_logprobs: PromptLogprobs | None = None
 
 

@@ -6,6 +6,7 @@ none, and across the engine process boundary."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import jax
@@ -272,7 +273,8 @@ def test_logprobs_out_of_range_are_refused() -> None:
 def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> None:
     """Through AsyncEngine (in a thread or an engine process): each streamed output's records
     cover its tokens so far, and the last ones equal the reference's; the prompt's come with
-    the first token and the last output."""
+    the first token and the last output, and before the first token, with no token, as each
+    chunk fills them (the entries filled so far equal to the reference's, the rest not yet)."""
     path, weights = checkpoint
     config = EngineConfig(cache_mode="hierarchical", **ENGINE)
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=1,
@@ -285,15 +287,46 @@ def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> No
         return [*outs, final]
 
     *outs, final = asyncio.run(run())
+    logits = reference_logits(weights, CFG, PROMPT)
+    want = [reference_logprobs(logits[p - 1], PROMPT[p], 1) for p in range(10, len(PROMPT))]
+    filling = list(itertools.takewhile(lambda out: not out.new_token_ids, outs))
+    assert filling  # the prompt spans chunks: the first ones' entries came on their own
+    for out in filling:
+        assert out.prompt_logprobs is not None and not out.token_ids and not out.finished
+        settled = out.prompt_logprobs.settled()
+        assert 0 < settled < len(want)
+        assert_prompt_close(out.prompt_logprobs[:settled], want[:settled])
+        assert all(entry is None for entry in out.prompt_logprobs[settled:])
+    outs = outs[len(filling):]
     for out in outs:
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     assert_close(outs[-1].logprobs, expected(weights, PROMPT, outs[-1].token_ids, 2))
     assert_close(final.logprobs, expected(weights, PROMPT[:50], final.token_ids, 2))
-    logits = reference_logits(weights, CFG, PROMPT)
-    want = [reference_logprobs(logits[p - 1], PROMPT[p], 1) for p in range(10, len(PROMPT))]
     assert_prompt_close(outs[0].prompt_logprobs, want)  # with the first token, and the last
     assert_prompt_close(outs[-1].prompt_logprobs, want)
     assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == 40
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_only_a_scored_prompt_has_outputs_before_its_first_token(checkpoint,
+                                                                 overlap: bool) -> None:
+    """Two prompts of several chunks stepped together, one scored: only it has outputs without
+    a token, all before its first, each with more of its entries filled than the one before."""
+    path, _ = checkpoint
+    config = EngineConfig(cache_mode="off", overlap_schedule=overlap, **ENGINE)
+    engine = Engine.from_pretrained(str(path), config)
+    scored = engine.add_request(PROMPT, SamplingParams(max_new_tokens=2, prompt_logprobs=1))
+    plain = engine.add_request(PROMPT[::-1], SamplingParams(max_new_tokens=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    by_request = {rid: [o for o in outputs if o.request_id == rid] for rid in (scored, plain)}
+    assert all(o.new_token_ids or o.finished for o in by_request[plain])
+    filling = list(itertools.takewhile(lambda o: not o.new_token_ids, by_request[scored]))
+    assert filling and all(o.new_token_ids for o in by_request[scored][len(filling):])
+    settled = [o.prompt_logprobs.settled() for o in filling if o.prompt_logprobs is not None]
+    assert len(settled) == len(filling) and settled == sorted(set(settled))
+    assert settled[-1] < len(PROMPT) - 1
 
 
 def assert_prompt_close(got: list[TokenLogprob | None] | None, want: list) -> None:

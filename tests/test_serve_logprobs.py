@@ -4,6 +4,7 @@ fields the server refuses with a 400 naming them rather than ignoring them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,11 +18,15 @@ import openai  # noqa: E402
 
 from jhicache import Engine, SamplingParams  # noqa: E402
 from jhicache.logprobs import TokenLogprob  # noqa: E402
+from jhicache.serve import openai_routes  # noqa: E402
+from jhicache.serve.logprobs import CompletionLogprobs  # noqa: E402
 from jhicache.serve.tokenizer import Tokenizer  # noqa: E402
 from tests.serve_support import (  # noqa: E402
     ENGINE_CONFIG,
+    TIMEOUT_S,
     metric,
     server_fixtures,
+    start_server,
 )
 
 MODEL = "tiny-test"
@@ -147,6 +152,56 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, http
     assert values[1:] == pytest.approx([r.logprob for r in prompt_reference[1:]],
                                        abs=TOLERANCE)
     assert metric(http, "jhicache:generation_tokens_total") == generated
+
+
+def test_a_prompt_of_several_chunks_scored_as_its_chunks_are_computed(
+        checkpoint: Path, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Echo with logprobs over a prompt of several chunks, not streamed: the server formats
+    each chunk's entries as its step fills them (before the first token), and the body equals
+    the engine's own log probabilities; streamed, the same values."""
+    config = dataclasses.replace(ENGINE_CONFIG, chunked_prefill_tokens=16)
+    prompt = " ".join([PROMPT] * 8)
+    ids = tok.encode(prompt)
+    assert len(ids) > 3 * 16
+    engine = Engine.from_pretrained(str(checkpoint), config)
+    params = SamplingParams(max_new_tokens=2, logprobs=1, prompt_logprobs=1)  # no eos
+    [want] = engine.generate([ids], params)
+    engine.close()
+    assert want.prompt_logprobs is not None and want.logprobs is not None
+    records = [*want.prompt_logprobs, *want.logprobs]
+    settled: list[int] = []  # the prompt entries formatted, after each addition
+
+    class Recorded(CompletionLogprobs):
+        def add_prompt(self, prompt_logprobs, final: bool = False) -> None:
+            super().add_prompt(prompt_logprobs, final)
+            settled.append(self._prompt_done)
+
+    monkeypatch.setattr(openai_routes, "CompletionLogprobs", Recorded)
+    server = start_server(checkpoint, config=config)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                               timeout=TIMEOUT_S, max_retries=0)
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                      logprobs=1, extra_body={"ignore_eos": True})
+        got = client.completions.create(**kwargs).choices[0].logprobs
+        streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True,
+                                                                             **kwargs)
+                    if c.choices and c.choices[0].logprobs is not None]
+    finally:
+        server.stop()
+    assert any(0 < done < len(ids) for done in settled)  # entries before the last chunk's
+    assert settled == sorted(settled) and settled[-1] == len(ids)
+    assert got.tokens == [text_of(tok, i) for i in [*ids, *want.token_ids]]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx([r.logprob for r in records[1:]],
+                                                   abs=TOLERANCE)
+    for alternatives, record in zip(got.top_logprobs[1:], records[1:]):
+        assert list(alternatives) == [text_of(tok, i) for i, _ in record.top]
+        assert list(alternatives.values()) == pytest.approx([v for _, v in record.top],
+                                                            abs=TOLERANCE)
+    assert got.text_offset == [sum(map(len, got.tokens[:i])) for i in range(len(got.tokens))]
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(
+        got.token_logprobs, abs=TOLERANCE)
 
 
 def test_echo_with_logprobs_scores_prompt_and_completion(client: openai.OpenAI,

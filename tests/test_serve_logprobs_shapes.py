@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from jhicache.logprobs import PromptLogprobs, TokenLogprob
-from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, sglang_logprobs
+from jhicache.serve.logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    sglang_logprobs,
+)
 
 
 def texts(tokens: list[int]) -> list[str]:
@@ -61,6 +66,27 @@ def test_completion_logprobs_equal_entry_by_entry(alternatives: int) -> None:
     assert completion_logprobs(prompt, records, texts, 4) == entry_by_entry(prompt, records, 4)
     assert completion_logprobs(None, records, texts) == entry_by_entry(None, records, 0)
     assert completion_logprobs(prompt, [], texts) == entry_by_entry(prompt, [], 0)
+
+
+@pytest.mark.parametrize("alternatives", [0, 1, 3])
+def test_completion_logprobs_built_as_chunks_fill_the_prompt(alternatives: int) -> None:
+    """The prompt's entries added as a chunked prefill fills them (each step a run after the
+    last, position 0 never), then all of them: the same object as built at once."""
+    rng = np.random.default_rng(alternatives)
+    whole, records = prompt_columns(rng, 40, alternatives), generated(rng)
+    whole.filled[1:] = True  # no gap: steps fill a prompt's entries in order
+    filling = PromptLogprobs.empty(whole.token_ids.tolist(), alternatives, asked=(7, 9))
+    built = CompletionLogprobs(texts, 3)
+    done = []
+    for end in (1, 9, 9, 26, 40):  # a step's last entry, one with none (a chunk of others)
+        for name in ("logprobs", "top_ids", "top_values", "filled", "asked_values"):
+            getattr(filling, name)[1:end] = getattr(whole, name)[1:end]
+        built.add_prompt(filling.copy())
+        done.append(built._prompt_done)
+    built.add_prompt(whole, final=True)
+    built.add_records(records)
+    assert done == [0, 9, 9, 26, 40]
+    assert built.value() == entry_by_entry(whole, records, 3)
 
 
 def test_chat_logprobs_entry_by_entry() -> None:

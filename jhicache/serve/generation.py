@@ -123,9 +123,11 @@ class _TextState:
 
 
 class Generation:
-    """Runs one request. `updates()` yields an `Update` per engine output; the first
-    `__anext__` submits the request and raises `ValueError` for a bad one (nothing queued).
-    Leaving the iteration early (a client gone, a stop string) aborts the engine request."""
+    """Runs one request. `updates()` yields an `Update` per engine output with tokens or an
+    end (and, `filling`, one per output that has only filled more of the prompt's log
+    probabilities); the first `__anext__` submits the request and raises `ValueError` for a
+    bad one (nothing queued). Leaving the iteration early (a client gone, a stop string)
+    aborts the engine request."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, metrics: ServerMetrics,
                  spec: GenerationInput) -> None:
@@ -135,12 +137,14 @@ class Generation:
         self._last_token_s: float | None = None
         self._ttft_s: float | None = None
 
-    async def updates(self) -> AsyncGenerator[Update, None]:
+    async def updates(self, filling: bool = False) -> AsyncGenerator[Update, None]:
         stream = self._engine.stream(self.spec.prompt_ids, self.spec.params, self.spec.request_id)
         last: Update | None = None
         refused = False
         try:
             async for out in stream:
+                if not (filling or out.new_token_ids or out.finished):
+                    continue  # the prompt's entries alone: the first token's output has them all
                 self._time(len(out.new_token_ids) if self.spec.returns_tokens else 0)
                 last = self._text.advance(out, self._ttft_s)
                 yield last

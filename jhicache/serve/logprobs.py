@@ -89,18 +89,54 @@ class _Entries:
         return rows
 
 
+class CompletionLogprobs:
+    """/v1/completions' `logprobs` built a part at a time: a scored prompt's entries as the
+    engine's steps fill them (`add_prompt`, while the next chunk computes), then the generated
+    tokens' records; `value()` is the object. Each entry has its token, its log probability,
+    its alternatives as {token: log probability} and where its token's text starts."""
+
+    def __init__(self, texts: TokenTexts, offset: int = 0) -> None:
+        self._texts = texts
+        self._offset = offset  # where the next entry's token text starts
+        self._prompt_done = 0  # the prompt's entries added so far
+        self._value: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add_prompt(self, prompt: PromptLogprobs, final: bool = False) -> None:
+        """The prompt's entries after those already added, up to those no later step changes
+        (all of them, `final`: the output with the first token's)."""
+        stop = len(prompt) if final else prompt.settled()
+        if stop > self._prompt_done:
+            self._add(_Entries.of(prompt.rows(self._prompt_done, stop), ()))
+            self._prompt_done = stop
+
+    def add_records(self, records: Sequence[TokenLogprob]) -> None:
+        self._add(_Entries.of(None, records))
+
+    def value(self) -> dict[str, Any]:
+        return self._value
+
+    def _add(self, entries: _Entries) -> None:
+        tokens = self._texts(entries.ids)
+        starts = list(itertools.accumulate(map(len, tokens), initial=self._offset))
+        self._offset = starts.pop()
+        for key, column in (("tokens", tokens), ("token_logprobs", entries.logprobs),
+                            ("top_logprobs",
+                             entries.dicts(self._texts(entries.alt_ids), entries.alt_values)),
+                            ("text_offset", starts)):
+            self._value[key] += column
+
+
 def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob],
                         texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
     """/v1/completions' `logprobs` of the prompt's entries (`prompt`, with echo), then of the
-    generated `records`: the tokens, their log probabilities, the alternatives as {token: log
-    probability}, and where each token's text starts (from `offset` on). The prompt's first
-    token, which nothing precedes, has null values."""
-    entries = _Entries.of(prompt, records)
-    tokens = texts(entries.ids)
-    starts = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))
-    return {"tokens": tokens, "token_logprobs": entries.logprobs,
-            "top_logprobs": entries.dicts(texts(entries.alt_ids), entries.alt_values),
-            "text_offset": starts if tokens else []}
+    generated `records` (`CompletionLogprobs`), token texts from `offset` on. The prompt's
+    first token, which nothing precedes, has null values."""
+    built = CompletionLogprobs(texts, offset)
+    if prompt is not None:
+        built.add_prompt(prompt, final=True)
+    built.add_records(records)
+    return built.value()
 
 
 def chat_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:

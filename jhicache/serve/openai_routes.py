@@ -15,7 +15,12 @@ from jhicache.logprobs import TokenLogprob
 from jhicache.serve.context import SamplingFields, ServerContext
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Update
-from jhicache.serve.logprobs import chat_logprobs, completion_logprobs, token_texts
+from jhicache.serve.logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    token_texts,
+)
 from jhicache.serve.protocol import ChatCompletionRequest, CompletionRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
 
@@ -87,6 +92,24 @@ class _Reply:
                 "model": self.model, "choices": choices, **extra}
 
 
+def _filling(early: CompletionLogprobs) -> Callable[[Update], None]:
+    """Adds each update's newly settled prompt entries to `early`."""
+    def add(update: Update) -> None:
+        if update.prompt_logprobs is not None:
+            early.add_prompt(update.prompt_logprobs)
+    return add
+
+
+def _scored_choice(last: Update, echoed: str, early: CompletionLogprobs) -> dict[str, Any]:
+    """The one choice of a scored prompt's completion: its prompt's entries (those `early`
+    has not had yet from earlier updates), then its generated tokens'."""
+    assert last.prompt_logprobs is not None  # the last output has them (echo with logprobs)
+    early.add_prompt(last.prompt_logprobs, final=True)
+    early.add_records(last.logprobs or [])
+    return {"index": 0, "text": echoed + last.text, "logprobs": early.value(),
+            "finish_reason": _finish(last), "token_ids": last.token_ids}
+
+
 def openai_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
@@ -106,12 +129,14 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         gen = ctx.generation(prompt_ids, fields)
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         texts = token_texts(ctx.tokenizer)
-        updates = gen.updates()
+        scores_prompt = body.echo and body.logprobs is not None
+        # one body at the end: the prompt's entries formatted as steps fill them, each part
+        # while the engine computes the next chunk, not all of them after the last
+        early = CompletionLogprobs(texts) if scores_prompt and not body.stream else None
+        updates = gen.updates(filling=early is not None)
         first = await first_update(request, updates)
         if first is None:
             return Response(status_code=_CLIENT_GONE)
-
-        scores_prompt = body.echo and body.logprobs is not None
 
         def choice(update: Update, text: str, ids: list[int], new: list[TokenLogprob] | None,
                    with_prompt: bool, offset: int) -> dict[str, Any]:
@@ -142,13 +167,16 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                         offset += sum(len(t) for t in item["logprobs"]["tokens"])
 
             return event_stream(first, updates, chunks, _usage_chunk(body, reply))
-        last = await last_update(request, first, updates)
+        last = await last_update(request, first, updates,
+                                 None if early is None else _filling(early))
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        start = 0 if scores_prompt else len(echoed)
-        return JsonResponse(reply.body([choice(last, echoed + last.text, last.token_ids,
-                                               last.logprobs, True, start)],
-                                       usage=_usage(last)))
+        if early is None:
+            start = 0 if scores_prompt else len(echoed)
+            item = choice(last, echoed + last.text, last.token_ids, last.logprobs, True, start)
+        else:
+            item = _scored_choice(last, echoed, early)
+        return JsonResponse(reply.body([item], usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

@@ -66,15 +66,19 @@ def event_stream(first: Update, updates: AsyncGenerator[Update, None], chunks: E
                              headers={"Cache-Control": "no-cache"})
 
 
-async def last_update(request: Request, first: Update,
-                      updates: AsyncGenerator[Update, None]) -> Update | None:
-    """Runs the request to its end; None if the client disconnected first (it was aborted)."""
+async def last_update(request: Request, first: Update, updates: AsyncGenerator[Update, None],
+                      each: Callable[[Update], None] | None = None) -> Update | None:
+    """Runs the request to its end, passing `first` and each later update to `each`; None if
+    the client disconnected first (it was aborted)."""
 
     async def finish() -> Update:
         update = first
-        while not update.finished:
+        while True:
+            if each is not None:
+                each(update)
+            if update.finished:
+                return update
             update = await anext(updates)
-        return update
 
     try:
         return await _unless_disconnected(request, finish(), updates)
