@@ -99,32 +99,42 @@ class CompletionLogprobs:
         self._texts = texts
         self._offset = offset  # where the next entry's token text starts
         self._prompt_done = 0  # the prompt's entries added so far
+        # the prompt's token texts and where each starts (one more: where the text after it
+        # starts), from its first part on: they need its ids alone, which every part holds
+        self._prompt_texts: list[str] = []
+        self._prompt_starts: list[int] = []
         self._value: dict[str, list[Any]] = {
             "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add_prompt(self, prompt: PromptLogprobs, final: bool = False) -> None:
         """The prompt's entries after those already added, up to those no later step changes
         (all of them, `final`: the output with the first token's)."""
+        if not self._prompt_starts:
+            self._prompt_texts = self._texts(prompt.token_ids.tolist())
+            self._prompt_starts = list(itertools.accumulate(map(len, self._prompt_texts),
+                                                            initial=self._offset))
         stop = len(prompt) if final else prompt.settled()
         if stop > self._prompt_done:
-            self._add(_Entries.of(prompt.rows(self._prompt_done, stop), ()))
-            self._prompt_done = stop
+            part = slice(self._prompt_done, stop)
+            self._extend(self._prompt_texts[part], _Entries.of(prompt.rows(part.start, stop), ()),
+                         self._prompt_starts[part])
+            self._prompt_done, self._offset = stop, self._prompt_starts[stop]
 
     def add_records(self, records: Sequence[TokenLogprob]) -> None:
-        self._add(_Entries.of(None, records))
+        entries = _Entries.of(None, records)
+        tokens = self._texts(entries.ids)
+        starts = list(itertools.accumulate(map(len, tokens), initial=self._offset))
+        self._offset = starts.pop()
+        self._extend(tokens, entries, starts)
 
     def value(self) -> dict[str, Any]:
         return self._value
 
-    def _add(self, entries: _Entries) -> None:
-        tokens = self._texts(entries.ids)
-        starts = list(itertools.accumulate(map(len, tokens), initial=self._offset))
-        self._offset = starts.pop()
-        for key, column in (("tokens", tokens), ("token_logprobs", entries.logprobs),
-                            ("top_logprobs",
-                             entries.dicts(self._texts(entries.alt_ids), entries.alt_values)),
-                            ("text_offset", starts)):
-            self._value[key] += column
+    def _extend(self, tokens: list[str], entries: _Entries, starts: list[int]) -> None:
+        top = entries.dicts(self._texts(entries.alt_ids), entries.alt_values)
+        parts: tuple[list[Any], ...] = (tokens, entries.logprobs, top, starts)
+        for column, part in zip(self._value.values(), parts):
+            column += part
 
 
 def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob],
