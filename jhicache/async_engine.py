@@ -303,7 +303,8 @@ class AsyncEngine:
                      request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Submits one prompt and yields its outputs as tokens appear (`new_token_ids` each
         time, `token_ids` so far; a consumer that lags gets the outputs waiting for it merged
-        into one); the last has `finished=True`. The request is submitted at
+        into one), and before its first token as steps fill its prompt log probabilities (no
+        tokens: `Engine.step`); the last has `finished=True`. The request is submitted at
         the first iteration; leaving the loop early, or cancelling the consuming task, aborts it.
         Raises `ValueError` for bad input (at the first iteration), `EngineDeadError` or
         `EngineClosedError` as described above."""
