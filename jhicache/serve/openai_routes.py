@@ -106,8 +106,14 @@ def _scored_choice(last: Update, echoed: str, early: CompletionLogprobs) -> dict
     assert last.prompt_logprobs is not None  # the last output has them (echo with logprobs)
     early.add_prompt(last.prompt_logprobs, final=True)
     early.add_records(last.logprobs or [])
-    return {"index": 0, "text": echoed + last.text, "logprobs": early.value(),
-            "finish_reason": _finish(last), "token_ids": last.token_ids}
+    return _completion_choice(last, echoed + last.text, last.token_ids, early.value())
+
+
+def _completion_choice(update: Update, text: str, ids: list[int],
+                       logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    # token_ids: vLLM's extension, for clients that bring their own tokenizer
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish(update),
+            "token_ids": ids}
 
 
 def openai_router(ctx: ServerContext) -> APIRouter:
@@ -146,9 +152,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             if body.logprobs is not None:
                 prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
                 logprobs = completion_logprobs(prompt, new or [], texts, offset)
-            # token_ids: vLLM's extension, for clients that bring their own tokenizer
-            return {"index": 0, "text": text, "logprobs": logprobs,
-                    "finish_reason": _finish(update), "token_ids": ids}
+            return _completion_choice(update, text, ids, logprobs)
 
         if body.stream:
             offset = 0  # where the next token's text starts: the pieces before it
