@@ -1,8 +1,9 @@
 """What the host does with a scored prompt's log probabilities once the device has computed
 them, step by step, on this machine's CPU: the engine's fill of the request's columns, the
 engine process's wire (the child's encode and the parent's decode of the output), the
-/v1/completions `logprobs` object (echo, every prompt token's text and alternatives) and its
-JSON body. Each is the fastest of several runs, in milliseconds.
+/v1/completions `logprobs` object (echo, every prompt token's text and alternatives, its
+columns written as JSON as they are built) and the body around it. Each is the fastest of
+several runs, in milliseconds.
 
     PYTHONPATH=. python3 benchmarks/logprobs_host_probe.py [--tokens 8192] --out FILE.json
 
@@ -16,6 +17,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 from jhicache.models.config import PRESETS
 
@@ -62,11 +64,12 @@ def timings(tokenizer: Tokenizer, tokens: int, alternatives: int, seed: int,
     out["wire_decode_ms"] = fastest_ms(lambda: decoder.decode(wire), runs)
     texts = token_texts(tokenizer)
     generated = [TokenLogprob(1, -1.0, [(1, -1.0)] * alternatives)]
-    logprobs = completion_logprobs(prompt, generated, texts)
-    scores = logprobs["token_logprobs"]
+    logprobs = completion_logprobs(prompt, generated, texts).value()
+    scores = msgspec.json.decode(logprobs["token_logprobs"])
     if len(scores) != tokens + 1 or scores[0] is not None or None in scores[1:]:
         raise RuntimeError(f"{len(scores)} log probabilities formatted for {tokens} + 1 tokens")
-    out["format_ms"] = fastest_ms(lambda: completion_logprobs(prompt, generated, texts), runs)
+    out["format_ms"] = fastest_ms(
+        lambda: completion_logprobs(prompt, generated, texts).value(), runs)
     body = {"choices": [{"index": 0, "text": "", "logprobs": logprobs}]}
     out["json_ms"] = fastest_ms(lambda: json_bytes(body), runs)
     out["total_ms"] = sum(out.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -18,6 +19,11 @@ from jhicache.serve.logprobs import (
     completion_logprobs,
     sglang_logprobs,
 )
+
+
+def decoded(built: CompletionLogprobs) -> dict[str, Any]:
+    """The object a client reads: `built`'s columns are JSON already."""
+    return msgspec.json.decode(msgspec.json.encode(built.value()))
 
 
 def texts(tokens: list[int]) -> list[str]:
@@ -63,9 +69,12 @@ def entry_by_entry(prompt: PromptLogprobs | None, records: list[TokenLogprob], o
 def test_completion_logprobs_equal_entry_by_entry(alternatives: int) -> None:
     rng = np.random.default_rng(alternatives)
     prompt, records = prompt_columns(rng, 12, alternatives), generated(rng)
-    assert completion_logprobs(prompt, records, texts, 4) == entry_by_entry(prompt, records, 4)
-    assert completion_logprobs(None, records, texts) == entry_by_entry(None, records, 0)
-    assert completion_logprobs(prompt, [], texts) == entry_by_entry(prompt, [], 0)
+    built = completion_logprobs(prompt, records, texts, 4)
+    assert decoded(built) == entry_by_entry(prompt, records, 4)
+    assert built.offset == 4 + sum(map(len, decoded(built)["tokens"]))
+    assert decoded(completion_logprobs(None, records, texts)) == entry_by_entry(None, records, 0)
+    assert decoded(completion_logprobs(prompt, [], texts)) == entry_by_entry(prompt, [], 0)
+    assert decoded(completion_logprobs(None, [], texts)) == entry_by_entry(None, [], 0)
 
 
 @pytest.mark.parametrize("alternatives", [0, 1, 3])
@@ -86,7 +95,7 @@ def test_completion_logprobs_built_as_chunks_fill_the_prompt(alternatives: int) 
     built.add_prompt(whole, final=True)
     built.add_records(records)
     assert done == [0, 9, 9, 26, 40]
-    assert built.value() == entry_by_entry(whole, records, 3)
+    assert decoded(built) == entry_by_entry(whole, records, 3)
 
 
 def test_chat_logprobs_entry_by_entry() -> None:

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from jhicache.logprobs import PromptLogprobs, TokenLogprob
@@ -17,6 +18,7 @@ from jhicache.serve.tokenizer import Tokenizer
 TokenTexts = Callable[[list[int]], list[str]]  # tokens -> their texts, in one call
 _Cell = TypeVar("_Cell")
 _Row = TypeVar("_Row")
+_COMPLETION_COLUMNS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 def token_texts(tokenizer: Tokenizer | None) -> TokenTexts:
@@ -93,7 +95,11 @@ class CompletionLogprobs:
     """/v1/completions' `logprobs` built a part at a time: a scored prompt's entries as the
     engine's steps fill them (`add_prompt`, while the next chunk computes), then the generated
     tokens' records; `value()` is the object. Each entry has its token, its log probability,
-    its alternatives as {token: log probability} and where its token's text starts."""
+    its alternatives as {token: log probability} and where its token's text starts.
+
+    Each part is written as JSON when it is added, and `value()`'s columns are that JSON
+    (`msgspec.Raw`, which the response's encoder copies as it is): after a scored prompt's
+    last step, only its last chunk's entries are left to build and encode."""
 
     def __init__(self, texts: TokenTexts, offset: int = 0) -> None:
         self._texts = texts
@@ -103,8 +109,8 @@ class CompletionLogprobs:
         # starts), from its first part on: they need its ids alone, which every part holds
         self._prompt_texts: list[str] = []
         self._prompt_starts: list[int] = []
-        self._value: dict[str, list[Any]] = {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        # per column, each part's entries as JSON items (the list's, without its brackets)
+        self._encoded: tuple[list[bytes], ...] = tuple([] for _ in _COMPLETION_COLUMNS)
 
     def add_prompt(self, prompt: PromptLogprobs, final: bool = False) -> None:
         """The prompt's entries after those already added, up to those no later step changes
@@ -127,26 +133,33 @@ class CompletionLogprobs:
         self._offset = starts.pop()
         self._extend(tokens, entries, starts)
 
-    def value(self) -> dict[str, Any]:
-        return self._value
+    @property
+    def offset(self) -> int:
+        """Where the text after the last entry added starts."""
+        return self._offset
+
+    def value(self) -> dict[str, msgspec.Raw]:
+        return {name: msgspec.Raw(b"[" + b",".join(encoded) + b"]")
+                for name, encoded in zip(_COMPLETION_COLUMNS, self._encoded)}
 
     def _extend(self, tokens: list[str], entries: _Entries, starts: list[int]) -> None:
         top = entries.dicts(self._texts(entries.alt_ids), entries.alt_values)
         parts: tuple[list[Any], ...] = (tokens, entries.logprobs, top, starts)
-        for column, part in zip(self._value.values(), parts):
-            column += part
+        for encoded, part in zip(self._encoded, parts):
+            if part:
+                encoded.append(msgspec.json.encode(part)[1:-1])
 
 
 def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLogprob],
-                        texts: TokenTexts, offset: int = 0) -> dict[str, Any]:
+                        texts: TokenTexts, offset: int = 0) -> CompletionLogprobs:
     """/v1/completions' `logprobs` of the prompt's entries (`prompt`, with echo), then of the
-    generated `records` (`CompletionLogprobs`), token texts from `offset` on. The prompt's
-    first token, which nothing precedes, has null values."""
+    generated `records`, token texts from `offset` on, built at once. The prompt's first
+    token, which nothing precedes, has null values."""
     built = CompletionLogprobs(texts, offset)
     if prompt is not None:
         built.add_prompt(prompt, final=True)
     built.add_records(records)
-    return built.value()
+    return built
 
 
 def chat_logprobs(records: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:

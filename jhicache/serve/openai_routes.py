@@ -106,14 +106,14 @@ def _scored_choice(last: Update, echoed: str, early: CompletionLogprobs) -> dict
     assert last.prompt_logprobs is not None  # the last output has them (echo with logprobs)
     early.add_prompt(last.prompt_logprobs, final=True)
     early.add_records(last.logprobs or [])
-    return _completion_choice(last, echoed + last.text, last.token_ids, early.value())
+    return _completion_choice(last, echoed + last.text, last.token_ids, early)
 
 
 def _completion_choice(update: Update, text: str, ids: list[int],
-                       logprobs: dict[str, Any] | None) -> dict[str, Any]:
+                       logprobs: CompletionLogprobs | None) -> dict[str, Any]:
     # token_ids: vLLM's extension, for clients that bring their own tokenizer
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish(update),
-            "token_ids": ids}
+    return {"index": 0, "text": text, "logprobs": None if logprobs is None else logprobs.value(),
+            "finish_reason": _finish(update), "token_ids": ids}
 
 
 def openai_router(ctx: ServerContext) -> APIRouter:
@@ -136,23 +136,23 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         texts = token_texts(ctx.tokenizer)
         scores_prompt = body.echo and body.logprobs is not None
-        # one body at the end: the prompt's entries formatted as steps fill them, each part
-        # while the engine computes the next chunk, not all of them after the last
+        # one body at the end: the prompt's entries formatted and encoded as steps fill them,
+        # each part while the engine computes the next chunk, not all of them after the last
         early = CompletionLogprobs(texts) if scores_prompt and not body.stream else None
         updates = gen.updates(filling=early is not None)
         first = await first_update(request, updates)
         if first is None:
             return Response(status_code=_CLIENT_GONE)
 
-        def choice(update: Update, text: str, ids: list[int], new: list[TokenLogprob] | None,
-                   with_prompt: bool, offset: int) -> dict[str, Any]:
-            """The choice with the generated tokens' `new` records (None: no log
-            probabilities asked for), after the prompt's entries where echo scores it."""
-            logprobs = None
-            if body.logprobs is not None:
-                prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
-                logprobs = completion_logprobs(prompt, new or [], texts, offset)
-            return _completion_choice(update, text, ids, logprobs)
+        def logprobs(update: Update, new: list[TokenLogprob] | None, with_prompt: bool,
+                     offset: int) -> CompletionLogprobs | None:
+            """The generated tokens' `new` records after the prompt's entries where echo
+            scores it, their texts from `offset` on; None where no log probabilities are
+            asked for."""
+            if body.logprobs is None:
+                return None
+            prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
+            return completion_logprobs(prompt, new or [], texts, offset)
 
         if body.stream:
             offset = 0  # where the next token's text starts: the pieces before it
@@ -164,11 +164,10 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                     update.new_logprobs or (update is first and scores_prompt
                                             and update.prompt_logprobs))
                 if head or update.delta or scored or update.finished:
-                    item = choice(update, head + update.delta, update.new_token_ids,
-                                  update.new_logprobs, update is first, offset)
-                    yield sse(reply.body([item]))
-                    if item["logprobs"] is not None:
-                        offset += sum(len(t) for t in item["logprobs"]["tokens"])
+                    built = logprobs(update, update.new_logprobs, update is first, offset)
+                    yield sse(reply.body([_completion_choice(
+                        update, head + update.delta, update.new_token_ids, built)]))
+                    offset = offset if built is None else built.offset
 
             return event_stream(first, updates, chunks, _usage_chunk(body, reply))
         last = await last_update(request, first, updates,
@@ -176,8 +175,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         if last is None:
             return Response(status_code=_CLIENT_GONE)
         if early is None:
-            start = 0 if scores_prompt else len(echoed)
-            item = choice(last, echoed + last.text, last.token_ids, last.logprobs, True, start)
+            built = logprobs(last, last.logprobs, True, 0 if scores_prompt else len(echoed))
+            item = _completion_choice(last, echoed + last.text, last.token_ids, built)
         else:
             item = _scored_choice(last, echoed, early)
         return JsonResponse(reply.body([item], usage=_usage(last)))
