@@ -20,7 +20,8 @@ Two passes over the engine's `ShapeGrid`:
    differently from a real call). Every row of a padding step is padding: it writes only
    the reserved padding page.
 A server's warm-up then freezes the objects alive out of the garbage collector's walks
-(`freeze_heap`), as vLLM does after its warm-up and SGLang offers (`freeze_gc`).
+(`freeze_heap`), as vLLM does after its warm-up and SGLang offers (`freeze_gc`), and makes its
+young collections rarer.
 """
 
 from __future__ import annotations
@@ -274,6 +275,12 @@ def warm_up(engine: Engine, lock: contextlib.AbstractContextManager, progress: b
     return report
 
 
+# allocations between two collections of the youngest generation in a served process: where
+# CPython's 700 runs one every few hundred entries of a scored prompt's body, on a heap whose
+# long-lived objects are frozen
+SERVED_YOUNG_THRESHOLD = 50_000
+
+
 def freeze_heap() -> int:
     """Collects what is garbage now, then moves every object still alive (the model's, JAX's
     and XLA's, the compiled programs') into the collector's permanent generation (`gc.freeze`):
@@ -281,7 +288,11 @@ def freeze_heap() -> int:
     holds up the step it lands in for as long as that walk takes, and the per-token lists of
     a scored prompt bring one on within a few requests. Objects made later are collected as
     before; frozen ones never are, cycles among them included, so only a process that keeps
-    its engine to the end should freeze (a server). Returns how many objects are frozen."""
+    its engine to the end should freeze (a server). The youngest generation's threshold is
+    raised to `SERVED_YOUNG_THRESHOLD`: a request's objects (a scored prompt's body makes two
+    or three per token) are mostly freed whole by their reference counts, and each young
+    collection before that walks them all. Returns how many objects are frozen."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(SERVED_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return gc.get_freeze_count()

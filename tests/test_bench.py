@@ -125,20 +125,27 @@ def test_multiturn_with_a_storage_dir_backs_pages_up_and_removes_them_after(tmp_
 
 def test_as_served_warms_up_freezes_the_heap_and_gives_the_collector_back() -> None:
     """Inside, the engine is warmed up and the process's heap frozen, as a server's start
-    leaves them; after, nothing is frozen (the bench builds other engines next)."""
+    leaves them, young collections made rarer; after, nothing is frozen and the thresholds
+    are as they were (the bench builds other engines next)."""
     import gc
 
+    from jhicache.warmup import SERVED_YOUNG_THRESHOLD
+
+    thresholds = gc.get_threshold()
+    assert thresholds[0] != SERVED_YOUNG_THRESHOLD
     engine = engines.make_engine(cli.parse_args(["multiturn", *TINY]), cache_mode="device",
                                  device_kv_tokens=256)
     with engines.as_served(engine):
         assert engine.warmed_up and gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (SERVED_YOUNG_THRESHOLD, *thresholds[1:])
         assert engine.startup.warmup is not None
         # (frozen objects freed since by their counts leave the permanent generation)
         assert engine.startup.warmup.frozen_objects >= gc.get_freeze_count()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
     with engines.as_served():  # an engine elsewhere: this process's heap alone
         assert gc.get_freeze_count() > 0
-    assert gc.get_freeze_count() == 0
+        assert gc.get_threshold()[0] == SERVED_YOUNG_THRESHOLD
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds
 
 
 def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:

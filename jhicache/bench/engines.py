@@ -44,6 +44,7 @@ def as_served(engine: Engine | None = None) -> Iterator[None]:
     collector is given back as it was at the end: the bench goes on to build other engines,
     whose predecessors must be collectable. Without `engine`: the heap frozen alone (a process
     whose engine runs in another)."""
+    thresholds = gc.get_threshold()
     if engine is not None:
         engine.warmup(progress=False, freeze_heap=True)
     else:
@@ -52,6 +53,7 @@ def as_served(engine: Engine | None = None) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def warm_up_served(engine: AsyncEngine) -> None:
