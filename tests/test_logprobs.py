@@ -26,6 +26,7 @@ from jhicache.logprobs import (
     token_logprobs,
     top_k_in_passes,
 )
+from tests.delivery import one_at_a_time
 from tests.models.numpy_reference import (
     random_hf_weights,
     reference_logits,
@@ -270,19 +271,26 @@ def test_logprobs_out_of_range_are_refused() -> None:
 
 
 @pytest.mark.parametrize("process", [False, True])
-def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool) -> None:
+def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Through AsyncEngine (in a thread or an engine process): each streamed output's records
     cover its tokens so far, and the last ones equal the reference's; the prompt's come with
     the first token and the last output, and before the first token, with no token, as each
-    chunk fills them (the entries filled so far equal to the reference's, the rest not yet)."""
+    chunk fills them (the entries filled so far equal to the reference's, the rest not yet).
+    Those before the first token are delivered one at a time: a lagging consumer would get
+    them merged into the first token's."""
     path, weights = checkpoint
+    taken = one_at_a_time(monkeypatch, lambda out: not out.new_token_ids)
     config = EngineConfig(cache_mode="hierarchical", **ENGINE)
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=1,
                             prompt_logprobs_start=10)
 
     async def run() -> list:
         async with AsyncEngine.from_pretrained(str(path), config, process=process) as served:
-            outs = [out async for out in served.stream(PROMPT, params)]
+            outs = []
+            async for out in served.stream(PROMPT, params):
+                outs.append(out)
+                taken.set()
             [final] = await served.generate([PROMPT[:50]], params)
         return [*outs, final]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from jhicache.logprobs import TokenLogprob  # noqa: E402
 from jhicache.serve import openai_routes  # noqa: E402
 from jhicache.serve.logprobs import CompletionLogprobs  # noqa: E402
 from jhicache.serve.tokenizer import Tokenizer  # noqa: E402
+from tests.delivery import one_at_a_time  # noqa: E402
 from tests.serve_support import (  # noqa: E402
     ENGINE_CONFIG,
     TIMEOUT_S,
@@ -157,7 +159,8 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, http
 def test_a_prompt_of_several_chunks_scored_as_its_chunks_are_computed(
         checkpoint: Path, tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Echo with logprobs over a prompt of several chunks, not streamed: the server formats
-    each chunk's entries as its step fills them (before the first token), and the body equals
+    each chunk's entries as its step fills them (before the first token; those outputs are
+    delivered one at a time, which a lagging server would take merged), and the body equals
     the engine's own log probabilities; streamed, the same values."""
     config = dataclasses.replace(ENGINE_CONFIG, chunked_prefill_tokens=16)
     prompt = " ".join([PROMPT] * 8)
@@ -170,11 +173,14 @@ def test_a_prompt_of_several_chunks_scored_as_its_chunks_are_computed(
     assert want.prompt_logprobs is not None and want.logprobs is not None
     records = [*want.prompt_logprobs, *want.logprobs]
     settled: list[int] = []  # the prompt entries formatted, after each addition
+    pacing = threading.Event()  # set while the request not streamed runs
+    taken = one_at_a_time(monkeypatch, lambda out: pacing.is_set() and not out.new_token_ids)
 
     class Recorded(CompletionLogprobs):
         def add_prompt(self, prompt_logprobs, final: bool = False) -> None:
             super().add_prompt(prompt_logprobs, final)
             settled.append(self._prompt_done)
+            taken.set()
 
     monkeypatch.setattr(openai_routes, "CompletionLogprobs", Recorded)
     server = start_server(checkpoint, config=config)
@@ -183,7 +189,9 @@ def test_a_prompt_of_several_chunks_scored_as_its_chunks_are_computed(
                                timeout=TIMEOUT_S, max_retries=0)
         kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True,
                       logprobs=1, extra_body={"ignore_eos": True})
+        pacing.set()
         got = client.completions.create(**kwargs).choices[0].logprobs
+        pacing.clear()
         streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True,
                                                                              **kwargs)
                     if c.choices and c.choices[0].logprobs is not None]
