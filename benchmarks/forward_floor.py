@@ -30,10 +30,10 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.kernels.timing import dispatch_us, hbm_read, timeit
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
 from jhicache.bench.command import save_json
-from jhicache.bench.kernels.timing import dispatch_us, hbm_read, timeit
 
 
 def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Generator):

@@ -117,7 +117,7 @@ def test_output_folder_must_exist_before_the_run(capsys, tmp_path, option: str) 
     assert getattr(cli.parse_args(["multiturn", option, str(tmp_path / "x")]), option[2:])
 
 
-@pytest.mark.parametrize("what", ["model", "host-hit", "kernels"])
+@pytest.mark.parametrize("what", ["model", "host-hit"])
 def test_plot_without_multiturn_is_an_error(capsys, tmp_path, what: str) -> None:
     err = usage_error(capsys, [what, "--plot", str(tmp_path / "p.png")])
     assert "--plot draws the multiturn benchmark; use it with `multiturn` or `all`" in err

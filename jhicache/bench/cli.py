@@ -36,7 +36,8 @@ DESCRIPTION = """\
 `python -m jhicache.bench`: model throughput, the multi-turn cache benchmark, and host-hit TTFT.
 
 With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
-minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench.kernels`) instead.
+minutes without a GPU).
+The kernel benchmark is `python -m benchmarks.kernels`, from the repository root.
 `multiturn --url URL` drives a running server's POST /generate instead of an engine in this
 process; `serve-overhead` runs the multi-turn workload in process and through the server
 (uvicorn in this process, its engine in a thread or an engine process, the clients in a process
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                "a GPU gets larger ones.")
     p.set_defaults(given=frozenset())
     p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead",
+                   choices=("all", "model", "multiturn", "host-hit", "serve-overhead",
                             "storage-hit", "restart", "scoring"),
                    help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
                         "multiturn through the HTTP server and in process, side by side")

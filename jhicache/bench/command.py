@@ -90,15 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         # it: JAX's default preallocation (75%) at the first backend call would take it.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     args = parse_args(argv)
-    if args.what == "kernels":
-        if jax.default_backend() != "gpu":
-            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
-                  "it needs a GPU", file=sys.stderr)
-            return 2
-        from jhicache.bench.kernels.cli import main as kernels_main
-
-        kernels_main([] if args.out is None else ["--out", args.out])
-        return 0
     note = None if args.url else timing_note(jax.default_backend())  # --url: the server's
     if note:
         print(note, flush=True)

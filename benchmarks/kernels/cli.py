@@ -9,11 +9,11 @@ import json
 
 import jax
 
-from jhicache.bench.kernels.attention import run_targets
-from jhicache.bench.kernels.cases import TARGET_PARTS
-from jhicache.bench.kernels.memory_ops import gathers, kv_write, transfers
-from jhicache.bench.kernels.shapes import PAGE, SHAPES
-from jhicache.bench.kernels.timing import ceilings, safe
+from benchmarks.kernels.attention import run_targets
+from benchmarks.kernels.cases import TARGET_PARTS
+from benchmarks.kernels.memory_ops import gathers, kv_write, transfers
+from benchmarks.kernels.shapes import PAGE, SHAPES
+from benchmarks.kernels.timing import ceilings, safe
 
 DESCRIPTION = """\
 Kernel benchmark on the GPU: pallas_kernels ops at Qwen2 shapes, ceilings, attention targets.
@@ -40,7 +40,7 @@ PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PAR
 def main(argv: list[str] | None = None) -> dict:
     """Runs the parts named by --only (all by default) and prints (and with --out writes) the
     results as JSON; returns them."""
-    parser = argparse.ArgumentParser(prog="python -m jhicache.bench.kernels",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
                                      description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
