@@ -20,7 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from jhicache.bench import host_hit, workload
+from benchmarks import host_hit
+from jhicache.bench import workload
 from jhicache.bench.cli import parse_args
 from jhicache.bench.command import save_json
 from jhicache.config import TransferTuning
