@@ -161,6 +161,11 @@ def test_main_runs_the_target_parts_between_two_read_ceilings(tmp_path,
     assert set(res["attention_summary"]) == {EXTEND.name, PREFILL.name}
     assert all(row["met"] is not None for row in res["attention_summary"].values())
     assert out.read_text().startswith("{")
+    rows = res["page_rows"]  # the run's own page rows, judged against each case's target
+    assert set(rows) == {f"attention_{EXTEND.name}", f"attention_{PREFILL.name}"}
+    assert rows[f"attention_{EXTEND.name}"]["target"] == f">= {EXTEND.target:.2f}"
+    assert rows[f"attention_{PREFILL.name}"]["ceiling"].startswith("cuDNN ")
+    assert all(row["met"] in ("yes", "no") for row in rows.values())
     for unknown in ("extend_lng", "extend", "decode"):  # the per-call parts were deleted
         with pytest.raises(SystemExit):
             cli.main(["--only", unknown])
