@@ -80,6 +80,7 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     assert (hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0
             and hit["pcie_to_host_gbps"] > 0)
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
+    assert all(t["load_alone_s"] > 0 for t in hit["trials"])  # each timed a real load (not nan)
     row = json.loads(out.read_text())["page_rows"]["host_hit"]  # the bench's own page row
     assert row["target"] == "1.1"  # the tiny preset: not a 0.5B model
     assert row["met"] in ("yes", "no") or row["met"].startswith("partly (in ")
@@ -168,6 +169,28 @@ def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -
     page_bytes = engine.device_pool.layout.page_bytes
     assert after.write_back_bytes - before.write_back_bytes >= 64 // 8 * page_bytes  # `other`
     assert engine.cache.match(other).device_len == 0 and engine.cache.match(prefix).host_len == 0
+    engine.check_invariants()
+
+
+def test_load_back_alone_brings_a_host_run_to_the_device() -> None:
+    """`Engine.load_back`, the seam the host-hit bench times a load alone through."""
+    args = bench_cli.parse("host-hit", "", TINY, host_hit.add_options)
+    engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
+                                 load_back_threshold=1)
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    [prefix] = workload.random_prompts(rng, vocab, 1, 64)
+    turns = workload.random_prompts(rng, vocab, 2, 8)
+    assert not engine.load_back(prefix + turns[0])  # cached nowhere: nothing to load
+    host_hit.ttft_of(engine, prefix + turns[0])
+    host_hit.push_to_host(engine)
+    request_id = engine.add_request(prefix + turns[1], SamplingParams(max_new_tokens=1))
+    assert not engine.load_back(prefix + turns[1])  # a request is unfinished
+    assert engine.abort(request_id)
+    engine.drain()
+    assert engine.load_back(prefix + turns[1])
+    _, out = host_hit.ttft_of(engine, prefix + turns[1])
+    assert (out.device_hit_tokens, out.host_hit_tokens) == (64, 0)
     engine.check_invariants()
 
 
