@@ -227,14 +227,20 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
 
 
 def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target] | None:
-    """The engine process against in process, where the hierarchical mode ran."""
+    """The engine process against in process, where the hierarchical mode ran; a model as small
+    as 0.5B, whose steps are short beside the server's work per output, aims at 0.8x of the
+    throughput and states no ITL bound."""
     if "hierarchical" not in result["modes"]:
         return None
+    hit = Rule("process_hit_ttft_ms", "device-hit TTFT", at_most=5.0)
+    if "0.5b" in str(args.weights or args.preset).lower():
+        return "serve_paths", Target(
+            "engine process: throughput >= 0.8x, device-hit TTFT p50 <= +5 ms",
+            (Rule("process_ratio", "throughput", at_least=0.8), hit))
     return "serve_paths", Target(
         "engine process: throughput >= 0.9x, ITL p50 <= +0.5 ms, device-hit TTFT p50 <= +5 ms",
         (Rule("process_ratio", "throughput", at_least=0.9),
-         Rule("process_itl_ms", "ITL", at_most=0.5),
-         Rule("process_hit_ttft_ms", "device-hit TTFT", at_most=5.0)))
+         Rule("process_itl_ms", "ITL", at_most=0.5), hit))
 
 
 def main(argv: list[str] | None = None) -> int:

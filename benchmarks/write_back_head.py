@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks import cli as bench_cli
 from benchmarks import host_hit
+from benchmarks.rows import Rule, Target, page_row
 from jhicache.bench import workload
 from jhicache.bench.command import save_json
 from jhicache.config import TransferTuning
@@ -80,7 +81,13 @@ def main() -> None:
         engine.close()
         del engine
         gc.collect()  # its device pool goes before the next engine's is made
-    save_json({"preset": cli.preset, "prefix": cli.prefix, "trials": out}, cli.out)
+    result = {"preset": cli.preset, "prefix": cli.prefix, "trials": out}
+    target = Target("0.95", (Rule("end_to_end", "end to end", at_least=0.95),
+                             Rule("copies", "copies", at_least=0.95)))
+    result["page_rows"] = {f"write_back_head_{mb}": page_row("write_back_head", [result],
+                                                             {"head_mb": mb}, target)
+                           for mb in heads}
+    save_json(result, cli.out)
 
 
 if __name__ == "__main__":

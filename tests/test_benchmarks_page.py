@@ -3,12 +3,13 @@ the benches wrote into their result files (benchmarks/rows.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks import rows
+from benchmarks import host_hit, restart, rows, scoring, serve_overhead, storage_hit
 from tests.scripts import load_script
 
 bp = load_script("scripts/benchmarks_page.py")
@@ -135,3 +136,27 @@ def test_scoring_checks_the_end_to_end_ratio_where_the_run_has_it():
     assert http.checks["http_ratio"] == [1.11, 1.07]
     assert "through the server 232.1 against 210.0 ms: 1.070x (1.070-1.110)" in http.result
     assert http.result.endswith("2 pairs in process and 2 through the server, 1 compile")
+
+
+# The single-run benches, by the kind of row they write: the module and its result's key.
+BENCHES = {"host_hit": (host_hit, "host_hit"), "storage_hit": (storage_hit, "storage_hit"),
+           "scoring": (scoring, "scoring"), "restart": (restart, "restart"),
+           "serve_paths": (serve_overhead, "serve_overhead")}
+
+
+def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
+    """Every committed row of a single-run bench is what that bench writes for that run today:
+    the page's targets are the benches' own."""
+    checked = 0
+    for path in sorted(bp.RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        for name, row in (data.get("page_rows", {}) if isinstance(data, dict) else {}).items():
+            if row["kind"] not in BENCHES or "files" in row:
+                continue
+            module, key = BENCHES[row["kind"]]
+            args = argparse.Namespace(preset=data["preset"], weights=None,
+                                      storage_hit_prefix=data[key].get("prefix_tokens"))
+            kind, target = module.page_row(args, data[key])
+            assert rows.page_row(kind, [data], {}, target) == row, (path.name, name)
+            checked += 1
+    assert checked == 11
