@@ -1,13 +1,25 @@
 """A bench's page row: its figures (result, ceiling) read from its results by the row's kind,
 its target, and whether it is met, as BENCHMARKS.md shows them. A bench writes its rows into its
-result file under "page_rows" (`add_rows`); scripts/benchmarks_page.py only renders them."""
+result file under "page_rows" (`add_row`); scripts/benchmarks_page.py only renders them. A row
+that compares runs (a baseline, a variant) is written by the command line:
+
+    PYTHONPATH=. python -m benchmarks.rows FILE ROW KIND [--with OTHER.json ...]
+        [--args JSON] [--target TEXT] [--rule METRIC:at_most|at_least:BOUND[:NAME] ...]
+        [--met TEXT] [--samples WORD]
+
+reads FILE (the row's run) and the --with files (in benchmarks/results/ unless a path), and
+writes the row into FILE under "page_rows"[ROW], naming the other files it read."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 Json = dict[str, Any]
@@ -522,3 +534,45 @@ def add_row(result: Json, kind: str, target: Target, args: Json | None = None) -
     rows = dict(result.get("page_rows", {}))
     rows[kind] = page_row(kind, [result], args or {}, target)
     return {**result, "page_rows": rows}
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_rule(text: str) -> Rule:
+    """METRIC:at_most|at_least:BOUND[:NAME], NAME the metric's by default."""
+    metric, side, bound, *name = text.split(":")
+    if side not in ("at_most", "at_least"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the side is at_most or at_least")
+    return Rule(metric, name[0] if name else metric, **{side: float(bound)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rows",
+                                description="Writes a page row into a result file.")
+    p.add_argument("file", type=Path, help="the row's run (in benchmarks/results/ or a path)")
+    p.add_argument("row", help="the row's key under the file's page_rows")
+    p.add_argument("kind", choices=sorted(EXTRACTORS), help="what reads the figures")
+    p.add_argument("--with", dest="others", type=Path, action="append", default=[],
+                   help="another run the kind reads, after FILE (repeat, in its order)")
+    p.add_argument("--args", type=json.loads, default={}, help="the kind's arguments (JSON)")
+    p.add_argument("--target", default="-", help="the target as shown ({field}s filled in)")
+    p.add_argument("--rule", type=parse_rule, action="append", default=[],
+                   help="METRIC:at_most|at_least:BOUND[:NAME], decides met (repeat)")
+    p.add_argument("--met", default=None, help="the verdict, where none is a comparison")
+    p.add_argument("--samples", default="trials", help="what the verdict counts")
+    cli = p.parse_args(argv)
+    paths = [f if f.exists() else RESULTS / f for f in (cli.file, *cli.others)]
+    files = [json.loads(path.read_text()) for path in paths]
+    row = page_row(cli.kind, files, cli.args,
+                   Target(cli.target, tuple(cli.rule), cli.met, cli.samples))
+    if cli.others:
+        row["files"] = [path.name for path in paths]
+    files[0]["page_rows"] = {**files[0].get("page_rows", {}), cli.row: row}
+    paths[0].write_text(json.dumps(files[0], indent=1))
+    print(json.dumps(row, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -160,3 +160,20 @@ def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
             assert rows.page_row(kind, [data], {}, target) == row, (path.name, name)
             checked += 1
     assert checked == 11
+
+
+def test_the_command_line_writes_a_comparison_row_as_the_page_shows_it(tmp_path):
+    """`python -m benchmarks.rows` writes a row that reads other runs (here a baseline) into the
+    row's result file: the page's row of the 7B multi-turn run against its baseline, again."""
+    run = "multiturn_qwen2-7b_h200_timing_shapes_alone.json"
+    base = "multiturn_qwen2-7b_h200_ab582b2.json"
+    for name in (run, base):
+        (tmp_path / name).write_text((bp.RESULTS / name).read_text())
+    assert rows.main([str(tmp_path / run), "again", "multiturn", "--with", str(tmp_path / base),
+                      "--target", ">= 95% of {baseline_tok_s} (ab582b2)",
+                      "--rule", "over_baseline:at_least:0.95"]) == 0
+    written = json.loads((tmp_path / run).read_text())["page_rows"]
+    assert written["again"] == written["multiturn"]
+    assert rows.parse_rule("ratio:at_most:1.1:TTFT") == rows.Rule("ratio", "TTFT", at_most=1.1)
+    with pytest.raises(argparse.ArgumentTypeError):
+        rows.parse_rule("ratio:below:1")
