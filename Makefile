@@ -11,8 +11,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,plot,serve]'
 	@touch $(STAMP)
 
+# The installed bench (model, multi-turn), then the host-hit bench from benchmarks/ (not installed).
 bench: $(STAMP)
 	$(PY) -m jhicache.bench
+	$(PY) -m benchmarks.host_hit
 
 install: $(STAMP)
 
