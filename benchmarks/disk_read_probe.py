@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jhicache.bench.storage_hit import drop_page_cache
+from benchmarks.storage_hit import drop_page_cache
 
 # A 7B page: 64 tokens x 28 layers x (K, V) x 4 KV heads x 128 x 2 bytes (bf16)
 PAGE_BYTES = 64 * 28 * 2 * 4 * 128 * 2

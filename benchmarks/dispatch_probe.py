@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jhicache.pallas_kernels.backend import use_interpreter
 
+from benchmarks.kernels.timing import dispatch_us
 from jhicache.bench.command import save_json
-from jhicache.bench.kernels.timing import dispatch_us
 
 
 def _doubled(x: jax.Array) -> jax.Array:

@@ -28,8 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 from jhicache.models.config import PRESETS
 from jhicache.pallas_kernels.backend import use_interpreter
 
+from benchmarks.kernels.timing import timeit
 from jhicache.bench.command import save_json
-from jhicache.bench.kernels.timing import timeit
 from jhicache.logprobs import row_logprobs_top1
 
 Reduce = Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]]

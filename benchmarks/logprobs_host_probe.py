@@ -8,7 +8,7 @@ several runs, in milliseconds.
     PYTHONPATH=. python3 benchmarks/logprobs_host_probe.py [--tokens 8192] --out FILE.json
 
 The token texts come from a word-per-id tokenizer of the preset's vocabulary, decoded at start
-as a server's is (the scoring bench's, `jhicache.bench.scoring.word_tokenizer`).
+as a server's is (the scoring bench's, `benchmarks.scoring.word_tokenizer`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 from jhicache.models.config import PRESETS
 
+from benchmarks.scoring import word_tokenizer
 from jhicache.bench.command import save_json
-from jhicache.bench.scoring import word_tokenizer
 from jhicache.engine_process import Outputs, child_encoder, parent_decoder
 from jhicache.logprobs import MAX_LOGPROBS, MAX_TOKEN_IDS, PromptLogprobs, TokenLogprob
 from jhicache.request import RequestOutput

@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.rows import Rule, Target, page_row
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
 from jhicache.bench.command import save_json
@@ -95,6 +96,15 @@ def ttft_phases_ms(engine: Engine, prompt: list[int]) -> dict[str, float]:
     return {name: (b - a) * 1e3 for name, a, b in zip(names, marks, marks[1:])}
 
 
+def step_target(args: argparse.Namespace, case: str) -> Target:
+    """The engine's step over its forward alone: 1.1x for a decode step and 1.15x for a device
+    hit, looser for a model as small as 0.5B (1.3x, 1.4x), whose forward the host's work rivals."""
+    small = "0.5b" in args.preset.lower()
+    bound = {("decode", False): 1.1, ("decode", True): 1.3,
+             ("device_hit", False): 1.15, ("device_hit", True): 1.4}[case, small]
+    return Target(f"{bound}x", (Rule("ratio", "ratio", at_most=bound),))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +130,11 @@ def main() -> None:
               f"({h['engine_ttft_ms'] / h['forward_alone_ms']:.2f}x)", flush=True)
         print("  device-hit first step by phase (ms, median): "
               + ", ".join(f"{k} {v:.2f}" for k, v in h["host_phases_ms"].items()), flush=True)
+    result["page_rows"] = {
+        f"step_vs_forward_{case}": page_row("step_vs_forward", [result],
+                                            {"case": case, "key": key}, step_target(args, case))
+        for case, key in (("decode", "engine_step_ms"), ("device_hit", "engine_ttft_ms"))
+        if case in result["overlap"]}
     save_json(result, args.out)
 
 

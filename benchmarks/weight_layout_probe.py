@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jhicache.models.config import PRESETS
 
+from benchmarks.kernels.timing import dispatch_us
 from jhicache.bench.command import save_json
-from jhicache.bench.kernels.timing import dispatch_us
 
 
 def shapes(config: Any) -> dict[str, tuple[int, int]]:

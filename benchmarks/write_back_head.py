@@ -4,24 +4,27 @@ gather stages first (`TransferTuning.gather_head_bytes`).
     PYTHONPATH=. python3 benchmarks/write_back_head.py [--preset qwen2-7b] [--prefix 32768]
         [--head-mb 100000,256,128] [--trials 2] [--out result.json]
 
-One engine; the head sizes in turn, twice round (order effects show), each after a warm-up
-trial that compiles its gathers. Per trial: a prefix computed, then pushed to host
-(`host_hit.push_to_host`: eviction, gathers, copies, the wait), timed end to end on the host
-clock, its copies' span by their device-side marks, and the PCIe ceiling (one contiguous XLA
-copy of as many bytes to pinned host, `host_hit.pcie_copy_seconds`); then a device hit on the
-prefix beside a write-back of another prefix as long (`host_hit.device_hit_beside_write_back`)
-and alone. A head above the write-back's size gathers it whole, as before pieces.
+The head sizes in turn, twice round (order effects show), each on a fresh engine whose
+`EngineConfig.transfer_tuning` sets it, after a warm-up trial that compiles its gathers. Per
+trial: a prefix computed, then pushed to host (`host_hit.push_to_host`: eviction, gathers,
+copies, the wait), timed end to end on the host clock, its copies' span by their device-side
+marks, and the PCIe ceiling (one contiguous XLA copy of as many bytes to pinned host,
+`host_hit.pcie_copy_seconds`); then a device hit on the prefix beside a write-back of another
+prefix as long (`host_hit.device_hit_beside_write_back`) and alone. A head above the
+write-back's size gathers it whole, as before pieces.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 
 import numpy as np
 
-from jhicache.bench import host_hit, workload
-from jhicache.bench.cli import parse_args
+from benchmarks import cli as bench_cli
+from benchmarks import host_hit
+from benchmarks.rows import Rule, Target, page_row
+from jhicache.bench import workload
 from jhicache.bench.command import save_json
 from jhicache.config import TransferTuning
 
@@ -63,21 +66,28 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--out")
     cli = parser.parse_args()
-    args = parse_args(["host-hit", "--preset", cli.preset, "--host-hit-prefix",
-                       str(cli.prefix)])
-    engine = host_hit.host_hit_engine(args)
+    args = bench_cli.parse("host-hit", "", ["--preset", cli.preset, "--host-hit-prefix",
+                                            str(cli.prefix)], host_hit.add_options)
     rng = np.random.default_rng(args.seed + 3)
     heads = [int(mb) for mb in cli.head_mb.split(",")]
     out: dict[str, list[dict]] = {str(mb): [] for mb in heads}
     for mb in heads * 2:
-        transfers = engine.cache.transfers
-        transfers.tuning = dataclasses.replace(transfers.tuning, gather_head_bytes=mb << 20)
+        engine = host_hit.host_hit_engine(args, gather_head_bytes=mb << 20)
         trial(engine, rng, cli.prefix, args.host_hit_turn)  # compiles its gathers
         rows = [trial(engine, rng, cli.prefix, args.host_hit_turn)
                 for _ in range(cli.trials)]
         out[str(mb)] += rows
         print(f"head {mb} MB: {summary(rows)}", flush=True)
-    save_json({"preset": cli.preset, "prefix": cli.prefix, "trials": out}, cli.out)
+        engine.close()
+        del engine
+        gc.collect()  # its device pool goes before the next engine's is made
+    result = {"preset": cli.preset, "prefix": cli.prefix, "trials": out}
+    target = Target("0.95", (Rule("end_to_end", "end to end", at_least=0.95),
+                             Rule("copies", "copies", at_least=0.95)))
+    result["page_rows"] = {f"write_back_head_{mb}": page_row("write_back_head", [result],
+                                                             {"head_mb": mb}, target)
+                           for mb in heads}
+    save_json(result, cli.out)
 
 
 if __name__ == "__main__":

@@ -564,6 +564,25 @@ class Engine:
                 self.cache.flush()
             return freed
 
+    def load_back(self, prompt: Sequence[int]) -> bool:
+        """Copies the host-tier run of `prompt`'s cached prefix to the device tier with no step
+        around it, and returns once it has landed (a bench times a load alone this way). False
+        (nothing done) with no host run to load or while a request is unfinished."""
+        with self._lock, self._serving():
+            if self._requests:
+                return False
+            self._drain()
+            match = self.cache.match(list(prompt), leave_last=True)
+            with self.cache.step() as transfers:
+                ticket = self.cache.load_back(match)
+                if ticket is not None:
+                    transfers.start_loads([ticket])
+            if ticket is None:
+                return False
+            ticket.wait_all()
+            self.cache.flush()
+            return True
+
     def drain(self, cumulative: bool = True) -> list[RequestOutput]:
         """Ends the step in flight and waits for every transfer; returns that step's outputs
         (as `step(cumulative)` does). Unfinished requests stay queued for later steps; with

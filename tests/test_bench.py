@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from tqdm import tqdm
 
+from benchmarks import cli as bench_cli
+from benchmarks import host_hit, restart, scoring, storage_hit, tables
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import (
     cli,
@@ -18,9 +20,7 @@ from jhicache.bench import (
     command,
     compile_counter,
     engines,
-    host_hit,
     multiturn,
-    report,
     workload,
 )
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
@@ -65,9 +65,9 @@ def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, ca
 
 def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     out = tmp_path / "hit.json"
-    args = ["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8",
+    args = [*TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8",
             "--host-hit-trials", "3", "--out", str(out)]
-    assert command.main(args) == 0
+    assert host_hit.main(args) == 0
     hit = json.loads(out.read_text())["host_hit"]
     assert hit["host_hit_tokens"] == 64
     assert hit["pcie_s"] > 0 and hit["host_hit_ratio"] == pytest.approx(
@@ -80,13 +80,18 @@ def test_host_hit_reports_its_ratios_against_pcie(tmp_path, capsys) -> None:
     assert (hit["write_back_bytes"] > 0 and hit["write_back_gbps"] > 0
             and hit["pcie_to_host_gbps"] > 0)
     assert hit["device_hit_beside_write_back_ttft_s"] > 0
+    assert all(t["load_alone_s"] > 0 for t in hit["trials"])  # each timed a real load (not nan)
+    row = json.loads(out.read_text())["page_rows"]["host_hit"]  # the bench's own page row
+    assert row["target"] == "1.1"  # the tiny preset: not a 0.5B model
+    assert row["met"] in ("yes", "no") or row["met"].startswith("partly (in ")
+    assert row["result"].startswith(f"{hit['host_hit_ttft_s'] * 1e3:.1f} ms (")
 
 
 def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, capsys) -> None:
     out = tmp_path / "storage.json"
-    args = ["storage-hit", *TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
+    args = [*TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
             "--storage-hit-trials", "2", "--storage-dir", str(tmp_path), "--out", str(out)]
-    assert command.main(args) == 0
+    assert storage_hit.main(args) == 0
     hit = json.loads(out.read_text())["storage_hit"]
     assert hit["storage_hit_tokens"] == 64 and hit["host_hit_tokens"] == 0
     assert hit["engine_storage_read_bytes"] >= hit["fetched_bytes"] > 0
@@ -100,10 +105,10 @@ def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, 
 
 def test_storage_hit_with_the_split_policy_computes_what_it_does_not_read(tmp_path) -> None:
     out = tmp_path / "split.json"
-    args = ["storage-hit", *TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
+    args = [*TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
             "--storage-hit-trials", "1", "--storage-dir", str(tmp_path), "--out", str(out),
             "--fetch-policy", "split", "--storage-io-threads", "3"]
-    assert command.main(args) == 0
+    assert storage_hit.main(args) == 0
     hit = json.loads(out.read_text())["storage_hit"]
     assert hit["fetch_policy"] == "split" and hit["device_hit_tokens"] == 0
     assert hit["storage_io_threads"] == 3
@@ -149,7 +154,8 @@ def test_as_served_warms_up_freezes_the_heap_and_gives_the_collector_back() -> N
 
 
 def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -> None:
-    args = cli.parse_args(["host-hit", *TINY, "--host-hit-prefix", "64", "--host-hit-turn", "8"])
+    args = bench_cli.parse("host-hit", "", [*TINY, "--host-hit-prefix", "64",
+                                             "--host-hit-turn", "8"], host_hit.add_options)
     engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
                                  load_back_threshold=1)
     rng = np.random.default_rng(0)
@@ -163,6 +169,28 @@ def test_device_hit_beside_write_back_is_a_device_hit_while_other_is_written() -
     page_bytes = engine.device_pool.layout.page_bytes
     assert after.write_back_bytes - before.write_back_bytes >= 64 // 8 * page_bytes  # `other`
     assert engine.cache.match(other).device_len == 0 and engine.cache.match(prefix).host_len == 0
+    engine.check_invariants()
+
+
+def test_load_back_alone_brings_a_host_run_to_the_device() -> None:
+    """`Engine.load_back`, the seam the host-hit bench times a load alone through."""
+    args = bench_cli.parse("host-hit", "", TINY, host_hit.add_options)
+    engine = engines.make_engine(args, cache_mode="hierarchical", device_kv_tokens=4 * 96,
+                                 load_back_threshold=1)
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    [prefix] = workload.random_prompts(rng, vocab, 1, 64)
+    turns = workload.random_prompts(rng, vocab, 2, 8)
+    assert not engine.load_back(prefix + turns[0])  # cached nowhere: nothing to load
+    host_hit.ttft_of(engine, prefix + turns[0])
+    host_hit.push_to_host(engine)
+    request_id = engine.add_request(prefix + turns[1], SamplingParams(max_new_tokens=1))
+    assert not engine.load_back(prefix + turns[1])  # a request is unfinished
+    assert engine.abort(request_id)
+    engine.drain()
+    assert engine.load_back(prefix + turns[1])
+    _, out = host_hit.ttft_of(engine, prefix + turns[1])
+    assert (out.device_hit_tokens, out.host_hit_tokens) == (64, 0)
     engine.check_invariants()
 
 
@@ -325,7 +353,7 @@ def test_host_hit_timeline_and_the_device_wait(monkeypatch) -> None:
     assert all(p["ms"] >= 0 and p["generation"] in (0, 1, 2) for p in timeline["gc_pauses"])
     row = {**_HOST_HIT_ROW, "host_hit_timeline": timeline, "engine_load_back_s": 0.002,
            "engine_load_gated_steps": 1, "gate_timeouts": 0}
-    text = report.host_hit_table(row)
+    text = tables.host_hit_table(row)
     assert "step() returned at" in text and "gate timeouts 0" in text
     assert "garbage collections" in text
 
@@ -369,9 +397,9 @@ def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
     """Half the rounds, a new engine on the same storage directory, the other half: their hits
     come from storage, as many as without the restart, with the same answers."""
     out, store = tmp_path / "restart.json", tmp_path / "not" / "yet"  # the bench makes it
-    args = ["restart", *TINY, "--request-length", "300", "--write-policy", "write_through",
+    args = [*TINY, "--request-length", "300", "--write-policy", "write_through",
             "--storage-dir", str(store), "--out", str(out)]
-    assert command.main(args) == 0
+    assert restart.main(args) == 0
     result = json.loads(out.read_text())["restart"]
     assert result["restart_round"] == 1 and result["storage_pages_at_restart"] > 0
     assert result["restarted"]["storage_hit_rate"] > 0
@@ -379,6 +407,10 @@ def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
     assert result["hit_rate_ratio"] > 0.9 and result["same_answers"]
     assert result["compiles"] == [0, 0, 0]
     assert list(store.iterdir()) == []
+    row = json.loads(out.read_text())["page_rows"]["restart"]
+    assert row["target"] == ">= 0.95" and row["result"].startswith(
+        f"hit rate {result['restarted']['hit_rate']:.3f} after the restart")
+    assert row["met"] == ("yes" if result["hit_rate_ratio"] >= 0.95 else "no")
 
 
 def test_multiturn_with_logprobs_asks_them_of_every_request(tmp_path) -> None:
@@ -396,7 +428,7 @@ def test_multiturn_with_logprobs_asks_them_of_every_request(tmp_path) -> None:
 @pytest.mark.parametrize("server", ["process", "thread"])
 def test_scoring_times_a_scored_prompt_against_its_prefill(tmp_path, server: str) -> None:
     out = tmp_path / "scoring.json"
-    assert command.main(["scoring", *TINY, "--scoring-prompt", "100", "--scoring-trials", "2",
+    assert scoring.main([*TINY, "--scoring-prompt", "100", "--scoring-trials", "2",
                          "--scoring-server", server, "--out", str(out)]) == 0
     result = json.loads(out.read_text())["scoring"]
     assert result["server"] == server

@@ -8,14 +8,21 @@ import re
 import jax
 import pytest
 
+from benchmarks import cli as bench_cli
+from benchmarks import host_hit
 from jhicache.bench import arg_types, cli, command
 from jhicache.config import WritePolicy
 
 
-def usage_error(capsys, argv: list[str]) -> str:
-    """parse_args's stderr for `argv`, which must exit like argparse does on a usage error."""
+def host_hit_args(argv: list[str]) -> object:
+    """`python -m benchmarks.host_hit`'s command line: the shared options and its own."""
+    return bench_cli.parse("host-hit", "", argv, host_hit.add_options)
+
+
+def usage_error(capsys, argv: list[str], parse=cli.parse_args) -> str:
+    """`parse`'s stderr for `argv`, which must exit like argparse does on a usage error."""
     with pytest.raises(SystemExit) as exit_info:
-        cli.parse_args(argv)
+        parse(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "Traceback" not in err
@@ -27,7 +34,11 @@ def usage_error(capsys, argv: list[str]) -> str:
                                     "--host-hit-turn", "--max-parallel"])
 @pytest.mark.parametrize("value", ["0", "-3", "two"])
 def test_sizes_must_be_positive_integers(capsys, option: str, value: str) -> None:
-    assert f"argument {option}:" in usage_error(capsys, ["multiturn", option, value])
+    if option.startswith("--host-hit"):
+        err = usage_error(capsys, [option, value], host_hit_args)
+    else:
+        err = usage_error(capsys, ["multiturn", option, value])
+    assert f"argument {option}:" in err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x"])
@@ -117,9 +128,11 @@ def test_output_folder_must_exist_before_the_run(capsys, tmp_path, option: str) 
     assert getattr(cli.parse_args(["multiturn", option, str(tmp_path / "x")]), option[2:])
 
 
-@pytest.mark.parametrize("what", ["model", "host-hit", "kernels"])
+@pytest.mark.parametrize("what", ["model", "host-hit"])
 def test_plot_without_multiturn_is_an_error(capsys, tmp_path, what: str) -> None:
-    err = usage_error(capsys, [what, "--plot", str(tmp_path / "p.png")])
+    plot = ["--plot", str(tmp_path / "p.png")]
+    err = (usage_error(capsys, plot, host_hit_args) if what == "host-hit"
+           else usage_error(capsys, [what, *plot]))
     assert "--plot draws the multiturn benchmark; use it with `multiturn` or `all`" in err
 
 

@@ -18,6 +18,8 @@ for _module in ("fastapi", "uvicorn", "aiohttp", "prometheus_client"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import cli as bench_cli  # noqa: E402
+from benchmarks import host_hit, serve_overhead  # noqa: E402
 from jhicache import AsyncEngine, Engine, SamplingParams  # noqa: E402
 from jhicache.bench import (  # noqa: E402
     cli,
@@ -53,8 +55,14 @@ def server() -> Iterator[ServerThread]:
 
 
 def usage_error(capsys, argv: list[str]) -> str:
+    """The usage error of `argv`: `python -m jhicache.bench`'s, or where argv[0] names a bench
+    of benchmarks/, that bench's (argv[0] dropped)."""
+    benches = {"host-hit": host_hit.add_options, "serve-overhead": serve_overhead.add_options}
     with pytest.raises(SystemExit) as exit_info:
-        cli.parse_args(argv)
+        if argv[0] in benches:
+            bench_cli.parse(argv[0], "", argv[1:], benches[argv[0]])
+        else:
+            cli.parse_args(argv)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
 
@@ -212,7 +220,7 @@ def test_a_base_url_loses_its_trailing_slash() -> None:
 
 def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -> None:
     out = tmp_path / "overhead.json"
-    assert command.main(["serve-overhead", *WORKLOAD, *ENGINE, "--out", str(out)]) == 0
+    assert serve_overhead.main([*WORKLOAD, *ENGINE, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())["serve_overhead"]
     assert set(result["modes"]) == {"hierarchical"}  # its default

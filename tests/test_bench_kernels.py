@@ -1,4 +1,4 @@
-"""`python -m jhicache.bench.kernels` (and `python -m jhicache.bench kernels`): the write-back
+"""`python -m benchmarks.kernels`: the write-back
 gather part, the HBM read ceiling and the attention-target parts' code paths, at tiny CPU sizes
 (the kernels in interpret mode)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jhicache.bench.kernels import attention, cli, memory_ops, reference, timing
-from jhicache.bench.kernels.cases import (
+from benchmarks.kernels import attention, cli, memory_ops, reference, timing
+from benchmarks.kernels.cases import (
     JAX_PAGED,
     TARGET_PARTS,
     AttnCase,
@@ -22,14 +22,14 @@ from jhicache.bench.kernels.cases import (
     resolve,
     target_cases,
 )
-from jhicache.bench.kernels.shapes import PAGE
+from benchmarks.kernels.shapes import PAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_python_dash_m_runs_the_package_and_lists_its_parts() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "jhicache.bench.kernels", "--help"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--help"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
@@ -161,6 +161,11 @@ def test_main_runs_the_target_parts_between_two_read_ceilings(tmp_path,
     assert set(res["attention_summary"]) == {EXTEND.name, PREFILL.name}
     assert all(row["met"] is not None for row in res["attention_summary"].values())
     assert out.read_text().startswith("{")
+    rows = res["page_rows"]  # the run's own page rows, judged against each case's target
+    assert set(rows) == {f"attention_{EXTEND.name}", f"attention_{PREFILL.name}"}
+    assert rows[f"attention_{EXTEND.name}"]["target"] == f">= {EXTEND.target:.2f}"
+    assert rows[f"attention_{PREFILL.name}"]["ceiling"].startswith("cuDNN ")
+    assert all(row["met"] in ("yes", "no") for row in rows.values())
     for unknown in ("extend_lng", "extend", "decode"):  # the per-call parts were deleted
         with pytest.raises(SystemExit):
             cli.main(["--only", unknown])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jhicache.bench.scoring import word_tokenizer
+from benchmarks.scoring import word_tokenizer
 from tests.scripts import load_script
 
 

@@ -33,14 +33,13 @@ from jhicache.logprobs import MAX_LOGPROBS
 from jhicache.models.config import PRESETS
 
 DESCRIPTION = """\
-`python -m jhicache.bench`: model throughput, the multi-turn cache benchmark, and host-hit TTFT.
+`python -m jhicache.bench`: model throughput and the multi-turn cache benchmark.
 
-With no arguments it runs everything on the `tiny` preset at CPU-sized defaults (under two
-minutes without a GPU). `kernels` runs the kernel benchmark (`jhicache.bench.kernels`) instead.
-`multiturn --url URL` drives a running server's POST /generate instead of an engine in this
-process; `serve-overhead` runs the multi-turn workload in process and through the server
-(uvicorn in this process, its engine in a thread or an engine process, the clients in a process
-of their own), on identically configured engines, and reports the differences.
+With no arguments it runs both on the `tiny` preset at CPU-sized defaults (under two minutes
+without a GPU). `multiturn --url URL` drives a running server's POST /generate instead of an
+engine in this process. The benchmarks that time the engine's parts (host-hit, storage-hit,
+scoring, restart, serve-overhead, kernels) live in the repository's `benchmarks/` folder:
+`python -m benchmarks.<name>` from the repository root.
 """
 
 
@@ -51,19 +50,23 @@ ENGINE_OPTIONS = ("--weights", "--dtype", "--page-size", "--working-set-ratio",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line; sizes default to GPU- or CPU-sized values by the JAX backend."""
+    """`python -m jhicache.bench`'s command line: which benchmark, then the shared options."""
+    p = common_parser("python -m jhicache.bench", DESCRIPTION)
+    p.add_argument("what", nargs="?", default="all", choices=("all", "model", "multiturn"),
+                   help="which benchmark; `all` = model + multiturn")
+    return p
+
+
+def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every bench shares (model, engine, workload, output); sizes default to GPU-
+    or CPU-sized values by the JAX backend. `benchmarks/` builds its benches' on it."""
     gpu = jax.default_backend() == "gpu"
     p = argparse.ArgumentParser(
-        prog="python -m jhicache.bench", description=DESCRIPTION,
+        prog=prog, description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=f"Size defaults shown are for this machine's JAX backend ({jax.default_backend()}); "
                "a GPU gets larger ones.")
     p.set_defaults(given=frozenset())
-    p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "model", "multiturn", "host-hit", "kernels", "serve-overhead",
-                            "storage-hit", "restart", "scoring"),
-                   help="which benchmark; `all` = model + multiturn + host-hit; serve-overhead: "
-                        "multiturn through the HTTP server and in process, side by side")
     p.add_argument("--url", type=server_url, metavar="URL", default=None,
                    help="multiturn: drive the server at http://HOST:PORT (POST /generate, token "
                         "ids) instead of an engine here, once, as the server was started; its "
@@ -85,9 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiturn: new prompt tokens per turn")
     p.add_argument("--output-length", **count, default=16 if gpu else 4,
                    help="multiturn: generated tokens per turn")
-    p.add_argument("--device-hit-turns", **count, default=16 if gpu else 3,
-                   help="serve-overhead: turns of the device-hit probe after the workload (one "
-                        "conversation, one request at a time)")
     p.add_argument("--range-ratio", type=fraction, metavar="R", default=1.0,
                    help="multiturn: each turn's request and output lengths drawn uniformly "
                         "from [R x length, length] (SGLang's --range-ratio); 1: fixed")
@@ -116,29 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-policy", action=Given, default=WritePolicy.WRITE_BACK.value,
                    choices=_values(WritePolicy),
                    help="when device pages are copied to the host tier")
-    p.add_argument("--host-hit-prefix", **count, default=8192 if gpu else 256,
-                   help="host-hit: cached prefix tokens")
-    p.add_argument("--host-hit-turn", **count, default=64 if gpu else 16,
-                   help="host-hit: new turn tokens")
-    p.add_argument("--host-hit-trials", **count, default=5 if gpu else 1,
-                   help="host-hit: measured trials (after a warm-up one); the figures printed "
-                        "are the median trial's by the host-hit ratio")
-    p.add_argument("--storage-hit-prefix", **count, default=8192 if gpu else 256,
-                   help="storage-hit: the prefix tokens found only in the storage tier")
-    p.add_argument("--storage-hit-turn", **count, default=64 if gpu else 16,
-                   help="storage-hit: new turn tokens")
-    p.add_argument("--storage-hit-trials", **count, default=7 if gpu else 1,
-                   help="storage-hit: measured trials (after a warm-up one); the figures printed "
-                        "are the median trial's by storage-hit TTFT")
-    p.add_argument("--scoring-prompt", **count, default=8192 if gpu else 256,
-                   help="scoring: the prompt tokens scored, and prefilled for comparison")
-    p.add_argument("--scoring-trials", **count, default=7 if gpu else 1,
-                   help="scoring: measured pairs (after a warm-up pair); the figures printed "
-                        "are the median pair's by ratio")
-    p.add_argument("--scoring-server", default="process", choices=("process", "thread"),
-                   help="scoring: the server leg's engine in an engine process (as `python -m "
-                        "jhicache.serve` runs it; this process's engine is closed first) or "
-                        "this process's engine in a thread of the server's")
     p.add_argument("--storage-dir", type=storage_directory, metavar="DIR", default=None,
                    help="storage-hit: where its storage tier and the disk probe's files go "
                         "(unset: the system's temporary directory); multiturn: a storage tier "
@@ -153,15 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=fraction, metavar="P", default=None,
                    help="multiturn, serve-overhead: sampled answers from this nucleus (needs "
                         "--temperature > 0)")
-    p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
-                   help="restart: the round before which the engine restarts on its storage "
-                        "(unset: half the rounds)")
     p.add_argument("--fetch-policy", default=None, choices=_values(FetchPolicy),
                    help="how a request waits for its pages from storage (unset: storage-hit "
                         "reads them in full first; multiturn and restart take the engine's own)")
-    p.add_argument("--storage-io-threads", type=positive_int, metavar="N", default=None,
-                   help="storage-hit: the storage tier's reader threads, so its reads in flight "
-                        "(unset: the engine's own)")
     p.add_argument("--seed", type=non_negative_int, metavar="N", default=0,
                    help="seed of the random weights and the prompts")
     p.add_argument("--out", type=output_file, metavar="FILE", default=None,
@@ -191,11 +162,6 @@ def check_combination(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--logprobs {args.logprobs}: at most {MAX_LOGPROBS}")
     if args.top_p is not None and args.temperature == 0:
         p.error("--top-p filters sampled answers: give --temperature > 0 too")
-    if args.what == "serve-overhead":
-        missing = [m for m in ("fastapi", "uvicorn", "aiohttp")
-                   if importlib.util.find_spec(m) is None]
-        if missing:
-            p.error(f"serve-overhead needs {', '.join(missing)}: pip install -e '.[serve]'")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib (pip install matplotlib)")
     if args.page_size > EngineConfig.chunked_prefill_tokens:

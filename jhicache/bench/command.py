@@ -14,23 +14,15 @@ from jhicache.bench import report
 from jhicache.bench.backends import ServerError
 from jhicache.bench.cli import parse_args
 from jhicache.bench.engines import make_engine
-from jhicache.bench.host_hit import bench_host_hit
 from jhicache.bench.model import bench_model
 from jhicache.bench.multiturn import bench_multiturn
 from jhicache.bench.remote_run import bench_remote
-from jhicache.bench.restart import bench_restart
-from jhicache.bench.scoring import bench_scoring
-from jhicache.bench.storage_hit import bench_storage_hit
 from jhicache.models.config import preset_config
 
 
 def run(args: argparse.Namespace) -> dict:
     """Runs what `args.what` names; writes the JSON to `args.out` after each part and at the end."""
-    result: dict = {"date": datetime.date.today().isoformat(),
-                    "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-                    "jax": jax.__version__, "preset": args.weights or args.preset,
-                    "page_size": args.page_size, "dtype": args.dtype,
-                    "write_policy": args.write_policy}
+    result = result_header(args)
     if args.what in ("all", "model"):
         result["model"] = bench_model(args)
         print(report.model_table(result["model"]))
@@ -45,28 +37,15 @@ def run(args: argparse.Namespace) -> dict:
                                       lambda partial: save_json({**result, **partial}, args.out)))
         print(report.multiturn_table(result))
         save_json(result, args.out)
-    if args.what == "serve-overhead":
-        # The server (fastapi, uvicorn: the serve extra) is needed by this command alone, so it
-        # is imported here.
-        from jhicache.bench import serve_overhead
-
-        result["serve_overhead"] = serve_overhead.bench_serve_overhead(
-            args, model_vocab(args),
-            lambda part: save_json({**result, "serve_overhead": part}, args.out))
-        print(report.serve_overhead_table(result["serve_overhead"]))
-    if args.what in ("all", "host-hit"):
-        result["host_hit"] = bench_host_hit(args)
-        print(report.host_hit_table(result["host_hit"]))
-    if args.what == "storage-hit":
-        result["storage_hit"] = bench_storage_hit(args)
-        print(report.storage_hit_table(result["storage_hit"]))
-    if args.what == "scoring":
-        result["scoring"] = bench_scoring(args)
-        print(report.scoring_table(result["scoring"]))
-    if args.what == "restart":
-        result["restart"] = bench_restart(args, model_vocab(args))
-        print(report.restart_table(result["restart"]))
     return result
+
+
+def result_header(args: argparse.Namespace) -> dict:
+    """What every result file starts with: when, on what, with which model and pages."""
+    return {"date": datetime.date.today().isoformat(),
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "jax": jax.__version__, "preset": args.weights or args.preset,
+            "page_size": args.page_size, "dtype": args.dtype, "write_policy": args.write_policy}
 
 
 def model_vocab(args: argparse.Namespace) -> int:
@@ -83,22 +62,9 @@ def save_json(result: dict, path: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if ("serve-overhead" in argv or "scoring" in argv
-            or any(a == "--url" or a.startswith("--url=") for a in argv)):
-        # The client needs no accelerator memory, and the server on the same GPU (--url) or
-        # the engine process (serve-overhead and scoring, which inherit this setting) needs
-        # it: JAX's default preallocation (75%) at the first backend call would take it.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if any(a == "--url" or a.startswith("--url=") for a in argv):
+        leave_device_memory()
     args = parse_args(argv)
-    if args.what == "kernels":
-        if jax.default_backend() != "gpu":
-            print("the kernel benchmark times Triton kernels against PCIe, HBM and cuDNN: "
-                  "it needs a GPU", file=sys.stderr)
-            return 2
-        from jhicache.bench.kernels.cli import main as kernels_main
-
-        kernels_main([] if args.out is None else ["--out", args.out])
-        return 0
     note = None if args.url else timing_note(jax.default_backend())  # --url: the server's
     if note:
         print(note, flush=True)
@@ -112,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         report.save_plot(result, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+def leave_device_memory() -> None:
+    """Turns JAX's GPU memory preallocation off in this process (before its first backend
+    call) and the engine processes it starts: the client needs no accelerator memory, and the
+    server on the same GPU or an engine process needs it (75% would be taken otherwise)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def timing_note(backend: str) -> str | None:

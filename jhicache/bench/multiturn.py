@@ -87,9 +87,7 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
                                turn_sampling(args))
     engine.check_invariants()
     if "storage_dir" in overrides:  # the storage tier's pages are this run's alone
-        assert engine.cache.storage is not None
-        engine.cache.wait_for_backups()  # the run's pages are all written, then the threads end
-        engine.cache.storage.close()
+        engine.close()  # the run's pages are all written, then the storage threads end
         shutil.rmtree(overrides["storage_dir"])
     return MeasuredRun(run, engine, overrides["device_kv_tokens"], compiles.count, compiles.seconds,
                        tuple(compiles.programs))

@@ -8,13 +8,19 @@ import argparse
 import asyncio
 import dataclasses
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from benchmarks import cli, tables
+from benchmarks.rows import Rule, Target
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients
+from jhicache.bench.arg_types import positive_int
 from jhicache.bench.backends import EngineBackend
+from jhicache.bench.command import model_vocab
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, make_engine
 from jhicache.bench.multiturn import (
@@ -106,3 +112,24 @@ def _hits(turns: Sequence[clients.Turn]) -> dict:
 
 def _answers(turns: Sequence[clients.Turn], offset: int = 0) -> dict:
     return {(t.client, t.round + offset): t.token_ids for t in turns}
+
+
+def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
+    """This bench's own options, beside `jhicache.bench`'s shared ones."""
+    p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
+                   help="the round before which the engine restarts on its storage (unset: "
+                        "half the rounds)")
+
+
+def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
+    return "restart", Target(">= 0.95", (Rule("ratio", "ratio", at_least=0.95),))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main("restart", "restart", __doc__ or "", argv, add_options,
+                    lambda args, save: bench_restart(args, model_vocab(args)),
+                    tables.restart_table, page_row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

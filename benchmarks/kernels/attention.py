@@ -12,8 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+from jhicache.pallas_kernels.backend import use_interpreter
 
-from jhicache.bench.kernels.cases import (
+from benchmarks.kernels.cases import (
     JAX_PAGED,
     AttnCase,
     KernelConfig,
@@ -24,10 +25,9 @@ from jhicache.bench.kernels.cases import (
     resolve,
     target_cases,
 )
-from jhicache.bench.kernels.reference import reference_check
-from jhicache.bench.kernels.shapes import PAGE, random_array
-from jhicache.bench.kernels.timing import GB, hbm_read, per_layer_seconds, safe
-from jhicache.pallas_kernels.backend import use_interpreter
+from benchmarks.kernels.reference import reference_check
+from benchmarks.kernels.shapes import PAGE, random_array
+from benchmarks.kernels.timing import GB, hbm_read, per_layer_seconds, safe
 
 # Each target case times its kernel in one dispatch: one jitted program runs it over L layers, and
 # the host clock around the whole program, over L, is the per-layer time. Dispatch and sync (tens

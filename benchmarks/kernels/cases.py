@@ -8,12 +8,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import jhicache.pallas_kernels as pk
-from jhicache.bench.kernels.shapes import DT, PAGE, SHAPES, random_array
+import numpy as np
 from jhicache.pallas_kernels.extend_attention import choose_extend_splits
 from jhicache.pallas_kernels.fresh_attention import attend_fresh_apart
+
+from benchmarks.kernels.shapes import DT, PAGE, SHAPES, random_array
 
 KINDS = ("extend", "decode", "prefill")
 JAX_PAGED = "jax_pallas_paged"  # decode's peer: jax.experimental.pallas.ops.gpu.paged_attention

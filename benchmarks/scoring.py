@@ -11,11 +11,16 @@ import concurrent.futures
 import gc
 import json
 import multiprocessing
+import sys
 import time
 import urllib.request
+from typing import Any
 
 import numpy as np
 
+from benchmarks import cli, tables
+from benchmarks.cli import sized
+from benchmarks.rows import Rule, Target
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
@@ -166,3 +171,32 @@ def _pairs(engine: Engine, tokens: int, rng: np.random.Generator, count: int) ->
     ratios = [t["scored_over_prefill"] for t in trials]
     median = median_index(ratios)
     return {**trials[median], "prompt_tokens": tokens, "trials": trials, "median_trial": median}
+
+
+def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
+    """This bench's own options, beside `jhicache.bench`'s shared ones."""
+    p.add_argument("--scoring-prompt", **sized(count, 8192, 256),
+                   help="the prompt tokens scored, and prefilled for comparison")
+    p.add_argument("--scoring-trials", **sized(count, 7, 1),
+                   help="measured pairs (after a warm-up pair); the figures printed are the "
+                        "median pair's by ratio")
+    p.add_argument("--scoring-server", default="process", choices=("process", "thread"),
+                   help="the server leg's engine in an engine process (as `python -m "
+                        "jhicache.serve` runs it; this process's engine is closed first) or "
+                        "this process's engine in a thread of the server's")
+
+
+def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
+    return "scoring", Target("<= 1.1x each way", (
+        Rule("ratio", "TTFT", at_most=1.1), Rule("e2e_ratio", "end to end", at_most=1.1),
+        Rule("http_ratio", "server", at_most=1.1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main("scoring", "scoring", __doc__ or "", argv, add_options,
+                    lambda args, save: bench_scoring(args), tables.scoring_table, page_row,
+                    own_device_memory=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,11 +9,13 @@ import json
 
 import jax
 
-from jhicache.bench.kernels.attention import run_targets
-from jhicache.bench.kernels.cases import TARGET_PARTS
-from jhicache.bench.kernels.memory_ops import gathers, kv_write, transfers
-from jhicache.bench.kernels.shapes import PAGE, SHAPES
-from jhicache.bench.kernels.timing import ceilings, safe
+from benchmarks.kernels import attention
+from benchmarks.kernels.attention import run_targets
+from benchmarks.kernels.cases import TARGET_PARTS
+from benchmarks.kernels.memory_ops import gathers, kv_write, transfers
+from benchmarks.kernels.shapes import PAGE, SHAPES
+from benchmarks.kernels.timing import ceilings, safe
+from benchmarks.rows import Rule, Target, page_row
 
 DESCRIPTION = """\
 Kernel benchmark on the GPU: pallas_kernels ops at Qwen2 shapes, ceilings, attention targets.
@@ -40,7 +42,7 @@ PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PAR
 def main(argv: list[str] | None = None) -> dict:
     """Runs the parts named by --only (all by default) and prints (and with --out writes) the
     results as JSON; returns them."""
-    parser = argparse.ArgumentParser(prog="python -m jhicache.bench.kernels",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
                                      description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if isinstance(err, str):
                     res.setdefault("errors", []).append(f"{name} {key}: {err}")
     run_targets(res, only, targets)
+    res["page_rows"] = {**res.get("page_rows", {}), **page_rows(res)}
     res["kv_write_gbps"] = max((v for s in res.get("kv_write", {}).values()
                                 for v in s["gbps"].values()
                                 if isinstance(v, float)), default=None)
@@ -88,5 +91,29 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out, "w") as f:
             f.write(text)
     return res
+
+
+def page_rows(res: dict) -> dict[str, dict]:
+    """The page rows of this run (`benchmarks.rows`): each attention case timed, against its
+    target (a fraction of the HBM read ceiling at least, or a ratio to the peer at most), and
+    each preset's write-back gather (no target)."""
+    found: dict[str, dict] = {}
+    timed = res.get("attention_targets", {}) if "hbm_read_gbps" in res else {}
+    for case in (c for cases in attention.target_cases().values() for c in cases):
+        if "per_layer_ms" not in timed.get(case.name, {}):
+            continue  # not run, or failed
+        if case.kind == "prefill":
+            args: dict = {"case": case.name, "against": "peer"}
+            target = Target(f"<= {case.target:.2f}",
+                            (Rule("over_peer", "over_peer", at_most=case.target),))
+        else:
+            args = {"case": case.name, "show_start": case.kind == "decode"}
+            target = Target(f">= {case.target:.2f}",
+                            (Rule("fraction", "fraction", at_least=case.target),))
+        found[f"attention_{case.name}"] = page_row("attention", [res], args, target)
+    gathers = res.get("write_back_gather", {}) if "hbm_copy_gbps" in res else {}
+    for preset in (p for p, g in gathers.items() if "pallas_one_launch_ms" in g):
+        found[f"gather_{preset}"] = page_row("gather", [res], {"preset": preset}, Target())
+    return found
 
 

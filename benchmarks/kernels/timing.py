@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.bench.kernels.shapes import random_array
+from benchmarks.kernels.shapes import random_array
 
 GB = 1e9
 T = TypeVar("T")

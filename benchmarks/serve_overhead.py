@@ -1,4 +1,4 @@
-"""The server's overhead per request, measured (`python -m jhicache.bench serve-overhead`): the
+"""The server's overhead per request, measured (`python -m benchmarks.serve_overhead`): the
 bench's multi-turn workload through the HTTP server and in process, side by side."""
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks import cli, tables
+from benchmarks.cli import sized
+from benchmarks.rows import Rule, Target
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients, multiturn
+from jhicache.bench.command import model_vocab
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, engine_spec, make_engine, warm_up_served
 from jhicache.bench.remote_run import drive_url
@@ -213,3 +217,38 @@ def bench_serve_overhead(args: argparse.Namespace, vocab: int,
             result["modes"][mode] = compare_mode(args, spec, mode, progress)
             save(result)
     return result
+
+
+def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
+    """This bench's own options, beside `jhicache.bench`'s shared ones."""
+    p.add_argument("--device-hit-turns", **sized(count, 16, 3),
+                   help="turns of the device-hit probe after the workload (one conversation, "
+                        "one request at a time)")
+
+
+def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target] | None:
+    """The engine process against in process, where the hierarchical mode ran; a model as small
+    as 0.5B, whose steps are short beside the server's work per output, aims at 0.8x of the
+    throughput and states no ITL bound."""
+    if "hierarchical" not in result["modes"]:
+        return None
+    hit = Rule("process_hit_ttft_ms", "device-hit TTFT", at_most=5.0)
+    if "0.5b" in str(args.weights or args.preset).lower():
+        return "serve_paths", Target(
+            "engine process: throughput >= 0.8x, device-hit TTFT p50 <= +5 ms",
+            (Rule("process_ratio", "throughput", at_least=0.8), hit))
+    return "serve_paths", Target(
+        "engine process: throughput >= 0.9x, ITL p50 <= +0.5 ms, device-hit TTFT p50 <= +5 ms",
+        (Rule("process_ratio", "throughput", at_least=0.9),
+         Rule("process_itl_ms", "ITL", at_most=0.5), hit))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main("serve-overhead", "serve_overhead", __doc__ or "", argv, add_options,
+                    lambda args, save: bench_serve_overhead(args, model_vocab(args), save),
+                    tables.serve_overhead_table, page_row,
+                    own_device_memory=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jhicache.bench.kernels.cases import AttnCase, CaseInputs, KernelConfig, kernel
-from jhicache.bench.kernels.shapes import PAGE
 from jhicache.pallas_kernels.decode_attention import paged_decode_attention_reference
 from jhicache.pallas_kernels.extend_attention import paged_attention_reference
+
+from benchmarks.kernels.cases import AttnCase, CaseInputs, KernelConfig, kernel
+from benchmarks.kernels.shapes import PAGE
 
 REF_BYTES = 8 << 30  # float32 working set of one reference call at most ([rows, keys, H, D] x 3)
 TOL = 2e-2  # bf16 output vs the float32 reference: atol = rtol, as in the kernel tests

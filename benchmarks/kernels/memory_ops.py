@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import jhicache.pallas_kernels as pk
-from jhicache.bench.kernels.shapes import DT, PAGE, random_array
-from jhicache.bench.kernels.timing import GB, safe, timeit
+import numpy as np
+from jhicache.pallas_kernels.kv_write import write_kv_reference
+
+from benchmarks.kernels.shapes import DT, PAGE, random_array
+from benchmarks.kernels.timing import GB, safe, timeit
 from jhicache.cache import DevicePool, HostPool, PoolLayout, Transfers, make_copier
 from jhicache.cache.write_back import gather_kv
-from jhicache.pallas_kernels.kv_write import write_kv_reference
 
 
 def transfers(res: dict, layers: int = 24, kv_heads: int = 2, dim: int = 64, n: int = 512,

@@ -1,1 +1,0 @@
-"""The kernel benchmark (`python -m jhicache.bench.kernels`), one module per kind of part."""
