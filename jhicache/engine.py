@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import array
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import numbers
 import threading
 import time
 import uuid
@@ -20,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jhicache import inputs
 from jhicache.batch import Batch, Chunk, model_inputs, patch_tokens
 from jhicache.cache import (
     RESERVED_PAGES,
@@ -103,6 +102,7 @@ class Engine:
             chunked_prefill_tokens=config.chunked_prefill_tokens,
             max_running_requests=config.max_running_requests, page_size=config.page_size,
             max_context_len=self._context_len(model.config, config, layout))
+        self._limits = inputs.Limits(model.config.vocab_size, self.grid.max_context_len)
         self.compiles = CompileWatch()
         self.startup = StartupTimes(pools_s=time.perf_counter() - built)
         self.counters = StepCounters()
@@ -188,9 +188,8 @@ class Engine:
         then advances it. Validated as `generate` does: a bad value raises `ValueError` and
         changes nothing. `request_id` must not name an unfinished request."""
         with self._lock:
-            tokens = _token_array("prompt", prompt)
-            self._validate("prompt", tokens, params)
-            self._check_ids([request_id])
+            tokens = inputs.checked_prompt(prompt, params, self._limits)
+            inputs.check_ids([request_id], self._requests)
             return self._submit(tokens, params, request_id, time.perf_counter()).request_id
 
     def add_requests(self, prompts: Sequence[Sequence[int] | np.ndarray],
@@ -199,30 +198,17 @@ class Engine:
         """Queues every prompt, or none: each is validated (as `generate` does) before any is
         queued, and a bad value raises `ValueError` naming its prompt. Returns their ids."""
         with self._lock:
-            arrays = prompt_arrays(prompts)
-            per_prompt = self._per_prompt_params(arrays, params)
+            arrays, per_prompt = inputs.checked_prompts(prompts, params, self._limits)
             ids: list[str | None] = [None] * len(arrays)
             if request_ids is not None:
                 if len(request_ids) != len(arrays):
                     raise ValueError(f"got {len(request_ids)} request ids for {len(arrays)} "
                                      "prompts")
                 ids = list(request_ids)
-            for i, (prompt, p) in enumerate(zip(arrays, per_prompt)):
-                self._validate(f"prompt {i}", prompt, p)
-            self._check_ids(ids)
+            inputs.check_ids(ids, self._requests)
             now = time.perf_counter()
             return [self._submit(prompt, p, rid, now).request_id
                     for prompt, p, rid in zip(arrays, per_prompt, ids)]
-
-    def _check_ids(self, ids: Sequence[str | None]) -> None:
-        named = [rid for rid in ids if rid is not None]
-        for rid in named:
-            if not isinstance(rid, str) or not rid:
-                raise ValueError(f"request_id={rid!r}: expected a non-empty str")
-            if rid in self._requests:
-                raise ValueError(f"request_id={rid!r} is already queued")
-        if len(set(named)) != len(named):
-            raise ValueError("request ids repeat")
 
     def step(self, cumulative: bool = True) -> list[RequestOutput]:
         """One engine step; an output for every request that gained a token or finished in it,
@@ -313,10 +299,7 @@ class Engine:
         (their pages freed, nothing left queued) and the cache stays intact. Calls from several
         threads are serialised: one runs at a time."""
         with self._lock, self._serving():
-            arrays = prompt_arrays(prompts)
-            per_prompt = self._per_prompt_params(arrays, params)
-            for i, (prompt, p) in enumerate(zip(arrays, per_prompt)):
-                self._validate(f"prompt {i}", prompt, p)
+            arrays, per_prompt = inputs.checked_prompts(prompts, params, self._limits)
             now = time.perf_counter()
             requests = [self._submit(prompt, p, None, now)
                         for prompt, p in zip(arrays, per_prompt)]
@@ -592,43 +575,6 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------
 
-    @staticmethod
-    def _per_prompt_params(prompts: list[np.ndarray], params) -> list[SamplingParams]:
-        if isinstance(params, SamplingParams):
-            return [params] * len(prompts)
-        if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
-            raise ValueError("params must be SamplingParams or a list of them, "
-                             f"got {type(params).__name__}")
-        params = list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return params
-
-    def _validate(self, where: str, tokens: np.ndarray, params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params for {where} must be SamplingParams, "
-                             f"got {type(params).__name__}")
-        if len(tokens) == 0:
-            raise ValueError(f"{where} is empty")
-        vocab = self.model_config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ValueError(f"{where}: token id out of range [0, {vocab}): "
-                             f"min {tokens.min()}, max {tokens.max()}")
-        for field in ("stop_token_ids", "token_ids_logprob"):
-            bad = [t for t in getattr(params, field) if t >= vocab]
-            if bad:
-                raise ValueError(f"SamplingParams.{field} for {where}: {bad} not in the "
-                                 f"vocabulary [0, {vocab})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(tokens):
-            raise ValueError(f"SamplingParams.prompt_logprobs_start for {where}: "
-                             f"{params.prompt_logprobs_start} is past the prompt's "
-                             f"{len(tokens)} tokens")
-        total = len(tokens) + params.max_new_tokens
-        if total > self.grid.max_context_len:
-            raise ValueError(f"{where}: prompt + max_new_tokens = {total} exceeds the context "
-                             f"limit ({self.grid.max_context_len} tokens: the least of the "
-                             f"model's context, the device pool and max_context_len)")
-
     def _submit(self, prompt: np.ndarray, params: SamplingParams, request_id: str | None,
                 now: float) -> Request:
         if not params.is_greedy and params.seed is None:
@@ -765,43 +711,3 @@ def _default_device_tokens(token_bytes: int, fraction: float) -> int:
         return _CPU_DEFAULT_DEVICE_TOKENS
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
     return max(int(free * fraction) // token_bytes, 1024)
-
-
-def prompt_arrays(prompts: object) -> list[np.ndarray]:
-    """`prompts` as a list of 1-D int64 token arrays; a clear error for anything else, above
-    all a single flat prompt where a list of prompts is expected."""
-    flat_hint = "; for one prompt, pass [prompt]"
-    if isinstance(prompts, np.ndarray):
-        if prompts.ndim == 1 and prompts.dtype != object:
-            raise ValueError(f"prompts must be a list of prompts, got one 1-D array{flat_hint}")
-        prompts = list(prompts)
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
-        raise ValueError("prompts must be a list of token-id lists, "
-                         f"got a flat list of ints{flat_hint}")
-    return [_token_array(f"prompt {i}", p) for i, p in enumerate(prompts)]
-
-
-def _token_array(where: str, prompt: object) -> np.ndarray:
-    if isinstance(prompt, (str, bytes)):
-        raise ValueError(f"{where} is a string: prompts are token ids (tokenize first)")
-    bad = ValueError(f"{where} must be a flat list of integer token ids, "
-                     f"got {type(prompt).__name__}")
-    if isinstance(prompt, (list, tuple)):
-        # array("q") converts Python ints at C speed and refuses anything that is not an integer
-        # (float, str, nested list); np.asarray would first infer a dtype, several times slower,
-        # and a long prompt's conversion comes before its loads start. Bools are not token ids.
-        if prompt and isinstance(prompt[0], (bool, np.bool_)):
-            raise bad
-        try:
-            return np.frombuffer(array.array("q", prompt), dtype=np.int64)
-        except (TypeError, OverflowError):
-            raise bad from None
-    try:
-        tokens = np.asarray(prompt) if isinstance(prompt, (Sequence, np.ndarray)) else None
-    except ValueError:  # ragged nesting
-        tokens = None
-    if tokens is None or tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-        raise bad
-    return tokens.astype(np.int64)
