@@ -51,6 +51,19 @@ def per_prompt_params(prompts: Sequence[object], params: object) -> list[Samplin
     return params
 
 
+def request_ids(given: Sequence[str] | None, count: int,
+                unfinished: Container[str]) -> list[str | None]:
+    """The ids of `count` prompts: those `given` (checked as `check_ids` does), or None each
+    (the engine names them)."""
+    if given is None:
+        return [None] * count
+    if len(given) != count:
+        raise ValueError(f"got {len(given)} request ids for {count} prompts")
+    ids: list[str | None] = list(given)
+    check_ids(ids, unfinished)
+    return ids
+
+
 def check_ids(ids: Sequence[str | None], unfinished: Container[str]) -> None:
     """Named request ids must be non-empty strs, none `unfinished`, none repeated."""
     named = [rid for rid in ids if rid is not None]
