@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jhicache import inputs
 from jhicache.cache.invariants import InvariantError
 from jhicache.config import EngineConfig
 from jhicache.engine import Engine
@@ -328,7 +329,7 @@ class AsyncEngine:
         validated together: a bad one raises `ValueError` and none is queued. Cancelling the
         call aborts its requests. Only final outputs cross threads (vLLM's FINAL_ONLY)."""
         prompts = _prompt_list(prompts)  # validated once, by Engine.add_requests
-        per_prompt = Engine._per_prompt_params(prompts, params)
+        per_prompt = inputs.per_prompt_params(prompts, params)
         if not prompts:
             return []
         ids = [uuid.uuid4().hex for _ in prompts]

@@ -7,7 +7,10 @@ import dataclasses
 from typing import Any
 
 from jhicache.batch import Batch
+from jhicache.cache import PrefixCache
+from jhicache.compiles import CompilePhase, CompileWatch
 from jhicache.request import Request
+from jhicache.scheduler import Scheduler
 from jhicache.warmup import WarmupReport
 
 
@@ -128,6 +131,13 @@ class EngineStats:
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def of(cls, counters: StepCounters, scheduler: Scheduler, cache: PrefixCache,
+           compiles: CompileWatch) -> EngineStats:
+        return cls(**counters.as_dict(), **scheduler.counters, **cache.stats(),
+                   compiles_warmup=compiles.counts[CompilePhase.WARMUP],
+                   compiles_serving=compiles.counts[CompilePhase.SERVING])
+
 
 @dataclasses.dataclass(frozen=True)
 class StartupTimes:
@@ -152,3 +162,11 @@ class Occupancy:
     device_free_pages: int
     host_pages: int
     host_free_pages: int
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, cache: PrefixCache) -> Occupancy:
+        return cls(waiting_requests=len(scheduler.waiting),
+                   running_requests=len(scheduler.running),
+                   device_pages=cache.device.capacity, device_free_pages=cache.device.num_free,
+                   host_pages=cache.host.capacity if cache.host else 0,
+                   host_free_pages=cache.host.num_free if cache.host else 0)

@@ -1,24 +1,26 @@
 """The warm-up: every program an engine's steps can dispatch, compiled before it serves.
 
-Two passes over the engine's `ShapeGrid`:
-1. Ahead of time, on a thread pool: for each shape, every program a step of it dispatches (the
-   forward's two programs, the samplers, the log probabilities, a decode's patch of pending
-   tokens and its first program over the patched tokens), and each write-back gather size,
-   lowered with arguments typed as a real call's (the engine's own arrays, shardings included)
-   and compiled (`jit(...).lower(...).compile()`, which JAX keeps for later calls with the same
-   argument types). XLA times candidate kernels for each matmul on the GPU while it compiles,
-   and keeps the winners in its in-process autotuning cache; timed beside other compiles, it
-   chose programs that decoded slower (BENCHMARKS.md, start-up). So the shapes that first meet a
-   token count or a request count (the matmuls' rows) compile one at a time, first; every other
-   program should then find its matmuls timed already, and compiles in parallel. That the cache
-   is hit is inferred from the decode speed measured after this order, not checked. When the
-   first shape's programs are all read back from JAX's persistent compilation cache (a restart),
-   nothing is timed: the executables carry the kernels chosen when they were first compiled, and
-   every other program is read back in parallel.
-2. One padding step per shape through the real step path, serially: it should compile
-   nothing (`WarmupReport.late_compiles` counts what it did, a program the first pass typed
-   differently from a real call). Every row of a padding step is padding: it writes only
-   the reserved padding page.
+Two passes over the engine's `ShapeGrid`, both through the one list of a step's programs that
+`StepExecutor` keeps:
+1. Ahead of time (`StepExecutor.lower`), on a thread pool: for each shape, every program a step
+   of it dispatches (the forward's two programs, the samplers, the log probabilities, a
+   decode's patch of pending tokens and its first program over the patched tokens), and each
+   write-back gather size, lowered with arguments typed as a real call's (the engine's own
+   arrays, shardings included) and compiled (`jit(...).lower(...).compile()`, which JAX keeps
+   for later calls with the same argument types). XLA times candidate kernels for each matmul
+   on the GPU while it compiles, and keeps the winners in its in-process autotuning cache;
+   timed beside other compiles, it chose programs that decoded slower (BENCHMARKS.md,
+   start-up). So the shapes that first meet a token count or a request count (the matmuls'
+   rows) compile one at a time, first; every other program should then find its matmuls timed
+   already, and compiles in parallel. That the cache is hit is inferred from the decode speed
+   measured after this order, not checked. When the first shape's programs are all read back
+   from JAX's persistent compilation cache (a restart), nothing is timed: the executables carry
+   the kernels chosen when they were first compiled, and every other program is read back in
+   parallel.
+2. One padding step per shape through the same programs, called (`StepExecutor.pad`),
+   serially: it should compile nothing (`WarmupReport.late_compiles` counts what it did, a
+   program the first pass typed differently from a real call). Every row of a padding step is
+   padding: it writes only the reserved padding page.
 A server's warm-up then freezes the objects alive out of the garbage collector's walks
 (`freeze_heap`), as vLLM does after its warm-up and SGLang offers (`freeze_gc`), and makes its
 young collections rarer.
@@ -36,21 +38,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import jax
 from tqdm import tqdm
 
-from jhicache.batch import padding_inputs, patch_tokens
-from jhicache.compiles import CompilePhase
+from jhicache.compiles import CompilePhase, CompileWatch
+from jhicache.executor import StepExecutor
 from jhicache.grid import StepShape
-from jhicache.logprobs import PROMPT_REDUCTIONS, asked_ids, prompt_targets, token_logprobs
-from jhicache.models.functional import output_type
-from jhicache.sampling import Filters, greedy, sample, sampling_arrays
-
-if TYPE_CHECKING:
-    from jhicache.cache.write_back import WriteBacks
-    from jhicache.engine import Engine
 
 logger = logging.getLogger("jhicache.warmup")
 
@@ -78,53 +71,6 @@ class WarmupReport:
 
 def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
-
-
-def _compiled(lowered: jax.stages.Lowered,
-              lock: contextlib.AbstractContextManager) -> jax.ShapeDtypeStruct:
-    """Compiles `lowered` under `lock` (held by the shapes that compile one at a time); returns
-    its output's type."""
-    with lock:
-        return output_type(lowered, lowered.compile())
-
-
-def _step_programs(engine: Engine, shape: StepShape, lock: contextlib.AbstractContextManager,
-                   sampled_logprobs: bool = True, prompt_logprobs: bool = True) -> None:
-    """Compiles every program a step of `shape` dispatches, typed as its real arguments are:
-    the inputs' transfer (run: it is small), the forward, the samplers and, for a decode, the
-    patch of pending tokens and the first program over patched tokens; with the flags, the
-    log probabilities of the sampled tokens and (a prefill) of the prompt's rows, which other
-    shapes of the same request or token count share."""
-    programs, grid = engine.runner.programs, engine.grid
-    (k, v), rows = engine.device_pool.layer_types(), grid.max_requests
-    if shape.decode:  # its inputs' transfer without patches (a lock-step decode)
-        padding_inputs(shape, grid, engine.load_flags, patched=False)
-    inputs = padding_inputs(shape, grid, engine.load_flags, patched=shape.decode)
-    hidden = _compiled(programs.lower_first(k, v, inputs.tokens, inputs.meta), lock)
-    rest = programs.lower_rest(k, v, hidden, inputs.meta, inputs.last_index)
-    with lock:
-        compiled = rest.compile()
-    logits = output_type(rest, compiled)
-    if prompt_logprobs and not shape.decode:  # the head over every row of a prefill
-        hidden_rows = output_type(rest, compiled, 3)
-        targets = jax.device_put(prompt_targets(shape.tokens), hidden_rows.sharding)
-        for reduction in PROMPT_REDUCTIONS:
-            _compiled(programs.lower_head_rows(hidden_rows, targets, reduction), lock)
-    sampled = _compiled(greedy.lower(logits, rows=rows), lock)
-    temperature, top_k, top_p, seeds = sampling_arrays([], [], shape.requests)
-    for filters in Filters:
-        _compiled(sample.lower(logits, temperature, top_k, top_p, seeds, rows=rows,
-                               filters=filters), lock)
-    if sampled_logprobs:
-        _compiled(token_logprobs.lower(logits, sampled, asked_ids([], logits.shape[0])), lock)
-    if inputs.patches is not None:
-        patched = _compiled(patch_tokens.lower(inputs.tokens, *inputs.patches, sampled), lock)
-        _compiled(programs.lower_first(k, v, patched, inputs.meta), lock)
-
-
-def _gather_program(writes: WriteBacks, size: int,
-                    lock: contextlib.AbstractContextManager) -> None:
-    _compiled(writes.lower_gather(size), lock)
 
 
 def timing_shapes(shapes: tuple[StepShape, ...]) -> tuple[StepShape, ...]:
@@ -164,56 +110,29 @@ def _logprob_shapes(shapes: tuple[StepShape, ...]) -> tuple[set[StepShape], set[
     return set(by_requests.values()), set(by_tokens.values())
 
 
-def _ahead_tasks(engine: Engine) -> tuple[list[Task], list[Task]]:
+def _ahead_tasks(executor: StepExecutor) -> tuple[list[Task], list[Task]]:
     """A task per shape and per write-back gather size: those that compile one at a time,
     then those that compile in parallel after them."""
-    timing = timing_shapes(engine.grid.shapes())
-    by_requests, by_tokens = _logprob_shapes(engine.grid.shapes())
+    shapes = executor.grid.shapes()
+    timing = timing_shapes(shapes)
+    by_requests, by_tokens = _logprob_shapes(shapes)
 
     def task(shape: StepShape) -> Task:
         return (f"step {shape}", functools.partial(
-            _step_programs, engine, shape, sampled_logprobs=shape in by_requests,
+            executor.lower, shape, sampled_logprobs=shape in by_requests,
             prompt_logprobs=shape in by_tokens))
 
     alone: list[Task] = [task(shape) for shape in timing]
-    parallel: list[Task] = [task(shape) for shape in engine.grid.shapes() if shape not in timing]
-    transfers = engine.cache.transfers
-    if transfers is not None:  # gathers have no matmuls
-        for size in transfers.writes.gather_sizes():
-            parallel.append((f"gather {size} pages",
-                             functools.partial(_gather_program, transfers.writes, size)))
+    parallel: list[Task] = [task(shape) for shape in shapes if shape not in timing]
+    for size in executor.gather_sizes():  # gathers have no matmuls
+        parallel.append((f"gather {size} pages", functools.partial(executor.lower_gather, size)))
     return alone, parallel
 
 
-def _padding_step(engine: Engine, shape: StepShape) -> None:
-    """Runs one all-padding step of `shape` as `Engine._launch` does, and the samplers, log
-    probabilities and patch that such a step or the next one can dispatch."""
-    rows, sampled = engine.grid.max_requests, None
-    for patched in ((False, True) if shape.decode else (False,)):
-        inputs = padding_inputs(shape, engine.grid, engine.load_flags, patched)
-        tokens = inputs.tokens
-        if inputs.patches is not None:  # fed by the sampled tokens of the step before
-            tokens = patch_tokens(tokens, *inputs.patches, sampled)
-        logits, hidden = engine.runner.finish(engine.runner.start(tokens, inputs.meta),
-                                              inputs.meta, inputs.last_index)
-        if not shape.decode:  # prompt log probabilities
-            targets = jax.device_put(prompt_targets(shape.tokens), hidden.sharding)
-            for reduction in PROMPT_REDUCTIONS:
-                engine.runner.programs.head_rows(hidden, targets, reduction)
-        sampled = greedy(logits, rows=rows)
-        temperature, top_k, top_p, seeds = sampling_arrays([], [], logits.shape[0])
-        for filters in Filters:
-            sample(logits, temperature, top_k, top_p, seeds, rows=rows, filters=filters)
-        token_logprobs(logits, sampled, asked_ids([], logits.shape[0]))
-    jax.block_until_ready(sampled)
-
-
-
-def _compile_ahead(engine: Engine, bar: tqdm) -> int:
+def _compile_ahead(executor: StepExecutor, watch: CompileWatch, bar: tqdm) -> int:
     """Pass 1: runs the tasks of `_ahead_tasks` on a thread pool, those that time kernels one
     at a time first; returns how many ran one at a time."""
-    watch = engine.compiles
-    alone, parallel = _ahead_tasks(engine)
+    alone, parallel = _ahead_tasks(executor)
     serial, free = threading.Lock(), contextlib.nullcontext()
 
     def run(task: Task, lock: contextlib.AbstractContextManager) -> str:
@@ -230,35 +149,37 @@ def _compile_ahead(engine: Engine, bar: tqdm) -> int:
         bar.update()
         if read_back(*(now - then for now, then in zip(counts(), first))):
             alone, parallel = alone[:1], alone[1:] + parallel
-    with concurrent.futures.ThreadPoolExecutor(_workers()) as executor:
+    with concurrent.futures.ThreadPoolExecutor(_workers()) as pool:
         # the first group's timings stand before the second starts
         for tasks, hold in ((alone[1:], serial), (parallel, free)):
             for future in concurrent.futures.as_completed(
-                    [executor.submit(run, t, hold) for t in tasks]):
+                    [pool.submit(run, t, hold) for t in tasks]):
                 bar.set_postfix_str(future.result(), refresh=False)
                 bar.update()
     return len(alone)
 
 
-def warm_up(engine: Engine, lock: contextlib.AbstractContextManager, progress: bool = True,
+def warm_up(executor: StepExecutor, watch: CompileWatch, lock: contextlib.AbstractContextManager,
+            check: Callable[[], None], progress: bool = True,
             freeze: bool = False) -> WarmupReport:
-    """Compiles every program of `engine`'s grid (see the module docstring); with `freeze`,
-    then `freeze_heap`. The first pass touches no engine state (the pages only by their
-    types), so it runs without `lock`, and the engine answers `stats()` meanwhile; the padding
-    steps run under it."""
-    watch, shapes = engine.compiles, engine.grid.shapes()
+    """Compiles every program of `executor`'s grid (see the module docstring), counting them
+    with `watch`, then runs `check` (the engine's invariant check: its device reads compile);
+    with `freeze`, then `freeze_heap`. The first pass touches no engine state (the pages only
+    by their types), so it runs without `lock`, and the engine answers `stats()` meanwhile;
+    the padding steps and `check` run under it."""
+    shapes = executor.grid.shapes()
     before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
-    tasks = sum(map(len, _ahead_tasks(engine)))
+    tasks = sum(map(len, _ahead_tasks(executor)))
     bar = tqdm(total=tasks + len(shapes), desc="warm-up", unit="program", disable=not progress)
     start = time.perf_counter()
-    alone = _compile_ahead(engine, bar)
+    alone = _compile_ahead(executor, watch, bar)
     ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
     with lock, watch.watch(CompilePhase.WARMUP):
         for shape in shapes:
-            _padding_step(engine, shape)
+            executor.pad(shape)
             bar.update()
         total = watch.counts[CompilePhase.WARMUP]
-        engine.check_invariants()  # its device reads compile (a check, not a step)
+        check()  # its device reads compile (a check, not a step)
     bar.close()
     report = WarmupReport(shapes=len(shapes), ahead_tasks=tasks, alone_tasks=alone,
                           compiles=watch.counts[CompilePhase.WARMUP] - before,

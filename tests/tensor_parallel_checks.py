@@ -197,12 +197,12 @@ def check_hierarchical_replicated_kv_heads() -> None:
 def _deferred_copiers(tp: int) -> list:
     """Engines built from now on get one DeferredCopier per device (copies run only when
     waited for); the list they are returned in."""
-    import jhicache.engine as engine_module
+    import jhicache.parts as parts_module
     from jhicache.cache.copier import ShardedCopier
     from tests.cache._helpers import DeferredCopier
 
     copiers = [DeferredCopier() for _ in range(tp)]
-    engine_module.make_copier = lambda platform, ordinals: (ShardedCopier(copiers), [])
+    parts_module.make_copier = lambda platform, ordinals: (ShardedCopier(copiers), [])
     return copiers
 
 

@@ -279,11 +279,11 @@ def test_overlap_feeds_decode_tokens_from_the_device(overlap: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With overlap on, decode steps are planned before the previous step's tokens are read:
     their input tokens come from its sampled array on the device."""
-    import jhicache.engine as engine_module
+    import jhicache.executor as executor_module
 
     calls = []
-    patch = engine_module.patch_tokens
-    monkeypatch.setattr(engine_module, "patch_tokens", lambda *a: calls.append(1) or patch(*a))
+    patch = executor_module.patch_tokens
+    monkeypatch.setattr(executor_module, "patch_tokens", lambda *a: calls.append(1) or patch(*a))
     engine = make_engine(overlap_schedule=overlap)
     engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=6))
     assert (len(calls) > 0) == overlap
