@@ -6,12 +6,15 @@ Usage: python -m tests.tensor_parallel_checks CHECK (one of CHECKS); exits non-z
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -194,16 +197,18 @@ def check_hierarchical_replicated_kv_heads() -> None:
     assert np.abs(stored).sum() > 0
 
 
-def _deferred_copiers(tp: int) -> list:
-    """Engines built from now on get one DeferredCopier per device (copies run only when
-    waited for); the list they are returned in."""
+@contextlib.contextmanager
+def _deferred_copiers(tp: int) -> Iterator[list]:
+    """Engines built inside get one DeferredCopier per device (copies run only when waited
+    for); yields the list they are in. The checks share a process: the patch ends with it."""
     import jhicache.parts as parts_module
     from jhicache.cache.copier import ShardedCopier
     from tests.cache._helpers import DeferredCopier
 
     copiers = [DeferredCopier() for _ in range(tp)]
-    parts_module.make_copier = lambda platform, ordinals: (ShardedCopier(copiers), [])
-    return copiers
+    with mock.patch.object(parts_module, "make_copier",
+                           lambda platform, ordinals: (ShardedCopier(copiers), [])):
+        yield copiers
 
 
 def check_deferred_copies_wait_on_every_shard() -> None:
@@ -212,9 +217,9 @@ def check_deferred_copies_wait_on_every_shard() -> None:
     the other shards' pages are read before they land and the tokens change: so it matters."""
     from jhicache.cache.load_back import Load
 
-    copiers = _deferred_copiers(4)
-    eng = hierarchical(tp_model(), 4)
-    assert run_chats(eng) == reference(tp_model())
+    with _deferred_copiers(4) as copiers:
+        eng = hierarchical(tp_model(), 4)
+        assert run_chats(eng) == reference(tp_model())
     assert_host_tier_used(eng)
     assert eng.stats().host_hit_tokens > 0 and all(c.copies > 0 for c in copiers)
 
@@ -223,9 +228,8 @@ def check_deferred_copies_wait_on_every_shard() -> None:
         load.loads.copier.copiers[0].wait(landed.parts[0])
         return load.seq
 
-    _deferred_copiers(4)
-    Load.issued_seq = first_shard_only
-    assert run_chats(hierarchical(tp_model(), 4)) != reference(tp_model())
+    with _deferred_copiers(4), mock.patch.object(Load, "issued_seq", first_shard_only):
+        assert run_chats(hierarchical(tp_model(), 4)) != reference(tp_model())
 
 
 def check_invariant_catches_moved_shard() -> None:
@@ -402,14 +406,38 @@ CHECKS: dict[str, Callable[[], None]] = {
     name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")
 }
 
+# The checks run in two subprocesses, one per pytest-xdist worker, rather than one each: a
+# process's start and its compiled programs are shared by the checks in it (in one process the
+# set costs about half the CPU time of one process per check, on a cold compilation cache).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("bad_sizes_rejected", "checkpoint_loads_sharded", "dry_run_72b", "engine_tokens",
+              "gated_forward_matches_ungated", "logprobs_equal_one_device",
+              "sharded_random_init"),
+    "tiers": ("deferred_copies_wait_on_every_shard", "hierarchical_replicated_kv_heads",
+              "hierarchical_write_back", "hierarchical_write_through",
+              "hierarchical_write_through_selective", "invariant_catches_misplaced_pages",
+              "invariant_catches_moved_shard"),
+}
+
 
 def main(argv: list[str]) -> None:
+    """Runs each named check (a group's name stands for its checks), every one even after a
+    failure; exits non-zero naming the checks that failed."""
     if jax.device_count() < DEVICES:
         raise SystemExit(f"needs {DEVICES} devices "
                          "(XLA_FLAGS=--xla_force_host_platform_device_count="
                          f"{DEVICES}), got {jax.device_count()}")
-    for name in argv:
-        CHECKS[name]()
+    names = [n for arg in argv for n in GROUPS.get(arg, (arg,))]
+    failed = []
+    for name in names:
+        try:
+            CHECKS[name]()
+            print(f"check {name}: passed", flush=True)
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+    if failed:
+        raise SystemExit(f"failed checks: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Tensor parallelism: config checks here; the multi-device checks (tests/tensor_parallel_checks.py)
-each in a subprocess with 4 CPU devices, since XLA_FLAGS must be set before JAX starts."""
+in subprocesses with 4 CPU devices, a group of checks each, since XLA_FLAGS must be set before
+JAX starts."""
 
 from __future__ import annotations
 
@@ -13,29 +14,40 @@ from jhicache.models import preset_config
 from jhicache.models.sharding import TensorParallel
 
 from jhicache import EngineConfig
-from tests.tensor_parallel_checks import CHECKS, DEVICES
+from tests.tensor_parallel_checks import CHECKS, DEVICES, GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run_check(name: str) -> subprocess.CompletedProcess:
+def _run_check(*names: str) -> subprocess.CompletedProcess:
+    """Runs checks, or groups of them, in a subprocess with 4 CPU devices."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-m", "tests.tensor_parallel_checks", name], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "tests.tensor_parallel_checks", *names],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_on_four_cpu_devices(name: str) -> None:
-    result = _run_check(name)
-    assert result.returncode == 0, f"check {name} failed:\n{result.stdout}\n{result.stderr[-6000:]}"
+def test_the_groups_hold_every_check_once() -> None:
+    grouped = [name for names in GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_on_four_cpu_devices(group: str) -> None:
+    result = _run_check(group)
+    assert result.returncode == 0, f"{group}:\n{result.stdout}\n{result.stderr[-8000:]}"
+    for name in GROUPS[group]:
+        assert f"check {name}: passed" in result.stdout
 
 
 def test_the_checks_fail_when_they_should() -> None:
-    """The subprocess reports a failing check (so a passing one means something)."""
-    result = _run_check("no_such_check")
+    """The subprocess reports a failing check, and goes on with the next (so a passing one
+    means something, and one failure hides no other)."""
+    result = _run_check("no_such_check", "bad_sizes_rejected")
     assert result.returncode != 0 and "KeyError" in result.stderr
+    assert "failed checks: no_such_check" in result.stderr
+    assert "check bad_sizes_rejected: passed" in result.stdout
 
 
 def test_config_field_is_checked() -> None:
