@@ -57,7 +57,8 @@ def engine_info(engine: Engine) -> Started:
     return Started(vocab_size=model.vocab_size,
                    max_position_embeddings=model.max_position_embeddings,
                    max_context_len=grid.max_context_len,
-                   device_pages=engine.occupancy().device_pages, grid=grid.describe(),
+                   device_pages=engine.occupancy().device_pages,
+                   page_size=engine.config.page_size, grid=grid.describe(),
                    config=msgspec.to_builtins(engine.config))
 
 

@@ -83,7 +83,8 @@ class Started(msgspec.Struct, tag=True):
     max_position_embeddings: int
     max_context_len: int
     device_pages: int
-    grid: dict[str, Any]
+    page_size: int
+    grid: dict[str, Any]  # JSON objects, shown as they are
     config: dict[str, Any]
 
 
