@@ -56,7 +56,7 @@ def timings(tokenizer: Tokenizer, tokens: int, alternatives: int, seed: int,
     asked = np.zeros((rows, MAX_TOKEN_IDS), np.float32)  # none named
     out: dict[str, float] = {"fill_ms": fastest_ms(
         lambda: prompt.fill(1, chosen, values, ids, asked), runs)}
-    output = RequestOutput("probe", [1], [1], True, tokens, 0, 0, None, "length",
+    output = RequestOutput("probe", [1], True, tokens, 0, 0, None, "length", token_ids=[1],
                            prompt_logprobs=prompt)
     encoder, decoder = child_encoder(), parent_decoder()
     wire = encoder.encode(Outputs([output]))

@@ -101,14 +101,13 @@ class Engine:
             return [self._submit(prompt, p, rid, now).request_id
                     for prompt, p, rid in zip(arrays, per_prompt, ids)]
 
-    def step(self, cumulative: bool = True) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """One engine step; an output for every request that gained a token or finished in it,
         and for one whose prompt log probabilities it filled further before its first token
-        (a chunk before the prompt's last: no token, `prompt_logprobs` as filled so far, so
-        that a caller can use them while the next chunk computes). Not `cumulative`, a running
-        request's output carries its new tokens alone (`token_ids` empty, `logprobs` those of
-        the new tokens), as a caller that keeps them needs, without a copy of each request's
-        tokens so far every step; a final output carries all.
+        (a chunk before the prompt's last: no token, the new rows in `prompt_scores`, so that
+        a caller can use them while the next chunk computes). Outputs are deltas: the new
+        tokens, their log probabilities and the new prompt rows, never a request's whole so
+        far, so a step's cost does not grow with the requests' lengths.
 
         With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
         the one before, so the outputs a step returns are those of the batch dispatched by the
@@ -116,7 +115,7 @@ class Engine:
         with self._lock, self._serving():
             aborted, self._aborted = self._aborted, []
             gained = self._step()
-            return aborted + self._filled_outputs(cumulative) + _outputs(gained, cumulative)
+            return aborted + self._filled_outputs() + _outputs(gained)
 
     def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
@@ -152,7 +151,7 @@ class Engine:
             req = self._requests.pop(request_id, None)
             if req is None or not self.scheduler.abort(req):
                 return False
-            self._aborted.append(req.to_output([]))
+            self._aborted.append(req.take_output([]))
             return True
 
     def close(self) -> None:
@@ -204,7 +203,7 @@ class Engine:
             except BaseException:
                 self._abandon(requests)
                 raise
-            return [req.to_output(req.output) for req in requests]
+            return [req.result() for req in requests]
 
     def stats(self) -> EngineStats:
         """Cumulative counters (cache hits, transfers, evictions, load time) and occupancy."""
@@ -302,30 +301,30 @@ class Engine:
             self._drain()
             return self.stepper.load_alone(list(prompt))
 
-    def drain(self, cumulative: bool = True) -> list[RequestOutput]:
+    def drain(self) -> list[RequestOutput]:
         """Ends the step in flight and waits for every transfer; returns that step's outputs
-        (as `step(cumulative)` does). Unfinished requests stay queued for later steps; with
+        (as `step()` does). Unfinished requests stay queued for later steps; with
         none, the engine is idle afterwards (no step, copy or write-back in flight), as a
         caller that stops stepping needs it to be: `AsyncEngine` calls it once its requests
         have all finished."""
         with self._lock, self._serving():
-            return self._drain(cumulative)
+            return self._drain()
 
-    def _drain(self, cumulative: bool = True) -> list[RequestOutput]:
+    def _drain(self) -> list[RequestOutput]:
         step = self.stepper.take_in_flight()
         outputs, self._aborted = self._aborted, []
         if step is not None:
             gained = self.stepper.end(step)
-            outputs += self._filled_outputs(cumulative) + _outputs(gained, cumulative)
+            outputs += self._filled_outputs() + _outputs(gained)
         self.cache.flush()
         return outputs
 
-    def _filled_outputs(self, cumulative: bool) -> list[RequestOutput]:
+    def _filled_outputs(self) -> list[RequestOutput]:
         """Outputs of the requests whose prompt log probabilities the steps just ended filled
         and which are still before their first token (one that has it now gets its token's
-        output, which carries them all)."""
+        output, which carries the new rows too)."""
         filled, self._filled = self._filled, []
-        return [r.to_output([], cumulative) for r in dict.fromkeys(filled)
+        return [r.take_output([]) for r in dict.fromkeys(filled)
                 if r.num_output == 0 and r.request_id in self._requests]
 
     def _submit(self, prompt: np.ndarray, params: SamplingParams, request_id: str | None,
@@ -355,6 +354,6 @@ class Engine:
         self.cache.flush()
 
 
-def _outputs(gained: list[Request], cumulative: bool) -> list[RequestOutput]:
+def _outputs(gained: list[Request]) -> list[RequestOutput]:
     """The outputs of requests that gained one token (their last) in a step."""
-    return [r.to_output([r.tokens[-1]], cumulative) for r in gained]
+    return [r.take_output([r.tokens[-1]]) for r in gained]

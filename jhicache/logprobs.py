@@ -49,6 +49,9 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
     filled: np.ndarray  # [n] bool: the entries a step has filled
     asked_ids: np.ndarray  # [m] int32: the token ids the request named (token_ids_logprob)
     asked_values: np.ndarray  # [n, m] float32: their log probabilities at each position
+    # entries before this one are final: steps fill a prompt's entries in order, and one
+    # left unfilled before it has nothing before it to give it a value (position 0)
+    filled_to: int = 0
 
     @classmethod
     def empty(cls, tokens: Sequence[int], alternatives: int,
@@ -75,24 +78,30 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
         self.top_values[first:end] = top_values[:, :alternatives]
         self.asked_values[first:end] = asked[:, :len(self.asked_ids)]
         self.filled[first:end] = True
+        self.filled_to = max(self.filled_to, end)
 
     def rows(self, start: int, stop: int) -> PromptLogprobs:
         """Entries `start` to `stop` alone, as views of these columns (the asked ids whole)."""
         part = slice(start, stop)
         return PromptLogprobs(self.token_ids[part], self.logprobs[part], self.top_ids[part],
                               self.top_values[part], self.filled[part], self.asked_ids,
-                              self.asked_values[part])
+                              self.asked_values[part],
+                              min(max(self.filled_to - start, 0), len(self.token_ids[part])))
 
-    def settled(self) -> int:
-        """How many leading entries no later step changes: those up to the last filled one
-        (steps fill a prompt's entries in order; an entry before it left unfilled has nothing
-        before it to give it a value)."""
-        filled = np.flatnonzero(self.filled)
-        return int(filled[-1]) + 1 if len(filled) else 0
+    @classmethod
+    def concat(cls, parts: Sequence[PromptLogprobs]) -> PromptLogprobs:
+        """`parts`, consecutive runs of one prompt's entries, as one."""
+        ids, logprobs, top_ids, top_values, filled, _, asked = (
+            np.concatenate(column) for column in zip(*(p._columns() for p in parts)))
+        return cls(ids, logprobs, top_ids, top_values, filled, parts[0].asked_ids, asked,
+                   sum(p.filled_to for p in parts))
 
     def copy(self) -> PromptLogprobs:
         """A copy whose columns a later `fill` of this one leaves as they are."""
-        return PromptLogprobs(*(column.copy() for column in self._columns()))
+        ids, logprobs, top_ids, top_values, filled, named, asked = (
+            column.copy() for column in self._columns())
+        return PromptLogprobs(ids, logprobs, top_ids, top_values, filled, named, asked,
+                              self.filled_to)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PromptLogprobs):
@@ -122,6 +131,26 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
                                      self.top_values[index].tolist())),
                             list(zip(self.asked_ids.tolist(),
                                      self.asked_values[index].tolist())))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptScores:
+    """A prompt's entries scored since a request's last output: `rows`, from entry `start` on
+    (entries count from `SamplingParams.prompt_logprobs_start`); each is final."""
+
+    start: int
+    rows: PromptLogprobs
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.rows)
+
+    @classmethod
+    def join(cls, parts: Sequence[PromptScores]) -> PromptScores | None:
+        """Consecutive `parts` as one (None for none)."""
+        if len(parts) <= 1:
+            return parts[0] if parts else None
+        return cls(parts[0].start, PromptLogprobs.concat([part.rows for part in parts]))
 
 
 def row_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from jhicache.logprobs import PromptLogprobs, TokenLogprob
+from jhicache.logprobs import PromptLogprobs, PromptScores, TokenLogprob
 from jhicache.sampling import SamplingParams
 
 
@@ -25,13 +25,14 @@ class FinishReason(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """One request's progress: what `Engine.step` reports when it gains tokens, finishes, or
-    has more of its prompt's log probabilities (then without tokens), and what
-    `Engine.generate` returns (then `new_token_ids` holds every generated token)."""
+    """One request's news, as deltas: what `Engine.step` reports when a request gains tokens,
+    finishes, or has more of its prompt scored (then without tokens): the tokens, log
+    probabilities and prompt rows since its last output, never the whole so far. What
+    `Engine.generate` returns is the delta of the whole run (every token is new), with
+    `token_ids` and `prompt_logprobs` holding the whole too."""
 
     request_id: str
-    token_ids: list[int]  # every token generated so far; a stop token is included
-    new_token_ids: list[int]  # the tokens gained since the last output for this request
+    new_token_ids: list[int]  # the tokens gained since the last output; a stop token included
     finished: bool
     prompt_len: int
     device_hit_tokens: int  # prompt tokens found on the device tier
@@ -39,12 +40,49 @@ class RequestOutput:
     ttft_s: float | None  # submission to first token known on the host; None before it
     finish_reason: str | None  # "length", "stop" or "abort"; None while running
     storage_hit_tokens: int = 0  # prompt tokens read from the storage tier, then loaded back
-    # with SamplingParams.logprobs: one record per generated token, as `token_ids`; else None
+    # with SamplingParams.logprobs: one record per token of `new_token_ids`; else None
     logprobs: list[TokenLogprob] | None = None
-    # with SamplingParams.prompt_logprobs: one per prompt position from its start on (None for
-    # position 0, which nothing precedes); given with the first token and with the last output,
-    # and before the first token with each output of a step that filled more of them
+    # with SamplingParams.prompt_logprobs: the prompt's rows scored since the last output
+    prompt_scores: PromptScores | None = None
+    # a whole run's (`Engine.generate`, `AsyncEngine.generate`): every generated token, and
+    # with prompt_logprobs one entry per prompt position from its start on (None for position
+    # 0, which nothing precedes); empty and None in a step's output
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class OutputCollector:
+    """One request's outputs added up, for a caller that keeps more than the newest: the
+    tokens, log probabilities and prompt rows since the first it was given (each appended,
+    nothing copied whole)."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt: list[PromptScores] = dataclasses.field(default_factory=list)
+    last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.tokens += out.new_token_ids
+        self.logprobs += out.logprobs or ()
+        if out.prompt_scores is not None:
+            self.prompt.append(out.prompt_scores)
+        self.last = out
+
+    def merged(self) -> RequestOutput:
+        """The outputs added, as one: the last's state, with every delta since the first."""
+        assert self.last is not None
+        return dataclasses.replace(
+            self.last, new_token_ids=self.tokens,
+            logprobs=None if self.last.logprobs is None else self.logprobs,
+            prompt_scores=PromptScores.join(self.prompt))
+
+    def whole(self) -> RequestOutput:
+        """`merged`, with `token_ids` and `prompt_logprobs` filled: a whole run's output (the
+        collector must have had every output since the request's first)."""
+        out = self.merged()
+        return dataclasses.replace(out, token_ids=out.new_token_ids, prompt_logprobs=(
+            None if out.prompt_scores is None else out.prompt_scores.rows))
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,6 +122,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = dataclasses.field(init=False)  # per output token
     # per prompt position from params.prompt_logprobs_start, filled as its rows are computed
     prompt_logprobs: PromptLogprobs | None = dataclasses.field(init=False)
+    prompt_given: int = 0  # entries of prompt_logprobs already in an output
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.tokens)
@@ -142,16 +181,32 @@ class Request:
         """Tokens of the sequence not yet in the KV cache."""
         return self.num_tokens - self.cached_len
 
-    def to_output(self, new_token_ids: list[int], cumulative: bool = True) -> RequestOutput:
-        """Its output now; not `cumulative`, a running request's carries its new tokens alone:
-        `token_ids` empty and `logprobs` those of `new_token_ids` (no copy of all so far)."""
-        whole = cumulative or self.finished
+    def take_output(self, new_token_ids: list[int]) -> RequestOutput:
+        """Its output now, with what is new since the last: `new_token_ids` (the caller's), their
+        log probabilities, and the prompt rows scored since (a copy of those rows alone; taken:
+        the next output's rows start after them)."""
         logprobs = self.logprobs
         if logprobs is not None:
-            logprobs = list(logprobs) if whole else logprobs[len(logprobs) - len(new_token_ids):]
+            logprobs = logprobs[len(logprobs) - len(new_token_ids):]
+        scores = None
+        table = self.prompt_logprobs
+        if table is not None and table.filled_to > self.prompt_given:
+            scores = PromptScores(self.prompt_given,
+                                  table.rows(self.prompt_given, table.filled_to).copy())
+            self.prompt_given = table.filled_to
+        return self._output(new_token_ids, logprobs, scores)
+
+    def result(self) -> RequestOutput:
+        """The whole run, as `Engine.generate` returns it."""
+        tokens, table = self.output, self.prompt_logprobs
+        out = self._output(tokens, None if self.logprobs is None else list(self.logprobs),
+                           None if table is None else PromptScores(0, table))
+        return dataclasses.replace(out, token_ids=tokens, prompt_logprobs=table)
+
+    def _output(self, new_token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                scores: PromptScores | None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
-            token_ids=self.output if whole else [],
             new_token_ids=new_token_ids,
             finished=self.finished,
             prompt_len=self.prompt_len,
@@ -161,6 +216,5 @@ class Request:
             finish_reason=None if self.finish_reason is None else self.finish_reason.value,
             storage_hit_tokens=self.storage_hit_tokens,
             logprobs=logprobs,
-            prompt_logprobs=(self.prompt_logprobs.copy() if self.prompt_logprobs is not None
-                             and (self.num_output <= 1 or self.finished) else None),
+            prompt_scores=scores,
         )

@@ -164,36 +164,30 @@ def test_outputs_report_prompt_and_finish() -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_outputs_not_cumulative_carry_each_step_s_new_tokens_alone(overlap: bool) -> None:
-    """`step(cumulative=False)`: a running request's outputs carry no tokens so far and the log
-    probabilities of their new tokens alone; the final output carries everything, as the
-    cumulative outputs of the same requests do."""
+def test_step_outputs_are_deltas_that_add_up_to_generate_s_results(overlap: bool) -> None:
+    """`step()`'s outputs carry each step's new tokens and their log probabilities alone, never
+    the tokens so far (not even the final one); added up, they are `generate`'s results."""
     prompts = [[3, 1, 4, 1, 5], list(range(7, 30))]
     params = [SamplingParams(max_new_tokens=5, logprobs=2), SamplingParams(max_new_tokens=3)]
-    runs = {}
-    for cumulative in (True, False):
-        engine = make_engine(overlap_schedule=overlap)
-        ids = [engine.add_request(p, q, f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
-        outputs = []
-        while engine.has_unfinished():
-            outputs += engine.step(cumulative)
-        outputs += engine.drain(cumulative)
-        runs[cumulative] = {rid: [o for o in outputs if o.request_id == rid] for rid in ids}
-    for rid, deltas in runs[False].items():
-        whole = runs[True][rid]
-        assert [o.new_token_ids for o in deltas] == [o.new_token_ids for o in whole]
-        final = deltas[-1]  # carries everything, as the cumulative run's final output
-        assert final.finished and (final.token_ids, final.logprobs) == (whole[-1].token_ids,
-                                                                         whole[-1].logprobs)
-        assert sum((o.new_token_ids for o in deltas), []) == final.token_ids
-        before = 0  # tokens of the outputs before each
-        for delta in deltas[:-1]:
-            assert delta.token_ids == [] and not delta.finished
-            new = len(delta.new_token_ids)
-            if final.logprobs is not None:
-                assert delta.logprobs == final.logprobs[before:before + new]
-            before += new
-    assert any(o.logprobs for o in runs[False][ids[0]][:-1])  # the check above had some
+    wholes = make_engine(overlap_schedule=overlap).generate(prompts, params)
+    engine = make_engine(overlap_schedule=overlap)
+    ids = [engine.add_request(p, q, f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    outputs += engine.drain()
+    for rid, whole in zip(ids, wholes):
+        deltas = [o for o in outputs if o.request_id == rid]
+        assert [o.finished for o in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert all(o.new_token_ids and o.token_ids == [] for o in deltas)
+        assert sum((o.new_token_ids for o in deltas), []) == whole.token_ids
+        assert whole.new_token_ids == whole.token_ids
+        if whole.logprobs is None:
+            assert all(o.logprobs is None for o in deltas)
+        else:
+            assert all(len(o.logprobs or ()) == len(o.new_token_ids) for o in deltas)
+            assert sum((o.logprobs or [] for o in deltas), []) == whole.logprobs
+    assert any(o.logprobs for o in outputs if o.request_id == ids[0] and not o.finished)
 
 
 def test_config_rejects_invalid_values() -> None:
@@ -298,11 +292,11 @@ def test_drain_ends_the_step_in_flight_and_keeps_unfinished_requests() -> None:
     outputs = engine.step()  # the prefill is dispatched; its token is read by the next call
     assert outputs == [] and engine.config.overlap_schedule
     outputs = engine.drain()
-    assert [o.request_id for o in outputs] == [rid] and len(outputs[0].token_ids) == 1
+    assert [o.request_id for o in outputs] == [rid] and len(outputs[0].new_token_ids) == 1
     assert engine.drain() == [] and engine.has_unfinished()
     while engine.has_unfinished():
         outputs += engine.step()
-    assert outputs[-1].finished and outputs[-1].token_ids == want
+    assert outputs[-1].finished and sum((o.new_token_ids for o in outputs), []) == want
     assert engine.drain() == []
     assert_idle_and_consistent(engine)
 

@@ -19,6 +19,7 @@ from jhicache.logprobs import (
     MAX_LOGPROBS,
     MAX_TOKEN_IDS,
     PromptLogprobs,
+    PromptScores,
     TokenLogprob,
     asked_ids,
     logsumexp_and_max,
@@ -104,13 +105,14 @@ def test_prompt_logprobs_fill_read_copy_and_cross_the_engine_process_wire() -> N
     assert table[1] is not None and table[1].logprob == float(chosen[0] + 1)
     assert before != table and before == before.copy()
     record = TokenLogprob(1, -0.5, [(2, -1.0)], [(3, -2.0), (1, -0.5)])
-    out = RequestOutput("r", [1], [1], False, 5, 0, 0, None, None, logprobs=[record],
-                        prompt_logprobs=table)
+    out = RequestOutput("r", [1], False, 5, 0, 0, None, None, logprobs=[record],
+                        prompt_scores=PromptScores(0, table))
     wire = parent_decoder().decode(child_encoder().encode(Outputs([out])))
     assert isinstance(wire, Outputs)
     assert wire.items[0].logprobs == [record]
-    got = wire.items[0].prompt_logprobs
-    assert got == table and list(got) == list(table)
+    assert wire.items[0].prompt_scores is not None
+    got = wire.items[0].prompt_scores.rows
+    assert got == table and list(got) == list(table) and got.filled_to == table.filled_to == 4
     assert got.top_ids.dtype == np.int32 and got.top_values.shape == (5, 2)
     nothing = PromptLogprobs.empty([3, 4], 0)  # the chosen tokens' alone
     nothing.fill(1, chosen[:1], values[:1], ids[:1], asked[:1])
@@ -299,19 +301,27 @@ def test_streamed_logprobs_grow_with_the_tokens(checkpoint, process: bool,
     want = [reference_logprobs(logits[p - 1], PROMPT[p], 1) for p in range(10, len(PROMPT))]
     filling = list(itertools.takewhile(lambda out: not out.new_token_ids, outs))
     assert filling  # the prompt spans chunks: the first ones' entries came on their own
+    given = 0  # entries in the outputs before
     for out in filling:
-        assert out.prompt_logprobs is not None and not out.token_ids and not out.finished
-        settled = out.prompt_logprobs.settled()
-        assert 0 < settled < len(want)
-        assert_prompt_close(out.prompt_logprobs[:settled], want[:settled])
-        assert all(entry is None for entry in out.prompt_logprobs[settled:])
+        scores = out.prompt_scores
+        assert scores is not None and not out.token_ids and not out.finished
+        assert scores.start == given and given < scores.stop < len(want)
+        assert_prompt_close(list(scores.rows), want[given:scores.stop])
+        given = scores.stop
     outs = outs[len(filling):]
     for out in outs:
-        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    assert_close(outs[-1].logprobs, expected(weights, PROMPT, outs[-1].token_ids, 2))
+        assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+    tokens = [t for out in outs for t in out.new_token_ids]
+    assert_close([r for out in outs for r in out.logprobs or ()],
+                 expected(weights, PROMPT, tokens, 2))
     assert_close(final.logprobs, expected(weights, PROMPT[:50], final.token_ids, 2))
-    assert_prompt_close(outs[0].prompt_logprobs, want)  # with the first token, and the last
-    assert_prompt_close(outs[-1].prompt_logprobs, want)
+    rest = outs[0].prompt_scores  # with the first token: the last chunk's entries
+    assert rest is not None and (rest.start, rest.stop) == (given, len(want))
+    assert all(out.prompt_scores is None for out in outs[1:])
+    joined = PromptScores.join([out.prompt_scores for out in filling + outs[:1]
+                                if out.prompt_scores is not None])
+    assert joined is not None and joined.start == 0
+    assert_prompt_close(list(joined.rows), want)
     assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == 40
 
 
@@ -332,9 +342,10 @@ def test_only_a_scored_prompt_has_outputs_before_its_first_token(checkpoint,
     assert all(o.new_token_ids or o.finished for o in by_request[plain])
     filling = list(itertools.takewhile(lambda o: not o.new_token_ids, by_request[scored]))
     assert filling and all(o.new_token_ids for o in by_request[scored][len(filling):])
-    settled = [o.prompt_logprobs.settled() for o in filling if o.prompt_logprobs is not None]
-    assert len(settled) == len(filling) and settled == sorted(set(settled))
-    assert settled[-1] < len(PROMPT) - 1
+    scores = [o.prompt_scores for o in filling if o.prompt_scores is not None]
+    assert len(scores) == len(filling) and scores[0].start == 0
+    assert all(a.stop == b.start for a, b in zip(scores, scores[1:]))  # each part once, in order
+    assert all(s.start < s.stop for s in scores) and scores[-1].stop < len(PROMPT) - 1
 
 
 def assert_prompt_close(got: list[TokenLogprob | None] | None, want: list) -> None:

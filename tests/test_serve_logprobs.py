@@ -177,9 +177,9 @@ def test_a_prompt_of_several_chunks_scored_as_its_chunks_are_computed(
     taken = one_at_a_time(monkeypatch, lambda out: pacing.is_set() and not out.new_token_ids)
 
     class Recorded(CompletionLogprobs):
-        def add_prompt(self, prompt_logprobs, final: bool = False) -> None:
-            super().add_prompt(prompt_logprobs, final)
-            settled.append(self._prompt_done)
+        def add_prompt(self, rows) -> None:
+            super().add_prompt(rows)
+            settled.append(len(rows) + (settled[-1] if settled else 0))
             taken.set()
 
     monkeypatch.setattr(openai_routes, "CompletionLogprobs", Recorded)

@@ -79,22 +79,18 @@ def test_completion_logprobs_equal_entry_by_entry(alternatives: int) -> None:
 
 @pytest.mark.parametrize("alternatives", [0, 1, 3])
 def test_completion_logprobs_built_as_chunks_fill_the_prompt(alternatives: int) -> None:
-    """The prompt's entries added as a chunked prefill fills them (each step a run after the
-    last, position 0 never), then all of them: the same object as built at once."""
+    """The prompt's entries added a part at a time, as a chunked prefill scores them (each
+    step's rows after the last's, position 0 never filled): the same object as built at once."""
     rng = np.random.default_rng(alternatives)
     whole, records = prompt_columns(rng, 40, alternatives), generated(rng)
     whole.filled[1:] = True  # no gap: steps fill a prompt's entries in order
-    filling = PromptLogprobs.empty(whole.token_ids.tolist(), alternatives, asked=(7, 9))
     built = CompletionLogprobs(texts, 3)
-    done = []
+    given = 0
     for end in (1, 9, 9, 26, 40):  # a step's last entry, one with none (a chunk of others)
-        for name in ("logprobs", "top_ids", "top_values", "filled", "asked_values"):
-            getattr(filling, name)[1:end] = getattr(whole, name)[1:end]
-        built.add_prompt(filling.copy())
-        done.append(built._prompt_done)
-    built.add_prompt(whole, final=True)
+        if end > given:
+            built.add_prompt(whole.rows(given, end))
+        given = end
     built.add_records(records)
-    assert done == [0, 9, 9, 26, 40]
     assert decoded(built) == entry_by_entry(whole, records, 3)
 
 

@@ -144,13 +144,14 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
         ids[engine.add_request(prompt, params)] = (prompt, sampled)
         if i % 2:
             engine.step()
-    outputs = {}
+    outputs, tokens = {}, {rid: [] for rid in ids}
     for steps in range(1000):
         if steps == 3:
             for rid in list(ids)[::3]:  # aborted at once, while prefilling or decoding
                 engine.abort(rid)
         for out in engine.step():
             outputs[out.request_id] = out
+            tokens[out.request_id] += out.new_token_ids
         if not engine.has_unfinished():
             break
     engine.step()
@@ -158,7 +159,7 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
     for rid, (prompt, sampled) in ids.items():
         out = outputs.get(rid)
         if out is not None and out.finish_reason == "length" and not sampled:
-            done.append((prompt, out.token_ids))
+            done.append((prompt, tokens[rid]))
     return done
 
 

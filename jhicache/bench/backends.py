@@ -51,8 +51,10 @@ class EngineBackend:
 
     async def stream(self, prompt: Sequence[int], params: SamplingParams,
                      request_id: str) -> AsyncIterator[Chunk]:
+        tokens: tuple[int, ...] = ()  # the stream's outputs carry each step's new ones alone
         async for out in self.engine.stream(prompt, params, request_id=request_id):
-            yield Chunk(tuple(out.new_token_ids), tuple(out.token_ids), out.finished,
+            tokens += tuple(out.new_token_ids)
+            yield Chunk(tuple(out.new_token_ids), tokens, out.finished,
                         out.prompt_len, out.device_hit_tokens, out.host_hit_tokens, out.ttft_s,
                         out.storage_hit_tokens)
 

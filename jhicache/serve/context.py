@@ -69,7 +69,7 @@ class ServerContext:
         info = ModelInfo(name=name, model_path=model_path,
                          tokenizer_path=tokenizer.path if tokenizer else None,
                          context_len=core.max_position_embeddings,
-                         pool_tokens=core.device_pages * core.config["page_size"],
+                         pool_tokens=core.device_pages * core.page_size,
                          vocab_size=vocab, max_total_tokens=core.max_context_len)
         return cls(engine, tokenizer, ServerMetrics(engine), info)
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 
 from jhicache.async_engine import AsyncEngine
-from jhicache.logprobs import PromptLogprobs, TokenLogprob
+from jhicache.logprobs import PromptLogprobs, PromptScores, TokenLogprob
 from jhicache.request import FinishReason, RequestOutput
 from jhicache.sampling import SamplingParams
 from jhicache.serve.detokenizer import IncrementalDetokenizer
@@ -34,14 +34,25 @@ class GenerationInput:
     returns_tokens: bool = True
 
 
+@dataclasses.dataclass
+class _Run:
+    """What a generation has returned so far, kept once for all its updates: each list only
+    grows (an update reads its own length of them)."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # a stop token included
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # a stop token's not
+    prompt: list[PromptScores] = dataclasses.field(default_factory=list)
+    given_prompt: bool = False  # an update with tokens has had the prompt's entries
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """The request after one engine output: `delta` is the text released by it, `text` all text
-    released so far; the last update has a `finish_reason`."""
+    released so far; the last update has a `finish_reason`. Before the first token, an update
+    may only bring prompt rows (`prompt_scores`)."""
 
     delta: str
     text: str
-    token_ids: list[int]  # every generated token so far (a stop token included)
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     matched_stop: int | str | None  # the stop token id or stop string that ended it
@@ -49,20 +60,35 @@ class Update:
     device_hit_tokens: int
     host_hit_tokens: int
     storage_hit_tokens: int = 0
-    # with logprobs asked for: the records of `token_ids`, and of `new_token_ids`, a stop
-    # token's left out (its text is not part of the output either)
-    logprobs: list[TokenLogprob] | None = None
+    # with logprobs asked for: the records of `new_token_ids`, a stop token's left out (its text
+    # is not part of the output either)
     new_logprobs: list[TokenLogprob] | None = None
-    # with prompt log probabilities asked for: in the first update with tokens, and the last
+    # with prompt log probabilities asked for: the prompt rows this output brought
+    prompt_scores: PromptScores | None = None
+    # ... and every prompt entry, in the first update with tokens and in the last
     prompt_logprobs: PromptLogprobs | None = None
     # once the first token is out: the server's TTFT (the route's submission to the update on
     # the event loop) and the engine's own (its `add_request` to the token on its host)
     server_ttft_s: float | None = None
     engine_ttft_s: float | None = None
+    run: _Run = dataclasses.field(default_factory=_Run, repr=False)
+    generated: int = 0  # len(token_ids): the run's tokens as of this update
+    recorded: int = 0  # len(logprobs), likewise
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated token up to this update (a stop token included): a copy, made when
+        read (a response reads it once, at its end)."""
+        return self.run.token_ids[:self.generated]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """With logprobs asked for, the records of `token_ids` (a stop token's left out)."""
+        return None if self.new_logprobs is None else self.run.logprobs[:self.recorded]
 
     @property
     def cached_tokens(self) -> int:
@@ -71,7 +97,8 @@ class Update:
 
 
 class _TextState:
-    """Engine outputs -> released text: detokenized (with a tokenizer), cut at a stop string."""
+    """Engine outputs -> released text: detokenized (with a tokenizer), cut at a stop string;
+    and the run so far."""
 
     def __init__(self, tokenizer: Tokenizer | None, spec: GenerationInput) -> None:
         self._detok = (IncrementalDetokenizer(tokenizer.decode, spec.prompt_ids)
@@ -81,21 +108,26 @@ class _TextState:
         self._returns_tokens = spec.returns_tokens
         self._released = 0
         self._searched = 0
+        self._run = _Run()
 
     def advance(self, out: RequestOutput, server_ttft_s: float | None) -> Update:
+        run = self._run
+        if out.prompt_scores is not None:
+            run.prompt.append(out.prompt_scores)
         if not self._returns_tokens:
-            out = dataclasses.replace(out, token_ids=[], new_token_ids=[],
+            out = dataclasses.replace(out, new_token_ids=[],
                                       logprobs=None if out.logprobs is None else [])
         reason = FinishReason(out.finish_reason) if out.finish_reason else None
         matched: int | str | None = None
         new = out.new_token_ids
-        logprobs = out.logprobs
-        new_logprobs = None if logprobs is None else logprobs[len(logprobs) - len(new):]
+        new_logprobs = out.logprobs
+        run.token_ids += new
         if reason is FinishReason.STOP and new and new[-1] in self._stop_ids:
             matched = new[-1]
             new = new[:-1]  # a stop token's text is not part of the output (OpenAI, SGLang)
-            if logprobs is not None and new_logprobs is not None:
-                logprobs, new_logprobs = logprobs[:-1], new_logprobs[:-1]
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[:-1]
+        run.logprobs += new_logprobs or ()
         text = self._detokenize(new, reason is not None)
         hit = self._stops.find(text, self._searched)
         self._searched = len(text)
@@ -103,15 +135,25 @@ class _TextState:
             text, reason, matched = text[:hit[0]], FinishReason.STOP, hit[1]
         end = len(text) if reason is not None else self._stops.streamable(len(text))
         delta, self._released = text[self._released:end], max(end, self._released)
-        # the output's lists as they are: each output has lists of its own, which nothing
-        # changes later, and a copy of `token_ids` would cost a running stream O(tokens) a step
-        return Update(delta=delta, text=text[:self._released], token_ids=out.token_ids,
-                      new_token_ids=out.new_token_ids, finish_reason=reason,
-                      matched_stop=matched, prompt_tokens=out.prompt_len,
+        return Update(delta=delta, text=text[:self._released], new_token_ids=out.new_token_ids,
+                      finish_reason=reason, matched_stop=matched, prompt_tokens=out.prompt_len,
                       device_hit_tokens=out.device_hit_tokens, host_hit_tokens=out.host_hit_tokens,
-                      storage_hit_tokens=out.storage_hit_tokens, logprobs=logprobs,
-                      new_logprobs=new_logprobs, prompt_logprobs=out.prompt_logprobs,
-                      server_ttft_s=server_ttft_s, engine_ttft_s=out.ttft_s)
+                      storage_hit_tokens=out.storage_hit_tokens, new_logprobs=new_logprobs,
+                      prompt_scores=out.prompt_scores,
+                      prompt_logprobs=self._prompt_logprobs(out, reason is not None),
+                      server_ttft_s=server_ttft_s, engine_ttft_s=out.ttft_s, run=run,
+                      generated=len(run.token_ids), recorded=len(run.logprobs))
+
+    def _prompt_logprobs(self, out: RequestOutput, final: bool) -> PromptLogprobs | None:
+        """Every prompt entry, for the first update with tokens and the last (joined then)."""
+        run = self._run
+        if not run.prompt or not (final or (out.new_token_ids and not run.given_prompt)):
+            return None
+        run.given_prompt = True
+        joined = PromptScores.join(run.prompt)
+        assert joined is not None
+        run.prompt = [joined]
+        return joined.rows
 
     def _detokenize(self, ids: Sequence[int], final: bool) -> str:
         if self._detok is None:
@@ -123,11 +165,10 @@ class _TextState:
 
 
 class Generation:
-    """Runs one request. `updates()` yields an `Update` per engine output with tokens or an
-    end (and, `filling`, one per output that has only filled more of the prompt's log
-    probabilities); the first `__anext__` submits the request and raises `ValueError` for a
-    bad one (nothing queued). Leaving the iteration early (a client gone, a stop string)
-    aborts the engine request."""
+    """Runs one request. `updates()` yields an `Update` per engine output: tokens, an end, or
+    (before the first token) prompt rows alone; the first `__anext__` submits the request and
+    raises `ValueError` for a bad one (nothing queued). Leaving the iteration early (a client
+    gone, a stop string) aborts the engine request."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer | None, metrics: ServerMetrics,
                  spec: GenerationInput) -> None:
@@ -137,14 +178,12 @@ class Generation:
         self._last_token_s: float | None = None
         self._ttft_s: float | None = None
 
-    async def updates(self, filling: bool = False) -> AsyncGenerator[Update, None]:
+    async def updates(self) -> AsyncGenerator[Update, None]:
         stream = self._engine.stream(self.spec.prompt_ids, self.spec.params, self.spec.request_id)
         last: Update | None = None
         refused = False
         try:
             async for out in stream:
-                if not (filling or out.new_token_ids or out.finished):
-                    continue  # the prompt's entries alone: the first token's output has them all
                 self._time(len(out.new_token_ids) if self.spec.returns_tokens else 0)
                 last = self._text.advance(out, self._ttft_s)
                 yield last
@@ -177,7 +216,7 @@ class Generation:
                   else FinishReason.ABORT.value)
         prompt = last.prompt_tokens if last is not None else len(self.spec.prompt_ids)
         cached = last.cached_tokens if last is not None else 0
-        generated = len(last.token_ids) if last is not None else 0
+        generated = last.generated if last is not None else 0
         e2e = time.perf_counter() - self._arrival
         self._metrics.observe_end(e2e, prompt, cached, generated, reason)
         ttft = f"{self._ttft_s:.3f}s" if self._ttft_s is not None else "-"

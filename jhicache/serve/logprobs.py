@@ -93,7 +93,7 @@ class _Entries:
 
 class CompletionLogprobs:
     """/v1/completions' `logprobs` built a part at a time: a scored prompt's entries as the
-    engine's steps fill them (`add_prompt`, while the next chunk computes), then the generated
+    engine's steps score them (`add_prompt`, while the next chunk computes), then the generated
     tokens' records; `value()` is the object. Each entry has its token, its log probability,
     its alternatives as {token: log probability} and where its token's text starts.
 
@@ -104,27 +104,16 @@ class CompletionLogprobs:
     def __init__(self, texts: TokenTexts, offset: int = 0) -> None:
         self._texts = texts
         self._offset = offset  # where the next entry's token text starts
-        self._prompt_done = 0  # the prompt's entries added so far
-        # the prompt's token texts and where each starts (one more: where the text after it
-        # starts), from its first part on: they need its ids alone, which every part holds
-        self._prompt_texts: list[str] = []
-        self._prompt_starts: list[int] = []
         # per column, each part's entries as JSON items (the list's, without its brackets)
         self._encoded: tuple[list[bytes], ...] = tuple([] for _ in _COMPLETION_COLUMNS)
 
-    def add_prompt(self, prompt: PromptLogprobs, final: bool = False) -> None:
-        """The prompt's entries after those already added, up to those no later step changes
-        (all of them, `final`: the output with the first token's)."""
-        if not self._prompt_starts:
-            self._prompt_texts = self._texts(prompt.token_ids.tolist())
-            self._prompt_starts = list(itertools.accumulate(map(len, self._prompt_texts),
-                                                            initial=self._offset))
-        stop = len(prompt) if final else prompt.settled()
-        if stop > self._prompt_done:
-            part = slice(self._prompt_done, stop)
-            self._extend(self._prompt_texts[part], _Entries.of(prompt.rows(part.start, stop), ()),
-                         self._prompt_starts[part])
-            self._prompt_done, self._offset = stop, self._prompt_starts[stop]
+    def add_prompt(self, rows: PromptLogprobs) -> None:
+        """The prompt's next entries (`PromptScores.rows`: each part follows the last)."""
+        entries = _Entries.of(rows, ())
+        tokens = self._texts(entries.ids)
+        starts = list(itertools.accumulate(map(len, tokens), initial=self._offset))
+        self._offset = starts.pop()
+        self._extend(tokens, entries, starts)
 
     def add_records(self, records: Sequence[TokenLogprob]) -> None:
         entries = _Entries.of(None, records)
@@ -157,7 +146,7 @@ def completion_logprobs(prompt: PromptLogprobs | None, records: Sequence[TokenLo
     token, which nothing precedes, has null values."""
     built = CompletionLogprobs(texts, offset)
     if prompt is not None:
-        built.add_prompt(prompt, final=True)
+        built.add_prompt(prompt)
     built.add_records(records)
     return built
 

@@ -44,7 +44,7 @@ def _finish_reason(update: Update) -> dict[str, Any] | None:
     if update.finish_reason is None:
         return None
     if update.finish_reason is FinishReason.LENGTH:
-        return {"type": "length", "length": len(update.token_ids)}
+        return {"type": "length", "length": update.generated}
     if update.finish_reason is FinishReason.STOP:
         return {"type": "stop", "matched": update.matched_stop}
     return {"type": "abort", "message": "aborted"}
@@ -62,7 +62,7 @@ def _payload(rid: str, update: Update, text: TokenTexts | None,
              named: Sequence[int] = ()) -> dict[str, Any]:
     """The response (or a stream's event: text, ids and log probabilities cumulative)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish_reason(update),
-            "prompt_tokens": update.prompt_tokens, "completion_tokens": len(update.token_ids),
+            "prompt_tokens": update.prompt_tokens, "completion_tokens": update.generated,
             "cached_tokens": update.cached_tokens,
             "cached_tokens_details": {"device": update.device_hit_tokens,
                                       "host": update.host_hit_tokens,
@@ -137,7 +137,8 @@ def native_router(ctx: ServerContext) -> APIRouter:
             return Response(status_code=_CLIENT_GONE)
         if body.stream:
             def chunks(update: Update) -> Iterator[bytes]:
-                yield sse(_payload(rid, update, text, named))  # text is cumulative
+                if update.new_token_ids or update.finished:  # not prompt rows alone
+                    yield sse(_payload(rid, update, text, named))  # text is cumulative
 
             return event_stream(first, updates, chunks, lambda _: ())
         last = await last_update(request, first, updates)

@@ -70,7 +70,7 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 def _usage(update: Update) -> dict[str, Any]:
-    completion = len(update.token_ids)
+    completion = update.generated
     return {"prompt_tokens": update.prompt_tokens, "completion_tokens": completion,
             "total_tokens": update.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": update.cached_tokens}}
@@ -90,23 +90,6 @@ class _Reply:
     def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
-
-
-def _filling(early: CompletionLogprobs) -> Callable[[Update], None]:
-    """Adds each update's newly settled prompt entries to `early`."""
-    def add(update: Update) -> None:
-        if update.prompt_logprobs is not None:
-            early.add_prompt(update.prompt_logprobs)
-    return add
-
-
-def _scored_choice(last: Update, echoed: str, early: CompletionLogprobs) -> dict[str, Any]:
-    """The one choice of a scored prompt's completion: its prompt's entries (those `early`
-    has not had yet from earlier updates), then its generated tokens'."""
-    assert last.prompt_logprobs is not None  # the last output has them (echo with logprobs)
-    early.add_prompt(last.prompt_logprobs, final=True)
-    early.add_records(last.logprobs or [])
-    return _completion_choice(last, echoed + last.text, last.token_ids, early)
 
 
 def _completion_choice(update: Update, text: str, ids: list[int],
@@ -136,49 +119,47 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         texts = token_texts(ctx.tokenizer)
         scores_prompt = body.echo and body.logprobs is not None
-        # one body at the end: the prompt's entries formatted and encoded as steps fill them,
-        # each part while the engine computes the next chunk, not all of them after the last
-        early = CompletionLogprobs(texts) if scores_prompt and not body.stream else None
-        updates = gen.updates(filling=early is not None)
+        updates = gen.updates()
         first = await first_update(request, updates)
         if first is None:
             return Response(status_code=_CLIENT_GONE)
 
-        def logprobs(update: Update, new: list[TokenLogprob] | None, with_prompt: bool,
-                     offset: int) -> CompletionLogprobs | None:
-            """The generated tokens' `new` records after the prompt's entries where echo
-            scores it, their texts from `offset` on; None where no log probabilities are
-            asked for."""
-            if body.logprobs is None:
-                return None
-            prompt = update.prompt_logprobs if with_prompt and scores_prompt else None
-            return completion_logprobs(prompt, new or [], texts, offset)
-
         if body.stream:
             offset = 0  # where the next token's text starts: the pieces before it
+            started = False  # the first chunk (echo, the prompt's entries) is out
 
             def chunks(update: Update) -> Iterator[bytes]:
-                nonlocal offset
-                head = echoed if update is first else ""
-                scored = body.logprobs is not None and bool(
-                    update.new_logprobs or (update is first and scores_prompt
-                                            and update.prompt_logprobs))
-                if head or update.delta or scored or update.finished:
-                    built = logprobs(update, update.new_logprobs, update is first, offset)
+                nonlocal offset, started
+                if not (update.new_token_ids or update.finished):
+                    return  # prompt rows alone: they come whole with the first token's chunk
+                head = "" if started else echoed
+                prompt = update.prompt_logprobs if scores_prompt and not started else None
+                started = True
+                if head or update.delta or update.new_logprobs or prompt or update.finished:
+                    built = None
+                    if body.logprobs is not None:
+                        built = completion_logprobs(prompt, update.new_logprobs or [], texts,
+                                                    offset)
+                        offset = built.offset
                     yield sse(reply.body([_completion_choice(
                         update, head + update.delta, update.new_token_ids, built)]))
-                    offset = offset if built is None else built.offset
 
             return event_stream(first, updates, chunks, _usage_chunk(body, reply))
-        last = await last_update(request, first, updates,
-                                 None if early is None else _filling(early))
+        # one body at the end: the prompt's entries formatted and encoded as steps score them,
+        # each part while the engine computes the next chunk, not all of them after the last
+        built = (None if body.logprobs is None
+                 else CompletionLogprobs(texts, 0 if scores_prompt else len(echoed)))
+
+        def add_prompt(update: Update) -> None:
+            if built is not None and scores_prompt and update.prompt_scores is not None:
+                built.add_prompt(update.prompt_scores.rows)
+
+        last = await last_update(request, first, updates, add_prompt)
         if last is None:
             return Response(status_code=_CLIENT_GONE)
-        if early is None:
-            built = logprobs(last, last.logprobs, True, 0 if scores_prompt else len(echoed))
-            item = _completion_choice(last, echoed + last.text, last.token_ids, built)
-        else:
-            item = _scored_choice(last, echoed, early)
+        if built is not None:
+            built.add_records(last.logprobs or [])
+        item = _completion_choice(last, echoed + last.text, last.token_ids, built)
         return JsonResponse(reply.body([item], usage=_usage(last)))
 
     @router.post("/v1/chat/completions")
