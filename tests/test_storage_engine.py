@@ -55,6 +55,7 @@ def test_write_back_to_storage_writes_pages_evicted_from_host(tmp_path: Path) ->
     assert stats.evicted_host_tokens > 0 and stats.storage_backup_pages > 0
     assert_idle_and_consistent(first)
     assert first.cache.storage.held_pages() == []  # type: ignore[union-attr]
+    assert not first.cache.host.releasing  # type: ignore[union-attr]
     again = storage_engine(tmp_path)
     assert run_chats(again) == reference_histories()
     assert again.stats().storage_hit_tokens > 0

@@ -143,8 +143,8 @@ class PrefixCache:
         gets one (its backup is written from it); when the host tier has no room for one, the
         backup is skipped (counted) and planned again when the node is next written. With
         `evicted`, `node` is a host-only leaf leaving the tree: its pages go to the backup,
-        which frees them once written, and a missing host copy takes only free pages (no
-        eviction inside an eviction). Returns whether `node`'s own backup was planned."""
+        which the host tier frees once written, and a missing host copy takes only free pages
+        (no eviction inside an eviction). Returns whether `node`'s own backup was planned."""
         assert self.storage is not None and self.host is not None and self.transfers
         chain: list[Node] = []
         walk: Node | None = node
@@ -171,8 +171,7 @@ class PrefixCache:
                 op = self.transfers.queue_write_back(ancestor.device_pages, host)
                 self._filling.update(dict.fromkeys(host, op))
             after = {self._filling[p] for p in ancestor.host_pages if p in self._filling}
-            self.storage.plan_backup(node_keys, ancestor.host_pages, after,
-                                     release=evicted and ancestor is node)
+            self.storage.plan_backup(node_keys, ancestor.host_pages, after)
             if ancestor is node:
                 return True
         return False
@@ -223,7 +222,8 @@ class PrefixCache:
         return self._drop(node)
 
     def _drop(self, node: Node) -> list[int]:
-        """Deletes a node that has no host copy, with its host-only descendants (never orphaned)."""
+        """Deletes a node that has no host copy, with its host-only descendants (never
+        orphaned); their host pages that a storage backup still reads are freed once written."""
         device, host, host_tokens = self.tree.remove_subtree(node)
         self._stats["dropped_nodes"] += 1
         self._stats["dropped_tokens"] += len(node.key)
@@ -516,8 +516,9 @@ class PrefixCache:
         devices as the pool's sharding says, when any shard of a layer left the buffer the
         host tier's copies target, or when a kernel ever stopped waiting for loaded pages before
         they landed (this reads the device: it waits for the compute queued so far)."""
-        if self.storage is not None:
-            extra_owned_host_pages = [*extra_owned_host_pages, *self.storage.held_pages()]
+        if self.storage is not None and self.host is not None:
+            extra_owned_host_pages = [*extra_owned_host_pages, *self.storage.held_pages(),
+                                      *self.host.releasing]
         check_invariants(self.tree, self.device.pages,
                          self.host.pages if self.host is not None else None,
                          extra_owned_device_pages, extra_owned_host_pages)

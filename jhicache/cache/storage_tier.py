@@ -108,13 +108,13 @@ class _Backup:
     keys: list[bytes]
     host_pages: list[int]
     after: set[int]  # host copies (op ids) that fill the pages; it waits for them
-    release: bool  # the pages left the tree: freed once written
 
 
 class StorageTier:
     """Threads over `storage`: one writer (backups in plan order: a prefix's head pages reach
     storage before its tail), a pool of readers for fetches. `lock`/`unlock` are the host
-    tier's page locks: a page is locked from its backup's plan until it is written."""
+    tier's page locks: a page is locked from its backup's plan until it is written (the host
+    tier frees a page the tree let go of meanwhile once it is unlocked)."""
 
     def __init__(self, storage: Storage, lock: Callable[[Sequence[int]], None],
                  unlock: Callable[[Sequence[int]], None], io_threads: int = 8) -> None:
@@ -139,13 +139,12 @@ class StorageTier:
         return key in self._known or self.storage.contains(key)
 
     def plan_backup(self, keys: Sequence[bytes], host_pages: Sequence[int],
-                    after: set[int], release: bool = False) -> None:
+                    after: set[int]) -> None:
         """Writes `host_pages` as `keys` once the host copies `after` are done, after every
-        backup planned before it. The pages stay locked until written; with `release` (they
-        left the tree) `poll` then hands them back to be freed."""
+        backup planned before it. The pages stay locked until written."""
         self._lock_pages(host_pages)
         self._known.update(keys)
-        self._planned.append(_Backup(list(keys), list(host_pages), set(after), release))
+        self._planned.append(_Backup(list(keys), list(host_pages), set(after)))
 
     def copies_done(self, op_ids: set[int]) -> None:
         """Host copies that have completed: backups waiting only for them may start."""
@@ -163,8 +162,6 @@ class StorageTier:
         while self._writing and self._writing[0][1].done():
             backup, future = self._writing.popleft()
             self._end_backup(backup, _result(future))
-            if backup.release:
-                freed += backup.host_pages
         for fetch in [f for f in self._holding if f.state is FetchState.ENDED and f.finished]:
             self._holding.remove(fetch)
             self.counters["fetch_read_s"] += fetch.read_s
@@ -290,11 +287,8 @@ class StorageTier:
         return fetch.kept
 
     def held_pages(self) -> list[int]:
-        """Host pages this tier holds: fetches' (being read, or ended and not yet freed) and
-        evicted pages still to be written."""
-        backups = [*self._planned, *(b for b, _ in self._writing)]
-        return ([p for f in self._holding for p in _outside(f.host_pages, f.kept)]
-                + [p for b in backups if b.release for p in b.host_pages])
+        """Host pages this tier holds: fetches' (being read, or ended and not yet freed)."""
+        return [p for f in self._holding for p in _outside(f.host_pages, f.kept)]
 
     def close(self) -> None:
         for pool in (self._writer, self._readers):

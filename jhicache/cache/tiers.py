@@ -111,10 +111,10 @@ class HostTier(Tier):
         super().__init__(tree, num_pages)
         self.pinned: collections.Counter[Node] = collections.Counter()
         self.locked: collections.Counter[int] = collections.Counter()
+        self.releasing: set[int] = set()  # freed while locked: free once unlocked
         self.evicted_tokens = 0
-        # Called with each leaf about to be evicted; True: its pages went to a storage backup,
-        # which frees them once written (they are not freed here)
-        self.on_evict: Callable[[Node], bool] | None = None
+        # Called with each leaf about to be evicted (a storage backup may lock its pages)
+        self.on_evict: Callable[[Node], object] | None = None
 
     def pin(self, nodes: Iterable[Node]) -> None:
         self.pinned.update(nodes)
@@ -127,14 +127,24 @@ class HostTier(Tier):
         self.locked.update(pages)
 
     def free(self, pages: list[int]) -> None:
-        """Returns pages to the free list; a locked page (a backup still reads it) never is."""
-        if self.locked and any(p in self.locked for p in pages):
-            raise ValueError(f"host pages {[p for p in pages if p in self.locked]} are locked")
-        super().free(pages)
+        """Returns pages to the free list; a locked page (a backup still reads it) goes there
+        once unlocked, so that nothing overwrites it before its backup has written it. The
+        tree may let go of a locked page at any time (a dropped node's host-only descendants,
+        an evicted leaf whose pages its backup writes)."""
+        twice = [p for p in pages if p in self.releasing]
+        if twice:
+            raise ValueError(f"double free of host pages {twice}")
+        locked = [p for p in pages if p in self.locked]
+        self.releasing.update(locked)
+        super().free([p for p in pages if p not in self.locked] if locked else pages)
 
     def unlock(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
         self.locked.subtract(pages)
         self.locked = +self.locked
+        done = [p for p in dict.fromkeys(pages) if p in self.releasing and p not in self.locked]
+        self.releasing.difference_update(done)
+        super().free(done)
 
     @property
     def evictable_pages(self) -> int:
@@ -164,23 +174,21 @@ class HostTier(Tier):
         return self.alloc(n_pages)
 
     def evict(self, n_pages: int) -> int:
-        """Deletes LRU host-only leaves until `n_pages` host pages are freed (or handed to a
-        storage backup, `on_evict`); returns the pages freed. Their writes were dispatched when
-        their device pages left the tree."""
-        freed: list[int] = []
-        handed = 0  # pages handed to storage backups: freed once written, not now
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed (or held by the
+        storage backups `on_evict` planned, freed once written); returns the pages freed now.
+        Their writes were dispatched when their device pages left the tree."""
+        removed: list[int] = []
         for node in self.lru_leaves():
-            if len(freed) + handed >= n_pages:
+            if len(removed) >= n_pages:
                 break
-            kept = self.on_evict is not None and self.on_evict(node)
+            if self.on_evict is not None:
+                self.on_evict(node)
             _, host, tokens = self.tree.remove_subtree(node)
-            if kept:
-                handed += len(host)
-            else:
-                freed += host
+            removed += host
             self.evicted_tokens += tokens
-        self.free(freed)
-        return len(freed)
+        before = self.num_free
+        self.free(removed)
+        return self.num_free - before
 
     def _candidates(self) -> Iterable[Node]:
         return self.tree.host_eviction_candidates()
