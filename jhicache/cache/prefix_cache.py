@@ -443,7 +443,7 @@ class PrefixCache:
                 key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
                 self.storage.counters[key] += 1
                 return self.end_fetch(fetch, tokens)
-            self.storage.read(fetch, host)
+            self.storage.read(fetch, host, {self._filling[p] for p in host if p in self._filling})
             return None
         # a fetch from the tail ends where the request's compute meets it (the scheduler's)
         if fetch.state is FetchState.FETCHING and (stop or fetch.finished and not fetch.from_tail):
