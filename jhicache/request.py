@@ -115,9 +115,6 @@ class Request:
     finish_reason: FinishReason | None = None
     prefetched: tuple[int, int] | None = None  # (device hit before, tokens) loaded ahead for it
     storage_hit_tokens: int = 0
-    storage_fetch: Any = None  # its read from the storage tier, if any (waiting, or split)
-    fetched_tokens: int | None = None  # tokens that read put in the tree (None: not asked)
-    computed_len: int = 0  # prompt tokens it computed before taking the pages read after them
     prompt_len: int = dataclasses.field(init=False)
     logprobs: list[TokenLogprob] | None = dataclasses.field(init=False)  # per output token
     # per prompt position from params.prompt_logprobs_start, filled as its rows are computed

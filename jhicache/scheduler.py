@@ -9,12 +9,12 @@ by the lock on `cache_handle`; the rest are private until `finish` hands them to
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 
 from jhicache.batch import Batch, Chunk
 from jhicache.cache import LoadTicket, MatchResult, PrefixCache
+from jhicache.cache.fetches import FetchRule
 from jhicache.config import CacheMode, EngineConfig, FetchPolicy
 from jhicache.request import FinishReason, Request, RequestStatus
 
@@ -36,6 +36,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens",
                                        "storage_hit_tokens", "retracted_requests"), 0)
+        self.fetch_rule = FetchRule(FetchPolicy(config.fetch_policy), config.fetch_threshold,
+                                    config.fetch_timeout_s, config.fetch_timeout_per_ki_token_s)
 
     @property
     def reuse(self) -> bool:
@@ -90,7 +92,7 @@ class Scheduler:
         met: list[Request] = []
         for req in self.running:
             if req.status is RequestStatus.PREFILLING and budget > 0:
-                stop = self._fetch_stop(req)
+                stop = self.cache.fetch_progress(req.request_id).stop_at
                 if stop is not None and req.cached_len >= stop:
                     met.append(req)
                     continue
@@ -107,8 +109,8 @@ class Scheduler:
         for req in list(self.waiting):  # first come, first served; a request reading from
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.storage_fetch is not None and not self._split:  # storage is passed over,
-                continue  # not waited for
+            if self.cache.fetching(req.request_id) and not self.fetch_rule.split:
+                continue  # storage is passed over, not waited for
             if req.pending:  # retracted while its last token was in flight
                 break
             admitted = self._admit(req, budget, tickets)
@@ -120,65 +122,18 @@ class Scheduler:
                 budget -= admitted.length
         return Batch(chunks=chunks, is_decode=False, tickets=tuple(tickets)) if chunks else None
 
-    @property
-    def _split(self) -> bool:
-        return self.config.fetch_policy is FetchPolicy.SPLIT
-
     def fetching(self) -> bool:
         """Whether a waiting request is reading its pages from storage."""
-        return any(req.storage_fetch is not None for req in self.waiting)
+        return any(self.cache.fetching(req.request_id) for req in self.waiting)
 
     def _advance_fetches(self) -> None:
         """Asks storage, once per request, for the pages past a waiting request's cached
-        prefix, and moves each read on (ending it as the fetch policy says); a request is
-        admitted once its read has ended, with the pages read in the tree as host pages."""
-        if self.cache.storage is None:
-            return
-        config = self.config
+        prefix, and moves each read on (the cache ends it as the fetch policy says); a request
+        is admitted once its read has ended, with the pages read in the tree as host pages."""
         for req in self.waiting:
-            if req.fetched_tokens is None and req.storage_fetch is None:
-                match = self.cache.match(req.match_tokens, leave_last=True)
-                req.storage_fetch = self.cache.start_fetch(req.match_tokens, match,
-                                                           config.fetch_threshold, self._split)
-                req.fetched_tokens = 0 if req.storage_fetch is None else None
-                continue
-            fetch = req.storage_fetch
-            if fetch is None:
-                continue
-            if self._split:  # reads start once storage answers; when they have all ended, the
-                self._fetch_stop(req)  # pages read from the first go into the tree as host
-                if req.storage_fetch is not None and fetch.finished:  # pages (all, or to a
-                    req.fetched_tokens = self.cache.end_fetch(fetch, req.tokens)  # failed one)
-                    req.storage_fetch = None
-                continue
-            if config.fetch_policy is FetchPolicy.BEST_EFFORT:
-                stop = True
-            elif config.fetch_policy is FetchPolicy.TIMEOUT:
-                waited = time.perf_counter() - fetch.started_s
-                stop = waited > config.fetch_timeout_for(len(fetch.keys) * self.page_size)
-            else:
-                stop = False
-            got = self.cache.advance_fetch(fetch, req.tokens, config.fetch_threshold, stop)
-            if got is not None:
-                req.storage_fetch, req.fetched_tokens = None, got
+            self.cache.fetch(req.request_id, req.match_tokens, req.tokens, self.fetch_rule)
 
     # ---- split fetches: the head computed while the tail is read -------------------------
-
-    def _fetch_stop(self, req: Request) -> int | None:
-        """For a request whose prefix's tail is being read from storage (split policy): the
-        prompt position, a page boundary, where its compute meets the pages read so far (or,
-        while storage is still asked which pages it holds, the last page asked for). None when
-        it reads nothing (any more)."""
-        fetch = req.storage_fetch
-        if fetch is None:
-            return None
-        got = self.cache.advance_fetch(fetch, req.tokens, self.config.fetch_threshold, False)
-        if got is not None:  # too few pages found, or no host room: nothing read
-            req.storage_fetch, req.fetched_tokens = None, got
-            return None
-        read_from = fetch.read_from
-        last = fetch.first_page + len(fetch.keys) if read_from is None else read_from
-        return last * self.page_size
 
     def _take_fetched_tail(self, req: Request) -> None:
         """`req`'s compute has met its tail's pages read from storage: its computed pages go to
@@ -187,10 +142,8 @@ class Scheduler:
         self.running.remove(req)
         computed = req.cached_len
         self._settle(req, computed)
-        got = self.cache.end_fetch(req.storage_fetch, req.tokens, computed // self.page_size)
-        req.storage_fetch, req.fetched_tokens = None, got
+        self.cache.fetch_progress(req.request_id, computed, computed=True)
         req.status, req.cached_len, req.shared_len = RequestStatus.WAITING, 0, 0
-        req.computed_len = computed
         self.waiting.appendleft(req)
 
     def _next_chunk(self, req: Request, budget: int, stop: int | None = None) -> Chunk | None:
@@ -213,38 +166,30 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
-        if req.storage_fetch is not None:  # split: the pages already read past the prefix
+        rid = req.request_id
+        if self.cache.fetching(rid):  # split: the pages already read past the prefix
             match = self.cache.match(req.match_tokens, leave_last=True)
-            stop = self._fetch_stop(req)
-            cached = match.device_len + match.host_len
-            if stop is not None and cached >= stop:
-                req.fetched_tokens = self.cache.end_fetch(req.storage_fetch, req.tokens,
-                                                          cached // self.page_size)
-                req.storage_fetch = None
-        hits = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
-        if hits is None:
+            self.cache.fetch_progress(rid, match.device_len + match.host_len)
+        attached = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
+        if attached is None:
             return None
-        chunk = self._next_chunk(req, budget, self._fetch_stop(req))
+        chunk = self._next_chunk(req, budget, self.cache.fetch_progress(rid).stop_at)
         if chunk is None:
             self._release(req)
             return None
-        hits = self._count_prefetched(req, hits)
         # pages read from storage for it, then loaded back, count as storage hits; pages it
         # computed itself before it took those (split fetch) are no hits
-        device = max(hits[0] - req.computed_len, 0)
-        stored = min(req.fetched_tokens or 0, hits[1])
-        req.fetched_tokens = 0 if req.fetched_tokens is not None else None
-        self.counters["device_hit_tokens"] += device
-        self.counters["host_hit_tokens"] += hits[1] - stored
-        self.counters["storage_hit_tokens"] += stored
-        if req.computed_len:  # admitted again after its split fetch: adds to its first report
-            req.device_hit_tokens += device
-            req.host_hit_tokens += hits[1] - stored
-            req.storage_hit_tokens += stored
-            req.computed_len = 0
+        hits = self.cache.fetch_hits(rid, *self._count_prefetched(req, attached))
+        self.counters["device_hit_tokens"] += hits.device
+        self.counters["host_hit_tokens"] += hits.host
+        self.counters["storage_hit_tokens"] += hits.storage
+        if hits.resumed:  # admitted again after its split fetch: adds to its first report
+            req.device_hit_tokens += hits.device
+            req.host_hit_tokens += hits.host
+            req.storage_hit_tokens += hits.storage
         elif req.first_token_s is None:  # a re-admission after retraction keeps its first one
-            req.device_hit_tokens, req.host_hit_tokens = hits[0], hits[1] - stored
-            req.storage_hit_tokens = stored
+            req.device_hit_tokens, req.host_hit_tokens = hits.device, hits.host
+            req.storage_hit_tokens = hits.storage
         req.status = RequestStatus.PREFILLING
         self.running.append(req)
         return chunk
@@ -363,9 +308,8 @@ class Scheduler:
         `keep_computed`, its full pages of known tokens go to the cache (their KV is computed, or
         will be by steps already dispatched, which run before any later reader); the rest are
         freed. False if it was not queued here (finished, or never added)."""
-        if req.storage_fetch is not None and (req in self.waiting or req in self.running):
-            self.cache.end_fetch(req.storage_fetch, None)
-            req.storage_fetch = None
+        if req in self.waiting or req in self.running:
+            self.cache.forget(req.request_id)  # a read from storage in flight ends first
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.running:
@@ -445,8 +389,8 @@ class Scheduler:
         self.cache.unlock(req.cache_handle)
         req.device_pages, req.cache_handle = [], None
 
-    @staticmethod
-    def _end(req: Request, reason: FinishReason) -> None:
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        self.cache.forget(req.request_id)  # a read from storage still in flight ends
         req.status, req.finish_reason, req.pending = RequestStatus.FINISHED, reason, 0
 
     def owned_device_pages(self) -> list[int]:

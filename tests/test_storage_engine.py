@@ -124,7 +124,8 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     rid = again.add_request(prompt, params)
     again.step()  # admitted at once: computes [0, 64) while storage is asked
     (req,) = again.scheduler.running
-    fetch = req.storage_fetch
+    fetch = again.cache.fetches.in_flight(req.request_id)
+    assert fetch is not None
     _wait_until(lambda: fetch.queried)
     again.step()  # the reads start, last chunk first; computes [64, 128)
     _wait_until(lambda: fetch.tail_completed == 20 - held)
@@ -182,7 +183,7 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> N
     tier.storage.get = held_get  # type: ignore[method-assign]
     rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
     again.step()  # the request asks storage for its pages and waits (split: computes meanwhile)
-    running = [r for r in again.scheduler.running if r.storage_fetch is not None]
+    running = [r for r in again.scheduler.running if again.cache.fetching(r.request_id)]
     assert again.scheduler.fetching() if policy == "wait_complete" else running
     assert again.abort(rid)
     outputs = again.drain()

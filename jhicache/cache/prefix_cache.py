@@ -22,11 +22,13 @@ done (`Transfers.fence_device_pages`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import DevicePool
+from jhicache.cache.fetches import Fetches, FetchProgress, FetchRule, Hits, should_end
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.page_keys import chain_keys
@@ -85,10 +87,8 @@ class PrefixCache:
         self.storage = (StorageTier(storage, self.host.lock, self.host.unlock, storage_io_threads)
                         if storage is not None and self.host is not None else None)
         self.storage_policy = StorageWritePolicy(storage_policy)
-        if self.storage is not None and self.storage_policy is StorageWritePolicy.WRITE_BACK:
-            assert self.host is not None
-            self.host.on_evict = lambda node: self._plan_backup(node, evicted=True)
         self._filling: dict[int, int] = {}  # host page -> the write-back op copying into it
+        self.fetches = Fetches()
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -126,7 +126,7 @@ class PrefixCache:
         (nothing done) when the host tier cannot free enough."""
         assert (node.device_pages is not None and self.transfers is not None
                 and self.host is not None)
-        host = self.host.alloc_evicting(len(node.device_pages))
+        host = self._alloc_host(len(node.device_pages))
         if host is None:
             return False
         node.host_pages = host
@@ -152,18 +152,15 @@ class PrefixCache:
             chain.append(walk)
             walk = walk.parent
         chain.reverse()
-        keys = chain_keys(self.tree.prefix_tokens(node), self.page_size)
-        start = 0
         for ancestor in chain:
-            end = start + len(ancestor.key) // self.page_size
-            node_keys, start = keys[start:end], end
+            node_keys = self.tree.page_keys(ancestor)
             if self.storage.known(node_keys[-1]):
                 continue
             if ancestor.host_pages is None:
                 assert ancestor.device_pages is not None  # host-only nodes have host pages
                 n_pages = len(ancestor.device_pages)
                 host = (self.host.alloc(n_pages) if evicted
-                        else self.host.alloc_evicting(n_pages))
+                        else self._alloc_host(n_pages))
                 if host is None:
                     self._stats["storage_backup_skipped"] += 1
                     return False
@@ -245,6 +242,39 @@ class PrefixCache:
                 computes.append(self.device_pool.last_compute)
             self.transfers.fence_device_pages(pages, computes)
         self.device.free(pages)
+
+    # -- host pages ----------------------------------------------------------------------
+    def _alloc_host(self, n_pages: int) -> list[int] | None:
+        """`n_pages` host pages, evicting host-only leaves if the free list is short; None
+        (nothing evicted) when that cannot cover them."""
+        assert self.host is not None
+        short = n_pages - self.host.num_free
+        if short > 0:
+            if short > self.host.evictable_pages:
+                return None
+            self.evict_host(short)
+        return self.host.alloc(n_pages)
+
+    def evict_host(self, n_pages: int) -> int:
+        """Deletes LRU host-only leaves until `n_pages` host pages are freed or held by the
+        storage backups of the evicted (the storage write-back policy plans them; they are
+        freed once written); returns the pages freed now. Their writes were dispatched when
+        their device pages left the tree."""
+        if self.host is None:
+            return 0
+        backup = self.storage is not None and self.storage_policy is StorageWritePolicy.WRITE_BACK
+        removed: list[int] = []
+        for node in self.host.lru_leaves():
+            if len(removed) >= n_pages:
+                break
+            if backup:
+                self._plan_backup(node, evicted=True)
+            _, host, tokens = self.tree.remove_subtree(node)
+            removed += host
+            self.host.evicted_tokens += tokens
+        before = self.host.num_free
+        self.host.free(removed)
+        return self.host.num_free - before
 
     # -- load-back -----------------------------------------------------------------------
     def load_back(self, match: MatchResult, quota_pages: int | None = None) -> LoadTicket | None:
@@ -438,12 +468,12 @@ class PrefixCache:
         if fetch.state is FetchState.QUERYING and fetch.queried:
             assert fetch.found is not None
             room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
-            host = self.host.alloc_evicting(room) if room * self.page_size >= threshold else None
+            host = self._alloc_host(room) if room * self.page_size >= threshold else None
             if host is None:
                 key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
                 self.storage.counters[key] += 1
                 return self.end_fetch(fetch, tokens)
-            self.storage.read(fetch, host)
+            self.storage.read(fetch, host, {self._filling[p] for p in host if p in self._filling})
             return None
         # a fetch from the tail ends where the request's compute meets it (the scheduler's)
         if fetch.state is FetchState.FETCHING and (stop or fetch.finished and not fetch.from_tail):
@@ -472,6 +502,85 @@ class PrefixCache:
         unused = self.tree.insert_host(tokens[:end], pages, fetch.first_page + lo)
         self.host.free(unused)
         return (len(pages) - len(unused)) * self.page_size
+
+    # -- fetches by request --------------------------------------------------------------
+    def fetch(self, rid: str, match_tokens: Sequence[int], tokens: Sequence[int],
+              rule: FetchRule) -> None:
+        """For a waiting request: the first call asks storage (on a thread) for the pages of
+        `match_tokens` past its cached prefix, if `rule` says they are worth asking for; each
+        later call moves that read on, ending it as the fetch policy says (the pages read go
+        into the tree under `tokens` as host pages)."""
+        if self.storage is None:
+            return
+        if not self.fetches.asked(rid):
+            match = self.match(match_tokens, leave_last=True)
+            fetch = self.start_fetch(match_tokens, match, rule.threshold, rule.split)
+            self.fetches.add(rid, fetch, tokens, rule)
+            return
+        fetch = self.fetches.in_flight(rid)
+        if fetch is None:
+            return
+        if rule.split:  # reads start once storage answers; when they have all ended, the pages
+            self._fetch_stop(rid)  # read from the first go into the tree (all, or to a failed one)
+            if self.fetches.in_flight(rid) is not None and fetch.finished:
+                self.fetches.ended(rid, self.end_fetch(fetch, tokens))
+            return
+        stop = should_end(fetch, rule, self.page_size, time.perf_counter())
+        got = self.advance_fetch(fetch, tokens, rule.threshold, stop)
+        if got is not None:
+            self.fetches.ended(rid, got)
+
+    def fetch_progress(self, rid: str, cached_len: int | None = None,
+                       computed: bool = False) -> FetchProgress:
+        """The admission question: is `rid`'s read from storage over? Under the split policy,
+        not yet, with where its compute may go meanwhile; given `cached_len` (its prompt's
+        tokens the tree holds now), a compute that met the pages read takes them from there
+        (with `computed`, the request computed those tokens itself: they are no hits)."""
+        fetch = self.fetches.in_flight(rid)
+        record = self.fetches.get(rid)
+        if fetch is None or record is None:
+            return FetchProgress(ready=True)
+        if not record.rule.split:
+            return FetchProgress(ready=False)
+        stop = None if computed else self._fetch_stop(rid)
+        if stop is None and not computed:
+            return FetchProgress(ready=True)
+        if cached_len is not None and (computed or stop is not None and cached_len >= stop):
+            got = self.end_fetch(fetch, record.tokens, cached_len // self.page_size)
+            self.fetches.ended(rid, got, cached_len if computed else 0)
+            return FetchProgress(ready=True)
+        return FetchProgress(ready=False, stop_at=stop)
+
+    def _fetch_stop(self, rid: str) -> int | None:
+        """For a request whose prefix's tail is being read (split): the prompt position, a page
+        boundary, where its compute meets the pages read so far (or, while storage is still
+        asked which pages it holds, the last page asked for). None when it reads nothing (any
+        more): too few pages found, or no host room."""
+        record = self.fetches.get(rid)
+        assert record is not None and record.fetch is not None
+        fetch = record.fetch
+        got = self.advance_fetch(fetch, record.tokens, record.rule.threshold, False)
+        if got is not None:
+            self.fetches.ended(rid, got)
+            return None
+        read_from = fetch.read_from
+        last = fetch.first_page + len(fetch.keys) if read_from is None else read_from
+        return last * self.page_size
+
+    def fetching(self, rid: str) -> bool:
+        """Whether `rid`'s read from storage is in flight."""
+        return self.fetches.in_flight(rid) is not None
+
+    def fetch_hits(self, rid: str, device: int, host: int) -> Hits:
+        """An admission's (device, host) hit tokens by tier: host pages read from storage for
+        it count as storage hits, and tokens it computed itself (split) as none."""
+        return self.fetches.hits(rid, device, host)
+
+    def forget(self, rid: str) -> None:
+        """`rid` is done (finished or aborted): a read still in flight ends, its pages freed."""
+        fetch = self.fetches.forget(rid)
+        if fetch is not None:
+            self.end_fetch(fetch, None)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:  # counts, and seconds spent copying

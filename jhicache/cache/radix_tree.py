@@ -1,6 +1,6 @@
 """RadixTree and Node: page-aligned token prefixes -> nodes holding device and/or host page ids.
 
-Pure Python (imports no JAX or numpy). Invariants the tree maintains:
+Pure Python (imports no JAX or numpy; page keys are hashlib's SHA-256). Invariants it maintains:
   1. Every ancestor of a node with device pages has device pages (residency is a top-down prefix).
   2. A node without device pages has host pages (otherwise it is deleted).
   3. Page lists, when set, hold one id per page of the node's key; keys are page multiples.
@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from jhicache.cache.page_keys import ROOT_KEY, chain_keys
+
 
 class Node:
     """One edge of the tree: a page-aligned token chunk and the pages that hold its KV."""
 
     __slots__ = ("key", "parent", "children", "device_pages", "host_pages", "lock_count",
-                 "last_access", "hit_count", "node_id")
+                 "last_access", "hit_count", "node_id", "page_keys")
 
     def __init__(self, key: tuple[int, ...], parent: Node | None, node_id: int) -> None:
         self.key = key
@@ -31,6 +33,7 @@ class Node:
         self.last_access = 0
         self.hit_count = 0
         self.node_id = node_id
+        self.page_keys: list[bytes] | None = None  # storage keys of its pages, once asked for
 
     def __repr__(self) -> str:
         return (f"Node(id={self.node_id}, tokens={len(self.key)}, device={self.device_pages}, "
@@ -130,6 +133,8 @@ class RadixTree:
             upper.device_pages, child.device_pages = child.device_pages[:k], child.device_pages[k:]
         if child.host_pages is not None:
             upper.host_pages, child.host_pages = child.host_pages[:k], child.host_pages[k:]
+        if child.page_keys is not None:
+            upper.page_keys, child.page_keys = child.page_keys[:k], child.page_keys[k:]
         parent.children[child.key[:self.page_size]] = upper
         child.key = child.key[n:]
         child.parent = upper
@@ -204,14 +209,21 @@ class RadixTree:
             node.children[leaf.key[:self.page_size]] = leaf
         return list(host_pages[:(end - start) // self.page_size])
 
-    def prefix_tokens(self, node: Node) -> tuple[int, ...]:
-        """The tokens from the root to the end of `node`."""
-        keys: list[tuple[int, ...]] = []
-        walk: Node | None = node
-        while walk is not None and walk is not self.root:
-            keys.append(walk.key)
+    def page_keys(self, node: Node) -> list[bytes]:
+        """The storage keys of `node`'s pages (chained from its parent's last), computed once
+        per node and kept (a split divides them), so no prefix is hashed from the root again."""
+        missing: list[Node] = []
+        walk = node
+        while walk.page_keys is None and walk is not self.root:
+            assert walk.parent is not None, "page keys of a node no longer in the tree"
+            missing.append(walk)
             walk = walk.parent
-        return tuple(t for key in reversed(keys) for t in key)
+        previous = walk.page_keys[-1] if walk.page_keys else ROOT_KEY
+        for n in reversed(missing):
+            n.page_keys = chain_keys(n.key, self.page_size, previous)
+            previous = n.page_keys[-1]
+        assert node.page_keys is not None
+        return node.page_keys
 
     def _add_leaf(self, parent: Node, key: tuple[int, ...], device_pages: list[int]) -> Node:
         leaf = Node(key, parent, self._new_id())

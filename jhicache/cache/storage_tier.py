@@ -129,6 +129,8 @@ class StorageTier:
         self._known: set[bytes] = set()  # keys planned, not yet written
         # fetches holding host pages: reading, or ended with pages a thread may still write
         self._holding: list[StorageFetch] = []
+        # fetches whose reads wait for host copies into their pages (op ids) to end
+        self._reads_after: list[tuple[StorageFetch, set[int]]] = []
         self.counters: dict[str, float] = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
         self._progress = threading.Event()  # set when a fetch's query or read task ends
 
@@ -147,9 +149,16 @@ class StorageTier:
         self._planned.append(_Backup(list(keys), list(host_pages), set(after)))
 
     def copies_done(self, op_ids: set[int]) -> None:
-        """Host copies that have completed: backups waiting only for them may start."""
+        """Host copies that have completed: backups and fetch reads waiting only for them may
+        start."""
         for backup in self._planned:
             backup.after -= op_ids
+        for _, after in self._reads_after:
+            after -= op_ids
+        ready = [fetch for fetch, after in self._reads_after if not after]
+        self._reads_after = [(f, after) for f, after in self._reads_after if after]
+        for fetch in ready:
+            self._start_reads(fetch)
 
     def poll(self) -> list[int]:
         """Starts the backups that are ready, ends the writes that are done; returns the host
@@ -217,12 +226,27 @@ class StorageTier:
         self._readers.submit(query)
         return fetch
 
-    def read(self, fetch: StorageFetch, host_pages: list[int]) -> None:
+    def read(self, fetch: StorageFetch, host_pages: list[int], after: set[int]) -> None:
         """Reads the first `len(host_pages)` found pages into `host_pages`, in chunks, on the
-        reader threads (the last chunk first with `from_tail`)."""
+        reader threads (the last chunk first with `from_tail`), once the host copies `after`
+        are done: freed pages may still be the target of a copy queued before they were."""
         assert fetch.state is FetchState.QUERYING and fetch.queried
         fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
         self._holding.append(fetch)
+        if after:
+            with fetch._lock:
+                fetch._pending = 1  # not finished: its pages are not freed before the copies end
+            self._reads_after.append((fetch, set(after)))
+        else:
+            self._start_reads(fetch)
+
+    def _start_reads(self, fetch: StorageFetch) -> None:
+        host_pages = fetch.host_pages
+        if fetch._cancel.is_set():  # ended while its copies ran: it reads nothing
+            with fetch._lock:
+                fetch._pending = 0
+            self._progress.set()
+            return
         chunks = range(0, len(host_pages), fetch.chunk_pages)
         started = time.perf_counter()
         with fetch._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from jhicache.cache.device_pool import RESERVED_PAGES
 from jhicache.cache.pages import PageAllocator
@@ -102,8 +102,8 @@ class DeviceTier(Tier):
 class HostTier(Tier):
     """Pinned host pages. Its evictable leaves are host-only nodes with no children, except
     nodes `pin`ned (a load-back is about to read them, or a storage fetch will add pages under
-    them) and nodes holding a `lock`ed page (a storage backup is writing it); evicting one
-    deletes it from the tree."""
+    them) and nodes holding a `lock`ed page (a storage backup is writing it); the prefix cache
+    evicts one by deleting it from the tree (after planning its backup, if any)."""
 
     name = "host"
 
@@ -113,8 +113,6 @@ class HostTier(Tier):
         self.locked: collections.Counter[int] = collections.Counter()
         self.releasing: set[int] = set()  # freed while locked: free once unlocked
         self.evicted_tokens = 0
-        # Called with each leaf about to be evicted (a storage backup may lock its pages)
-        self.on_evict: Callable[[Node], object] | None = None
 
     def pin(self, nodes: Iterable[Node]) -> None:
         self.pinned.update(nodes)
@@ -162,33 +160,6 @@ class HostTier(Tier):
                 blocked.add(walk)
                 walk = walk.parent
         return total - sum(len(n.host_pages or ()) for n in blocked)
-
-    def alloc_evicting(self, n_pages: int) -> list[int] | None:
-        """`n_pages` host pages, evicting host-only leaves if the free list is short; None
-        (nothing evicted) when that cannot cover them."""
-        short = n_pages - self.num_free
-        if short > 0:
-            if short > self.evictable_pages:
-                return None
-            self.evict(short)
-        return self.alloc(n_pages)
-
-    def evict(self, n_pages: int) -> int:
-        """Deletes LRU host-only leaves until `n_pages` host pages are freed (or held by the
-        storage backups `on_evict` planned, freed once written); returns the pages freed now.
-        Their writes were dispatched when their device pages left the tree."""
-        removed: list[int] = []
-        for node in self.lru_leaves():
-            if len(removed) >= n_pages:
-                break
-            if self.on_evict is not None:
-                self.on_evict(node)
-            _, host, tokens = self.tree.remove_subtree(node)
-            removed += host
-            self.evicted_tokens += tokens
-        before = self.num_free
-        self.free(removed)
-        return self.num_free - before
 
     def _candidates(self) -> Iterable[Node]:
         return self.tree.host_eviction_candidates()

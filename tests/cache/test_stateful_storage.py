@@ -68,6 +68,7 @@ class StorageMachine(CacheMachine):
                 self.cache.end_fetch(fetch, None)
                 break
             self.cache.wait_for_storage(1.0)
+            self.cache.flush()  # copies into its pages end (an idle engine's step flushes)
             got = self.cache.advance_fetch(fetch, tokens, self.page, stop=False)
             if got is None and tail is not None and fetch.finished:
                 got = self.cache.end_fetch(fetch, tokens, fetch.first_page + tail)

@@ -94,7 +94,9 @@ class ManualIO:
 
     def run(self, n: int, i: int = 0) -> None:
         """Runs `n` waiting tasks, each the `i`th waiting one (0: the oldest)."""
-        for _ in range(min(n, len(self.tasks))):
+        for _ in range(n):
+            if not self.tasks:  # (a task run may have run the rest: `auto`)
+                return
             future, fn, args = self.tasks[i % len(self.tasks)]
             del self.tasks[i % len(self.tasks)]
             future.set_running_or_notify_cancel()
