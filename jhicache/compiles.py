@@ -8,7 +8,7 @@ import contextlib
 import enum
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -91,15 +91,15 @@ class CompileWatch:
             with self._lock:
                 self.cache_hits[phase] += 1
 
-    def check_serving(self, fail: bool, where: str, grid: object) -> None:
+    def check_serving(self, fail: bool, where: str, grid: Callable[[], object]) -> None:
         """With `fail`, raises `CompileError` for the serving compiles since the last check
-        (or `take_serving`), naming each program, `where` it happened and the `grid` a
-        warm-up compiles; without, lets them go."""
+        (or `take_serving`), naming each program, `where` it happened and the grid a warm-up
+        compiles (`grid()`, described only then: this runs every step)."""
         compiled = self.take_serving()
         if compiled and fail:
             names = ", ".join(f"{c.name} ({c.seconds:.2f} s)" for c in compiled)
             raise CompileError(f"compiled while serving{where}: {names}; every program should "
-                               f"be compiled by warmup() (grid: {grid})")
+                               f"be compiled by warmup() (grid: {grid()})")
 
     def take_serving(self) -> list[Compile]:
         """The serving compiles since the last call."""

@@ -76,8 +76,6 @@ class Engine:
                     seconds, engine.startup.pools_s, len(engine.grid.shapes()))
         return engine
 
-    # ---- public API ----------------------------------------------------------------------
-
     def add_request(self, prompt: Sequence[int] | np.ndarray,
                     params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
@@ -115,7 +113,7 @@ class Engine:
         with self._lock, self._serving():
             aborted, self._aborted = self._aborted, []
             gained = self._step()
-            return aborted + self._filled_outputs() + _outputs(gained)
+            return aborted + self._outputs(gained)
 
     def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
@@ -165,11 +163,7 @@ class Engine:
             if self._requests:
                 raise ValueError("close() needs an idle engine: requests are unfinished")
             self._drain()
-            self.cache.wait_for_backups()
-            if self.cache.storage is not None:
-                self.cache.storage.close()
-            if self.cache.host_pool is not None:
-                self.cache.host_pool.close()
+            self.cache.close()
             self._closed = True
 
     def has_unfinished(self) -> bool:
@@ -259,7 +253,7 @@ class Engine:
         self._check_compiles("")
 
     def _check_compiles(self, where: str) -> None:
-        self.compiles.check_serving(self.config.fail_on_compile, where, self.grid.describe())
+        self.compiles.check_serving(self.config.fail_on_compile, where, self.grid.describe)
 
     def _step(self) -> list[Request]:
         """One step (`Stepper.step`); returns the requests that gained a token."""
@@ -285,8 +279,7 @@ class Engine:
         backs to the host tier start under the write policy. With `wait`, returns once every
         copy has landed. Returns the pages freed."""
         with self._lock, self._serving():
-            count = self.cache.device.evictable_pages if pages is None else pages
-            freed = self.cache.evict_device(count)
+            freed = self.cache.evict_device(pages)
             if wait:
                 self.cache.flush()
             return freed
@@ -315,17 +308,18 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         if step is not None:
             gained = self.stepper.end(step)
-            outputs += self._filled_outputs() + _outputs(gained)
+            outputs += self._outputs(gained)
         self.cache.flush()
         return outputs
 
-    def _filled_outputs(self) -> list[RequestOutput]:
-        """Outputs of the requests whose prompt log probabilities the steps just ended filled
-        and which are still before their first token (one that has it now gets its token's
-        output, which carries the new rows too)."""
+    def _outputs(self, gained: list[Request]) -> list[RequestOutput]:
+        """The outputs of the steps just ended: of the requests whose prompt log probabilities
+        they filled and which are still before their first token (one that has it now gets its
+        token's output, which carries the new rows too), then of those that gained a token."""
         filled, self._filled = self._filled, []
-        return [r.take_output([]) for r in dict.fromkeys(filled)
-                if r.num_output == 0 and r.request_id in self._requests]
+        return ([r.take_output([]) for r in dict.fromkeys(filled)
+                 if r.num_output == 0 and r.request_id in self._requests]
+                + [r.take_output([r.tokens[-1]]) for r in gained])
 
     def _submit(self, prompt: np.ndarray, params: SamplingParams, request_id: str | None,
                 now: float) -> Request:
@@ -353,7 +347,3 @@ class Engine:
                 self.scheduler.abort(req, keep_computed=False)
         self.cache.flush()
 
-
-def _outputs(gained: list[Request]) -> list[RequestOutput]:
-    """The outputs of requests that gained one token (their last) in a step."""
-    return [r.take_output([r.tokens[-1]]) for r in gained]

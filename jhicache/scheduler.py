@@ -268,7 +268,7 @@ class Scheduler:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left
         to compute after it. Loaded pages replace pages the request would otherwise compute into,
         so only that chunk (and a decode page) must stay available."""
-        available = self.cache.device.available
+        available = self.cache.pages().device_available
         cached = match.device_len + match.host_len
         first_chunk = min(req.num_tokens - cached, budget)
         return (available - (_pages_for(cached + first_chunk, self.page_size)

@@ -165,8 +165,8 @@ class Occupancy:
 
     @classmethod
     def of(cls, scheduler: Scheduler, cache: PrefixCache) -> Occupancy:
+        pages = cache.pages()
         return cls(waiting_requests=len(scheduler.waiting),
                    running_requests=len(scheduler.running),
-                   device_pages=cache.device.capacity, device_free_pages=cache.device.num_free,
-                   host_pages=cache.host.capacity if cache.host else 0,
-                   host_free_pages=cache.host.num_free if cache.host else 0)
+                   device_pages=pages.device, device_free_pages=pages.device_free,
+                   host_pages=pages.host, host_free_pages=pages.host_free)

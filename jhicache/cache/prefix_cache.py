@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import DevicePool
@@ -50,6 +50,17 @@ from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
           "alloc_failures", "storage_backup_skipped")
+
+
+class PoolPages(NamedTuple):
+    """Each tier's pages now: its pool's size and free list, and (device) what an allocation
+    could get by evicting too."""
+
+    device: int
+    device_free: int
+    device_available: int  # free plus evictable
+    host: int
+    host_free: int
 
 
 class PrefixCache:
@@ -196,10 +207,12 @@ class PrefixCache:
         if self.transfers is not None and pages and self.device_pool.last_compute is not None:
             self.transfers.fence_device_pages(pages, [self.device_pool.last_compute])
 
-    def evict_device(self, n_pages: int) -> int:
-        """Evicts LRU unlocked device leaves until `n_pages` are free or nothing is evictable:
-        each is written back under the write policy (or dropped). Returns the device pages
-        freed (may overshoot: whole nodes)."""
+    def evict_device(self, n_pages: int | None = None) -> int:
+        """Evicts LRU unlocked device leaves until `n_pages` (None: every evictable one) are
+        free or nothing is evictable: each is written back under the write policy (or
+        dropped). Returns the device pages freed (may overshoot: whole nodes)."""
+        if n_pages is None:
+            n_pages = self.device.evictable_pages
         freed: list[int] = []
         for node in self.device.lru_leaves():
             if len(freed) >= n_pages:
@@ -375,6 +388,21 @@ class PrefixCache:
         retired = self._retire(self.transfers.flush())
         self._poll_storage()
         return retired
+
+    def pages(self) -> PoolPages:
+        """Each tier's pool size, free and (device) available pages now."""
+        host = self.host
+        return PoolPages(self.device.capacity, self.device.num_free, self.device.available,
+                         host.capacity if host else 0, host.num_free if host else 0)
+
+    def close(self) -> None:
+        """Waits for every copy and storage backup, stops the storage tier's threads and
+        unpins the host pool: the cache serves nothing afterwards."""
+        self.wait_for_backups()
+        if self.storage is not None:
+            self.storage.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
 
     def wait_for_backups(self) -> None:
         """Blocks until every transfer has ended, every storage backup planned so far has
