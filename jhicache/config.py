@@ -254,10 +254,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.storage_dir needs cache_mode='hierarchical' (the "
                              "storage tier sits under the host tier)")
 
-    def fetch_timeout_for(self, tokens: int) -> float:
-        """The timeout policy's wait for a fetch of `tokens`."""
-        return self.fetch_timeout_s + self.fetch_timeout_per_ki_token_s * tokens / 1024
-
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:
             raise ValueError("EngineConfig.device_kv_tokens must hold at least two pages")

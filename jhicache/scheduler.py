@@ -130,6 +130,8 @@ class Scheduler:
         """Asks storage, once per request, for the pages past a waiting request's cached
         prefix, and moves each read on (the cache ends it as the fetch policy says); a request
         is admitted once its read has ended, with the pages read in the tree as host pages."""
+        if self.config.storage_dir is None:  # no storage tier: nothing to ask, every step
+            return
         for req in self.waiting:
             self.cache.fetch(req.request_id, req.match_tokens, req.tokens, self.fetch_rule)
 

@@ -129,10 +129,10 @@ class HostTier(Tier):
         once unlocked, so that nothing overwrites it before its backup has written it. The
         tree may let go of a locked page at any time (a dropped node's host-only descendants,
         an evicted leaf whose pages its backup writes)."""
-        twice = [p for p in pages if p in self.releasing]
+        twice = [p for p in pages if p in self.releasing] if self.releasing else []
         if twice:
             raise ValueError(f"double free of host pages {twice}")
-        locked = [p for p in pages if p in self.locked]
+        locked = [p for p in pages if p in self.locked] if self.locked else []
         self.releasing.update(locked)
         super().free([p for p in pages if p not in self.locked] if locked else pages)
 
