@@ -41,10 +41,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips GPU-marked tests when JAX has no GPU, so `-m gpu` on a CPU box reports skips, not
-    errors."""
+    """Runs the `slow`-marked tests first (each takes tens of seconds on a cold compilation
+    cache: started last, one would keep a pytest-xdist worker busy after the other ran out of
+    tests), and skips GPU-marked tests when JAX has no GPU, so `-m gpu` on a CPU box reports
+    skips, not errors."""
     import jax
 
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -33,6 +33,7 @@ TINY = ["--preset", "tiny", "--clients", "3", "--rounds", "2", "--request-length
         "--output-length", "2", "--page-size", "8", "--dtype", "float32", *SMALL_GRID]
 
 
+@pytest.mark.slow
 def test_multiturn_json_has_rounds_per_mode_and_unbounded_reference(tmp_path, capsys) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["multiturn", *TINY, "--modes", "off,hierarchical,unbounded", "--out", str(out),

@@ -218,6 +218,7 @@ def test_a_base_url_loses_its_trailing_slash() -> None:
 
 # ---- serve-overhead ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_serve_overhead_reports_each_path_and_its_difference(tmp_path, capsys) -> None:
     out = tmp_path / "overhead.json"
     assert serve_overhead.main([*WORKLOAD, *ENGINE, "--out", str(out)]) == 0

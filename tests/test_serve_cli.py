@@ -94,6 +94,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("xla-cache")
 
 
+@pytest.mark.slow
 def test_serve_preset_from_the_command_line(tmp_path: Path, programs: Path):
     """It listens at once, warms up (503) and then serves (200) without compiling; a restart
     reads its programs back from the compilation cache."""

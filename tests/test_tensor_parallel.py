@@ -33,6 +33,7 @@ def test_the_groups_hold_every_check_once() -> None:
     assert sorted(grouped) == sorted(CHECKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_on_four_cpu_devices(group: str) -> None:
     result = _run_check(group)

@@ -163,6 +163,7 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hierarchical", "device", "off"])
 def test_after_warmup_random_traffic_compiles_nothing_and_matches_the_reference(
         checkpoint: tuple[Path, dict], mode: str) -> None:
