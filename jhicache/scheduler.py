@@ -92,7 +92,7 @@ class Scheduler:
         met: list[Request] = []
         for req in self.running:
             if req.status is RequestStatus.PREFILLING and budget > 0:
-                stop = self.cache.fetch_progress(req.request_id).stop_at
+                stop = self.cache.fetch_progress(req.request_id)
                 if stop is not None and req.cached_len >= stop:
                     met.append(req)
                     continue
@@ -175,7 +175,7 @@ class Scheduler:
         attached = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
         if attached is None:
             return None
-        chunk = self._next_chunk(req, budget, self.cache.fetch_progress(rid).stop_at)
+        chunk = self._next_chunk(req, budget, self.cache.fetch_progress(rid))
         if chunk is None:
             self._release(req)
             return None

@@ -39,15 +39,6 @@ def should_end(fetch: StorageFetch, rule: FetchRule, page_size: int, now: float)
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchProgress:
-    """The answer at admission: `ready` (no read in flight), or not, with `stop_at` the prompt
-    position (a page boundary) its compute may reach meanwhile (None: none, it waits)."""
-
-    ready: bool
-    stop_at: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Hits:
     """A request's cached prefix at admission, in tokens by the tier it was found on; `resumed`:
     admitted again after a split fetch (these add to its first admission's)."""

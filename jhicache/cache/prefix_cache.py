@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from jhicache.cache.copier import Copier, make_copier
 from jhicache.cache.device_pool import DevicePool
-from jhicache.cache.fetches import Fetches, FetchProgress, FetchRule, Hits, should_end
+from jhicache.cache.fetches import Fetches, FetchRule, Hits, should_end
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.page_keys import chain_keys
@@ -559,25 +559,25 @@ class PrefixCache:
             self.fetches.ended(rid, got)
 
     def fetch_progress(self, rid: str, cached_len: int | None = None,
-                       computed: bool = False) -> FetchProgress:
-        """The admission question: is `rid`'s read from storage over? Under the split policy,
-        not yet, with where its compute may go meanwhile; given `cached_len` (its prompt's
-        tokens the tree holds now), a compute that met the pages read takes them from there
-        (with `computed`, the request computed those tokens itself: they are no hits)."""
+                       computed: bool = False) -> int | None:
+        """The admission question, under the split policy: where `rid`'s compute may go while
+        its read from storage goes on (a prompt position at a page boundary), or None (no read
+        in flight). Given `cached_len` (its prompt's tokens the tree holds now), a compute that
+        met the pages read takes them from there (with `computed`, the request computed those
+        tokens itself: they are no hits). Other policies hold a waiting request back instead
+        (`fetching`)."""
         fetch = self.fetches.in_flight(rid)
         record = self.fetches.get(rid)
-        if fetch is None or record is None:
-            return FetchProgress(ready=True)
-        if not record.rule.split:
-            return FetchProgress(ready=False)
+        if fetch is None or record is None or not record.rule.split:
+            return None
         stop = None if computed else self._fetch_stop(rid)
         if stop is None and not computed:
-            return FetchProgress(ready=True)
+            return None
         if cached_len is not None and (computed or stop is not None and cached_len >= stop):
             got = self.end_fetch(fetch, record.tokens, cached_len // self.page_size)
             self.fetches.ended(rid, got, cached_len if computed else 0)
-            return FetchProgress(ready=True)
-        return FetchProgress(ready=False, stop_at=stop)
+            return None
+        return stop
 
     def _fetch_stop(self, rid: str) -> int | None:
         """For a request whose prefix's tail is being read (split): the prompt position, a page
