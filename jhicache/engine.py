@@ -220,7 +220,7 @@ class Engine:
         theirs), as SGLang's /clear_hicache_storage_backend: only while no request is
         unfinished (False, nothing done, otherwise); backups planned before it end first.
         True without a storage tier (nothing to delete)."""
-        return self._when_idle(self.cache.clear_storage)
+        return self._when_idle(lambda: self.cache.clear(storage=True))
 
     def _when_idle(self, action: Callable[[], object]) -> bool:
         """Runs `action` once the step and copies in flight have ended, if no request is

@@ -165,7 +165,7 @@ class Occupancy:
 
     @classmethod
     def of(cls, scheduler: Scheduler, cache: PrefixCache) -> Occupancy:
-        pages = cache.pages()
+        pages = cache.pages
         return cls(waiting_requests=len(scheduler.waiting),
                    running_requests=len(scheduler.running),
                    device_pages=pages.device, device_free_pages=pages.device_free,

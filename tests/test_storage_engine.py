@@ -183,15 +183,17 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> N
     tier.storage.get = held_get  # type: ignore[method-assign]
     rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
     again.step()  # the request asks storage for its pages and waits (split: computes meanwhile)
-    running = [r for r in again.scheduler.running if again.cache.fetching(r.request_id)]
-    assert again.scheduler.fetching() if policy == "wait_complete" else running
+    fetches = again.cache.fetches
+    running = [r for r in again.scheduler.running if fetches.gate(r.request_id).stop is not None]
+    waiting = [r for r in again.scheduler.waiting if fetches.gate(r.request_id).wait]
+    assert waiting if policy == "wait_complete" else running
     assert again.abort(rid)
     outputs = again.drain()
     assert [o.finish_reason for o in outputs] == ["abort"]
     release.set()
-    again.cache.wait_for_backups()  # the held reads end; their pages go back to the free list
+    again.cache.flush(backups=True)  # the held reads end; their pages go back to the free list
     for _ in range(3):  # the read threads end; their pages go back to the free list
-        again.cache.wait_for_storage(1.0)
+        again.cache.fetches.wait(1.0)
         again.step()
     assert_idle_and_consistent(again)
     assert again.cache.storage.held_pages() == []  # type: ignore[union-attr]

@@ -53,7 +53,7 @@ class StorageFetch:
     kept = (0, 0)  # once ended: the range of `host_pages` handed to the tree
     read_s = 0.0  # the reads' wall time, start of the first to end of the last
     _read: list[int] = dataclasses.field(default_factory=list)  # per chunk: pages read, or -1
-    _pending = 0  # read tasks not yet ended
+    _pending = 1  # tasks not yet ended (at first, its query)
     _queued: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=collections.deque)  # from the tail: (chunk, first page) not yet started
     _cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -101,6 +101,70 @@ class StorageFetch:
         """No thread touches its host pages any more."""
         with self._lock:
             return self.queried and self._pending == 0
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def answer(self, found: int) -> None:
+        """Its query has ended: `found` of its keys, from the first, are stored."""
+        with self._lock:
+            self.found, self._pending = found, 0
+
+    def begin(self, host_pages: list[int], held: bool) -> None:
+        """Its found pages are to be read into `host_pages`; `held`: not before host copies
+        into them end (it is not finished meanwhile: its pages stay held)."""
+        assert self.state is FetchState.QUERYING and self.queried
+        self.state, self.host_pages = FetchState.FETCHING, host_pages
+        if held:
+            with self._lock:
+                self._pending = 1
+
+    def chunks(self, io_threads: int) -> list[tuple[int, int]]:
+        """Starts its reads: the (chunk, first page) tasks to submit now (from the tail, as many
+        as `io_threads`, the rest queued behind them; none once cancelled)."""
+        if self.cancelled:  # ended while its copies ran: it reads nothing
+            with self._lock:
+                self._pending = 0
+            return []
+        order = list(enumerate(range(0, len(self.host_pages), self.chunk_pages)))
+        with self._lock:
+            self._read = [0] * len(order)
+            self._pending = len(order)
+            self.read_s = -time.perf_counter()  # the last read to end adds its end time
+            if self.from_tail:
+                self._queued.extend(reversed(order))
+                order = [self._queued.popleft()
+                         for _ in range(min(io_threads, len(self._queued)))]
+        return order
+
+    def chunk_done(self, i: int, read: int) -> tuple[int, int] | None:
+        """Chunk `i`'s task has ended, with `read` pages read (-1: not tried); returns the next
+        queued task to submit (from the tail), if any."""
+        with self._lock:
+            self._read[i] = read
+            self._pending -= 1
+            if self.cancelled:  # an ended fetch starts no more reads
+                self._pending -= len(self._queued)
+                self._queued.clear()
+            if self._pending == 0:
+                self.read_s += time.perf_counter()
+            return self._queued.popleft() if self._queued else None
+
+    def end(self, first: int | None) -> tuple[int, int]:
+        """Terminates it: the range of `host_pages` handed to the caller (see
+        `StorageTier.end_fetch`)."""
+        self._cancel.set()
+        if self.state is FetchState.FETCHING:
+            n = len(self.host_pages)
+            if first is None:
+                self.kept = (0, self.completed)
+            elif n - self.tail_completed <= first < n:
+                self.kept = (first, n)
+            else:
+                self.kept = (n, n)
+        self.state = FetchState.ENDED
+        return self.kept
 
 
 @dataclasses.dataclass(eq=False)
@@ -210,17 +274,14 @@ class StorageTier:
         """Asks the backend, on a thread, how many of `keys` it holds."""
         fetch = StorageFetch(keys, first_page, anchor, time.perf_counter(), from_tail,
                              TAIL_CHUNK_PAGES if from_tail else FETCH_CHUNK_PAGES)
-        with fetch._lock:
-            fetch._pending = 1
         self.counters["fetches"] += 1
 
         def query() -> None:
             try:
-                found = self.storage.exists(keys) if not fetch._cancel.is_set() else 0
+                found = self.storage.exists(keys) if not fetch.cancelled else 0
             except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
                 found = 0
-            with fetch._lock:
-                fetch.found, fetch._pending = found, 0
+            fetch.answer(found)
             self._progress.set()
 
         self._readers.submit(query)
@@ -230,34 +291,17 @@ class StorageTier:
         """Reads the first `len(host_pages)` found pages into `host_pages`, in chunks, on the
         reader threads (the last chunk first with `from_tail`), once the host copies `after`
         are done: freed pages may still be the target of a copy queued before they were."""
-        assert fetch.state is FetchState.QUERYING and fetch.queried
-        fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
+        fetch.begin(host_pages, held=bool(after))
         self._holding.append(fetch)
         if after:
-            with fetch._lock:
-                fetch._pending = 1  # not finished: its pages are not freed before the copies end
             self._reads_after.append((fetch, set(after)))
         else:
             self._start_reads(fetch)
 
     def _start_reads(self, fetch: StorageFetch) -> None:
-        host_pages = fetch.host_pages
-        if fetch._cancel.is_set():  # ended while its copies ran: it reads nothing
-            with fetch._lock:
-                fetch._pending = 0
+        order = fetch.chunks(self._io_threads)
+        if not order:
             self._progress.set()
-            return
-        chunks = range(0, len(host_pages), fetch.chunk_pages)
-        started = time.perf_counter()
-        with fetch._lock:
-            fetch._read = [0] * len(chunks)
-            fetch._pending = len(chunks)
-            fetch.read_s = -started  # the last read to end adds its end time
-        order = list(enumerate(chunks))
-        if fetch.from_tail:
-            fetch._queued.extend(reversed(order))
-            order = [fetch._queued.popleft()
-                     for _ in range(min(self._io_threads, len(fetch._queued)))]
         for i, start in order:
             self._readers.submit(self._read_chunk, fetch, i, start)
 
@@ -265,19 +309,11 @@ class StorageTier:
         end = min(start + fetch.chunk_pages, len(fetch.host_pages))
         read = -1
         try:
-            if not fetch._cancel.is_set():
+            if not fetch.cancelled:
                 read = self.storage.get(fetch.keys[start:end], fetch.host_pages[start:end])
         except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
             read = 0
-        with fetch._lock:
-            fetch._read[i] = read
-            fetch._pending -= 1
-            if fetch._cancel.is_set():  # an ended fetch starts no more reads
-                fetch._pending -= len(fetch._queued)
-                fetch._queued.clear()
-            if fetch._pending == 0:
-                fetch.read_s += time.perf_counter()
-            queued = fetch._queued.popleft() if fetch._queued else None
+        queued = fetch.chunk_done(i, read)
         self._progress.set()
         if queued is not None:
             try:
@@ -295,20 +331,13 @@ class StorageTier:
         gap from the first or, with `first` (a fetch from the tail), those from index `first`
         to the last if all of them were read; the rest are freed by a later `poll` once no
         thread writes them. Returns the range of `host_pages` that is the caller's."""
-        fetch._cancel.set()
-        if fetch.state is FetchState.FETCHING:
-            n = len(fetch.host_pages)
-            if first is None:
-                fetch.kept = (0, fetch.completed)
-            elif n - fetch.tail_completed <= first < n:
-                fetch.kept = (first, n)
-            else:
-                fetch.kept = (n, n)
-            kept = fetch.kept[1] - fetch.kept[0]
-            self.counters["fetched_pages"] += kept
-            self.counters["fetch_full" if kept == n else "fetch_partial"] += 1
-        fetch.state = FetchState.ENDED
-        return fetch.kept
+        reading = fetch.state is FetchState.FETCHING
+        lo, hi = fetch.end(first)
+        if reading:
+            self.counters["fetched_pages"] += hi - lo
+            self.counters["fetch_full" if hi - lo == len(fetch.host_pages) else
+                          "fetch_partial"] += 1
+        return lo, hi
 
     def held_pages(self) -> list[int]:
         """Host pages this tier holds: fetches' (being read, or ended and not yet freed)."""

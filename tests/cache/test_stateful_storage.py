@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, precondition, rule
 
-from jhicache.cache import DevicePool, HostPool, PoolLayout, PrefixCache
+from jhicache.cache import DevicePool, HostPool, PoolLayout, PrefixCache, Transfers
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.storage import StorageNamespace
-from jhicache.config import StorageWritePolicy, WritePolicy
+from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
 from tests.cache._helpers import HEAD_DIM, HEADS, LAYERS, DeferredCopier
 from tests.cache.test_stateful import CacheMachine, prompts
 
@@ -39,9 +39,11 @@ class StorageMachine(CacheMachine):
         namespace = StorageNamespace(model="stateful", dtype="float32", page_size=page,
                                      layout="test", page_bytes=device.page_bytes)
         storage = FileStorage(self.root, namespace, host_pool.page_views)
-        self.cache = PrefixCache(page, DevicePool(device), host_pool, policy,
-                                 load_back_threshold=2 * page,
-                                 copier=DeferredCopier() if deferred else None, storage=storage,
+        pool = DevicePool(device)
+        transfers = (Transfers(pool, host_pool, DeferredCopier(), TransferTuning())
+                     if deferred else None)
+        self.cache = PrefixCache(page, pool, host_pool, policy, load_back_threshold=2 * page,
+                                 transfers=transfers, storage=storage,
                                  storage_policy=storage_policy)
         event(f"storage policy: {storage_policy.value}")
         self.fetched = 0
@@ -59,19 +61,19 @@ class StorageMachine(CacheMachine):
             self.clear()
         tokens = self._aligned(tokens) + [999]  # the last token is left to compute
         match = self.cache.match(tokens, leave_last=True)
-        fetch = self.cache.start_fetch(tokens, match, self.page, from_tail=tail is not None)
+        fetch = self.cache.fetches.start(tokens, match, self.page, from_tail=tail is not None)
         if fetch is None:
             return
         got = None
         while got is None:
             if abort:
-                self.cache.end_fetch(fetch, None)
+                self.cache.fetches.end(fetch, None)
                 break
-            self.cache.wait_for_storage(1.0)
+            self.cache.fetches.wait(1.0)
             self.cache.flush()  # copies into its pages end (an idle engine's step flushes)
-            got = self.cache.advance_fetch(fetch, tokens, self.page, stop=False)
+            got = self.cache.fetches.advance(fetch, tokens, self.page, stop=False)
             if got is None and tail is not None and fetch.finished:
-                got = self.cache.end_fetch(fetch, tokens, fetch.first_page + tail)
+                got = self.cache.fetches.end(fetch, tokens, fetch.first_page + tail)
                 assert tail or self.damaged or got == len(fetch.host_pages) * self.page
         if got:
             self.fetched += got
