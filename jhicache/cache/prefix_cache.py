@@ -34,7 +34,7 @@ from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.step import TransferStep
-from jhicache.cache.storage import Storage
+from jhicache.cache.storage import WRITE_FAILURE_REASONS, Storage
 from jhicache.cache.storage_tier import (
     STORAGE_TIER_COUNTERS,
     FetchState,
@@ -639,7 +639,8 @@ class PrefixCache:
         usage = None if self.storage is None else self.storage.storage.usage()
         stats: dict[str, Any] = {f"storage_{k}": tier.get(k, 0) for k in STORAGE_TIER_COUNTERS}
         for k in ("written_bytes", "write_s", "read_bytes", "read_s", "missing_pages",
-                  "truncated_pages", "corrupt_pages", "evicted_pages"):
+                  "truncated_pages", "corrupt_pages", "evicted_pages",
+                  *(f"write_failures_{reason}" for reason in WRITE_FAILURE_REASONS)):
             stats[f"storage_{k}"] = getattr(backend, k) if backend is not None else 0
         stats.update(storage_pages=usage.pages if usage else 0,
                      storage_bytes=usage.bytes if usage else 0,
