@@ -127,6 +127,22 @@ def test_close_stores_the_cache_within_its_timeout(tmp_path: Path) -> None:
     assert output.storage_hit_tokens == stored * 16
 
 
+def test_under_a_storage_cap_close_keeps_the_most_recent_prefixes(tmp_path: Path) -> None:
+    """Two prompts of six pages on device, a cap of eight pages: close writes the older first,
+    so that the cap's eviction (least recently written first) keeps the newer whole."""
+    probe = storage_engine(tmp_path / "probe")
+    page_file = probe.cache.storage.storage.page_file_bytes  # type: ignore[union-attr]
+    engine = make_engine(storage_dir=str(tmp_path / "capped"), host_kv_tokens=1024,
+                         storage_capacity_bytes=8 * page_file)
+    older, newer = ([base + i for i in range(6 * 16 + 1)] for base in (1, 200))
+    for prompt in (older, newer):
+        engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    engine.close()
+    stored = {p.name for p in (tmp_path / "capped").rglob("*.kv")}
+    assert {f"{k.hex()}.kv" for k in chain_keys(newer[:96], 16)} <= stored
+    assert len(stored) <= 8
+
+
 def test_an_engine_process_stores_its_cache_when_closed(tmp_path: Path) -> None:
     """The server's engine process closes its engine at `Close`: the pages of a prompt that
     never left the device (default write policy) are in storage once it has exited."""

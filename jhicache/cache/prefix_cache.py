@@ -413,13 +413,15 @@ class PrefixCache:
     def _store_all(self, deadline: float | None) -> None:
         """Plans the backup of every cached page storage lacks, whatever the write policies
         (a page only on device is copied to host for it), the most recently used prefixes
-        first, and writes them until `deadline`. A prefix that finds no host room (its pages
-        are locked by backups in flight) is tried again once those are written."""
+        first (under a storage cap, last: its eviction keeps the last written), and writes
+        them until `deadline`. A prefix that finds no host room (its pages are locked by
+        backups in flight) is tried again once those are written."""
         assert self.storage is not None and self.host is not None
         before, skipped = self.storage.counters["backup_pages"], None
+        newest_first = self.storage.storage.usage().capacity_bytes is None
         while True:
             leaves = sorted((n for n in self.tree.nodes() if not n.children),
-                            key=lambda n: (n.last_access, n.node_id), reverse=True)
+                            key=lambda n: (n.last_access, n.node_id), reverse=newest_first)
             was, skipped = skipped, 0
             for leaf in leaves:  # (a host eviction for an earlier one may remove a leaf)
                 if (leaf.parent is not None

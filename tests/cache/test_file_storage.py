@@ -132,7 +132,8 @@ def test_a_foreign_namespace_sees_nothing_and_a_mismatched_config_is_refused(
         storage(tmp_path, pool)
 
 
-def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path) -> None:
+def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     pool = filled(7)
     keys = chain_keys(list(range(6 * 4)), 4)
     first = storage(tmp_path, pool)
@@ -146,7 +147,12 @@ def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path) -> None:
     for name in stray + in_flight:
         (first.dir / name).write_bytes(b"half a page")
     target = filled(8)
-    again = storage(tmp_path, target)
+    with caplog.at_level(logging.INFO, logger="jhicache.storage"):
+        again = storage(tmp_path, target)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"storage tier in {again.dir}: namespace {again.namespace.digest} (tiny, float32, 4 "
+        f"tokens a page), 6 pages ({again.usage().bytes / 1e6:.1f} MB) found, 3 stray "
+        "temporary files removed; cap none"]
     assert {p.name for p in again.dir.glob("*.tmp")} == set(in_flight)
     assert again.usage() == first.usage() and again.usage().pages == 6
     assert again.exists(keys) == 6 and again.get(keys, list(range(6, 12))) == 6
