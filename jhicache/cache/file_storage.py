@@ -97,6 +97,7 @@ class FileStorage(Storage):
         self._host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
         self._prepare()
         self._usage_lock = threading.Lock()  # this process's turn; flock gives it the others'
+        self._flock = True  # the file system takes flock (False once it refused)
         self._usage_fd = os.open(self.dir / USAGE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         with self._usage():
             stray = self._remove_strays()
@@ -312,13 +313,23 @@ class FileStorage(Storage):
     # -- the directory's size, over every writer -----------------------------------------
     @contextlib.contextmanager
     def _usage(self) -> Iterator[None]:
-        """This writer's turn on the directory's shared total (and its rescans)."""
+        """This writer's turn on the directory's shared total (and its rescans). On a file
+        system without flock (Lustre mounted without it, ...) the turns are this process's
+        only: the cap then holds per process (said once, in the log)."""
         with self._usage_lock:
-            fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+            locked = self._flock
+            if locked:
+                try:
+                    fcntl.flock(self._usage_fd, fcntl.LOCK_EX)
+                except OSError as e:
+                    self._flock = locked = False
+                    logger.warning("storage directory %s takes no flock (%s): writers of other "
+                                   "processes may each fill it to the cap", self.dir, e)
             try:
                 yield
             finally:
-                fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
+                if locked:
+                    fcntl.flock(self._usage_fd, fcntl.LOCK_UN)
 
     def _read_total(self) -> int:
         data = os.pread(self._usage_fd, 8, 0)

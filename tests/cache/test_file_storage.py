@@ -235,6 +235,25 @@ def test_write_failures_are_counted_by_reason_and_logged_once_a_burst(
     assert not list(store.dir.glob("*.tmp"))
 
 
+def test_a_file_system_without_flock_caps_per_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pool = filled(16)
+    keys = chain_keys(list(range(12 * 4)), 4)
+    file_bytes = storage(tmp_path / "probe", pool).page_file_bytes
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(file_storage.fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="jhicache.storage"):
+        capped = storage(tmp_path, pool, capacity_bytes=10 * file_bytes)
+        assert capped.set(keys, list(range(12))) == 12
+    assert capped.counters().evicted_pages > 0
+    assert _directory_bytes(capped.dir) <= 10 * file_bytes
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"storage directory {capped.dir} takes no flock"]
+
+
 def test_an_unusable_directory_is_a_clear_error(tmp_path: Path) -> None:
     pool = filled(10)
     blocker = tmp_path / "a-file"
