@@ -102,6 +102,7 @@ class EngineLoop:
         self.warming: threading.Thread | None = None
         self.warmed: tuple[int, WarmupReport | BaseException] | None = None  # once it ended
         self.deferred: collections.deque[ToLoop] = collections.deque()
+        self.close_timeout_s: float | None = None  # the `Close` that ended `run`'s
 
     def run(self) -> None:
         try:
@@ -129,6 +130,7 @@ class EngineLoop:
         `Close`."""
         for message in messages:
             if isinstance(message, Close):
+                self.close_timeout_s = message.timeout_s
                 return False
             if isinstance(message, Hold):
                 self.holds += message.delta

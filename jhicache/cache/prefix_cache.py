@@ -22,6 +22,7 @@ done (`Transfers.fence_device_pages`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -33,13 +34,15 @@ from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.step import TransferStep
-from jhicache.cache.storage import Storage
+from jhicache.cache.storage import WRITE_FAILURE_REASONS, Storage
 from jhicache.cache.storage_tier import STORAGE_TIER_COUNTERS, StorageTier
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier
 from jhicache.cache.transfer_op import TransferKind, TransferOp
 from jhicache.cache.transfers import Transfers
 from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
+
+logger = logging.getLogger("jhicache.storage")
 
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
@@ -397,14 +400,43 @@ class PrefixCache:
         return PoolPages(self.device.capacity, self.device.num_free, self.device.available,
                          host.capacity if host else 0, host.num_free if host else 0)
 
-    def close(self) -> None:
-        """Waits for every copy and storage backup, stops the storage tier's threads and
-        unpins the host pool: the cache serves nothing afterwards."""
-        self.flush(backups=True)
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits for every copy; with a storage tier, stores every cached page it lacks
+        (`_store_all`), within `timeout_s` (None: however long it takes); stops the storage
+        tier's threads and unpins the host pool: the cache serves nothing afterwards."""
         if self.storage is not None:
+            self._store_all(None if timeout_s is None else time.monotonic() + timeout_s)
             self.storage.close()
+        else:
+            self.flush()
         if self.host_pool is not None:
             self.host_pool.close()
+
+    def _store_all(self, deadline: float | None) -> None:
+        """Plans the backup of every cached page storage lacks, whatever the write policies
+        (a page only on device is copied to host for it), the most recently used prefixes
+        first (under a storage cap, last: its eviction keeps the last written), and writes
+        them until `deadline`. A prefix that finds no host room (its pages are locked by
+        backups in flight) is tried again once those are written."""
+        assert self.storage is not None and self.host is not None
+        before, skipped = self.storage.counters["backup_pages"], None
+        newest_first = self.storage.storage.usage().capacity_bytes is None
+        while True:
+            leaves = sorted((n for n in self.tree.nodes() if not n.children),
+                            key=lambda n: (n.last_access, n.node_id), reverse=newest_first)
+            was, skipped = skipped, 0
+            for leaf in leaves:  # (a host eviction for an earlier one may remove a leaf)
+                if (leaf.parent is not None
+                        and not self.storage.known(self.tree.page_keys(leaf)[-1])):
+                    skipped += not self._plan_backup(leaf)
+            self.flush()
+            self.host.free(self.storage.wait_backups(deadline))
+            out_of_time = deadline is not None and time.monotonic() >= deadline
+            if not skipped or was is not None and skipped >= was or out_of_time:
+                break
+        left = self.storage.unwritten_pages()
+        logger.info("storage: %d pages written at close%s", self.storage.counters["backup_pages"]
+                    - before, f", {left} not (out of time)" if left else "")
 
     def _retire(self, ops: list[TransferOp]) -> int:
         if self.storage is not None:
@@ -473,7 +505,8 @@ class PrefixCache:
         usage = None if self.storage is None else self.storage.storage.usage()
         stats: dict[str, Any] = {f"storage_{k}": tier.get(k, 0) for k in STORAGE_TIER_COUNTERS}
         for k in ("written_bytes", "write_s", "read_bytes", "read_s", "missing_pages",
-                  "truncated_pages", "corrupt_pages", "evicted_pages"):
+                  "truncated_pages", "corrupt_pages", "evicted_pages",
+                  *(f"write_failures_{reason}" for reason in WRITE_FAILURE_REASONS)):
             stats[f"storage_{k}"] = getattr(backend, k) if backend is not None else 0
         stats.update(storage_pages=usage.pages if usage else 0,
                      storage_bytes=usage.bytes if usage else 0,

@@ -25,6 +25,9 @@ FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk'
 # steadily (every chunk started at once would share the disk and end at about the same time;
 # two chunks of 8 pages in flight kept the disk's queue short: benchmarks/LOG.md, 2026-12-04).
 TAIL_CHUNK_PAGES = 1
+# Pages a backup writes between looks at whether the tier is closing: a closing tier whose
+# deadline passed stops within this many pages, not at the end of a long prefix's backup.
+WRITE_CHUNK_PAGES = 8
 
 
 class FetchState(enum.Enum):
@@ -197,6 +200,7 @@ class StorageTier:
         self._reads_after: list[tuple[StorageFetch, set[int]]] = []
         self.counters: dict[str, float] = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
         self._progress = threading.Event()  # set when a fetch's query or read task ends
+        self._stopping = threading.Event()  # set at close: backups write no more pages
 
     # -- backups -------------------------------------------------------------------------
     def known(self, key: bytes) -> bool:
@@ -229,7 +233,7 @@ class StorageTier:
         pages of fetches that ended and whose threads have stopped (the caller frees them)."""
         while self._planned and not self._planned[0].after:
             backup = self._planned.popleft()
-            self._writing.append((backup, self._writer.submit(self.storage.set, backup.keys,
+            self._writing.append((backup, self._writer.submit(self._write, backup.keys,
                                                                 backup.host_pages)))
         freed: list[int] = []
         while self._writing and self._writing[0][1].done():
@@ -241,6 +245,19 @@ class StorageTier:
             freed += _outside(fetch.host_pages, fetch.kept)
         return freed
 
+    def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
+        """Stores a backup's pages, a few at a time until the tier closes; how many it did."""
+        stored = 0
+        for start in range(0, len(keys), WRITE_CHUNK_PAGES):
+            if self._stopping.is_set():
+                break
+            end = start + WRITE_CHUNK_PAGES
+            done = self.storage.set(keys[start:end], host_pages[start:end])
+            stored += done
+            if done < len(keys[start:end]):
+                break
+        return stored
+
     def _end_backup(self, backup: _Backup, stored: int) -> None:
         self._unlock_pages(backup.host_pages)
         self.counters["backup_pages"] += stored
@@ -249,18 +266,26 @@ class StorageTier:
         # written: the backend's index knows them now; failed: planned again next time
         self._known.difference_update(backup.keys)
 
-    def wait_backups(self) -> list[int]:
+    def wait_backups(self, deadline: float | None = None) -> list[int]:
         """Blocks until every planned backup whose copies are done has been written (the
-        caller flushes the copies first), and until no ended fetch's thread still reads;
-        returns what `poll` did meanwhile."""
+        caller flushes the copies first), or `deadline` (`time.monotonic()`) passes, and until
+        no ended fetch's thread still reads; returns what `poll` did meanwhile."""
         freed: list[int] = []
         while self._planned and not self._planned[0].after or self._writing:
             freed += self.poll()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
             if self._writing:
-                concurrent.futures.wait([self._writing[0][1]])
+                concurrent.futures.wait([self._writing[0][1]], timeout=left)
         while any(f.state is FetchState.ENDED and not f.finished for f in self._holding):
             self.wait_for_progress(0.01)
         return freed + self.poll()
+
+    def unwritten_pages(self) -> int:
+        """Pages of the backups planned and not yet written."""
+        return (sum(len(b.keys) for b in self._planned)
+                + sum(len(b.keys) for b, _ in self._writing))
 
     def clear(self) -> int:
         """Deletes every stored page (no backup may be in flight); returns how many."""
@@ -344,6 +369,9 @@ class StorageTier:
         return [p for f in self._holding for p in _outside(f.host_pages, f.kept)]
 
     def close(self) -> None:
+        """Stops the threads: a backup being written stops within WRITE_CHUNK_PAGES pages,
+        those not started are dropped (call `wait_backups` first to write them)."""
+        self._stopping.set()
         for pool in (self._writer, self._readers):
             pool.shutdown(wait=True, cancel_futures=True)
         self.storage.close()

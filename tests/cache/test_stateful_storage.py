@@ -1,7 +1,8 @@
 """Hypothesis state machine over three tiers: the two-tier machine's rules plus storage fetches
 (completed or aborted) and flushes of the device and host tiers, on a real file storage. Pages
 read back from storage must hold their prefix's KV (the data check reads every node's pages),
-and the page accounting of all three tiers holds after every rule."""
+and the page accounting of all three tiers holds after every rule. At the end the cache is
+closed: every page of the tree is then stored, with its prefix's KV, whatever the policies."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import dataclasses
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
+import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, precondition, rule
 
@@ -19,7 +22,7 @@ from jhicache.cache import DevicePool, HostPool, PoolLayout, PrefixCache, Transf
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.storage import StorageNamespace
 from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
-from tests.cache._helpers import HEAD_DIM, HEADS, LAYERS, DeferredCopier
+from tests.cache._helpers import HEAD_DIM, HEADS, LAYERS, DeferredCopier, expected_kv
 from tests.cache.test_stateful import CacheMachine, prompts
 
 
@@ -102,8 +105,47 @@ class StorageMachine(CacheMachine):
             event(f"storage pages fetched > 0: {stats['storage_fetched_pages'] > 0}")
             event(f"storage backups > 0: {stats['storage_backup_pages'] > 0}")
             assert self.cache.storage is not None
-            self.cache.storage.close()
+            self._waiting(self.cache.close)  # every page of the tree is written to storage
+            self._check_stored()
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _waiting(self, call: Callable[[], object]) -> object:
+        """Runs `call`, which may wait on storage (the storage tier's threads run its tasks)."""
+        return call()
+
+    def _check_stored(self) -> None:
+        """Every node's pages are stored where the host pool exceeds the device pool's (as
+        an engine's must: a page only on device goes to storage through a host page), and
+        each page stored (read back from a new FileStorage on the directory, as a restart
+        would) holds its prefix's KV, unless a page file was damaged."""
+        backend = self.cache.storage.storage  # type: ignore[union-attr]
+        assert isinstance(backend, FileStorage) and self.cache.host is not None
+        tree = self.cache.tree
+        nodes = list(tree.nodes())
+        if self.cache.host.capacity > self.cache.device.capacity:
+            assert all(backend.contains(k) for n in nodes for k in tree.page_keys(n))
+        if self.damaged or not nodes:
+            return
+        layout = self.cache.host_pool.layout  # type: ignore[union-attr]
+        pool = HostPool(dataclasses.replace(layout, num_pages=1))
+        again = FileStorage(self.root, backend.namespace, pool.page_views)
+        for node in nodes:
+            path, n = [], node
+            while n.parent is not None:
+                path[:0] = n.key
+                n = n.parent
+            start = (len(path) - len(node.key)) // self.page
+            for i, key in enumerate(tree.page_keys(node)):
+                if not backend.contains(key):
+                    continue
+                assert again.get([key], [0]) == 1
+                for layer in range(LAYERS):
+                    ek, ev = expected_kv(path, layer, self.page)
+                    k, v = pool.read_pages(layer, [0])
+                    np.testing.assert_array_equal(k[0], ek[start + i])
+                    np.testing.assert_array_equal(v[0], ev[start + i])
+        again.close()
+        pool.close()
 
 
 StorageMachine.TestCase.settings = settings(

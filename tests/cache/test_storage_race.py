@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, precondition, rule
 
 from jhicache.cache import PrefixCache
-from jhicache.cache.file_storage import CONFIG_FILE, FileStorage
+from jhicache.cache.file_storage import CONFIG_FILE, USAGE_FILE, FileStorage
 from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.storage import StorageNamespace
 from jhicache.cache.storage_tier import StorageFetch
@@ -209,7 +209,7 @@ class RaceMachine(StorageMachine):
     def damage(self, i: int, truncate: bool) -> None:
         """Damages one stored page file: cut short, or one byte of its payload flipped."""
         files = sorted(p for p in Path(self.root).rglob("*")
-                       if p.is_file() and p.name != CONFIG_FILE)
+                       if p.is_file() and p.name not in (CONFIG_FILE, USAGE_FILE))
         if not files:
             return
         path = files[i % len(files)]
