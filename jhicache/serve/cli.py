@@ -104,6 +104,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                            for sub in dataclasses.fields(nested)})
         else:
             values[field.name] = getattr(args, field.name)
+    text = values.get("storage_backend_config")
+    if isinstance(text, str) and text.startswith("@"):  # as SGLang's extra config: from a file
+        try:
+            values["storage_backend_config"] = Path(text[1:]).read_text()
+        except OSError as e:
+            raise ValueError(f"--storage-backend-config {text}: {e}") from e
     return EngineConfig(**values)
 
 
