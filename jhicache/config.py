@@ -315,6 +315,18 @@ class EngineConfig:
         """Whether the engine has a storage tier (a directory, or a Mooncake Store)."""
         return self.storage_dir is not None or self.storage_backend is StorageBackend.MOONCAKE
 
+    def with_storage(self, backend: StorageBackend | str | None, storage_dir: str | None = None,
+                     backend_config: str | None = None) -> EngineConfig:
+        """This config with another storage tier: `backend` "file" in `storage_dir`, or
+        "mooncake" with `backend_config`, or none (None); ValueError for a bad setting."""
+        if backend is None and (storage_dir or backend_config):
+            raise ValueError("no storage tier takes no storage_dir or storage_backend_config")
+        config = dataclasses.replace(self, storage_backend=backend or StorageBackend.FILE,
+                                     storage_dir=storage_dir, storage_backend_config=backend_config)
+        if backend is not None and not config.storage_enabled:
+            raise ValueError("EngineConfig.storage_dir: the file storage backend needs one")
+        return config
+
     def storage_settings(self) -> dict[str, Any]:
         """The storage backend's settings (`storage_backend_config`), as a dict."""
         text = self.storage_backend_config

@@ -5,8 +5,10 @@ cache, scheduler, runner, step grid and step executor built over them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -56,6 +58,7 @@ class EngineParts:
     grid: ShapeGrid
     executor: StepExecutor
     limits: Limits  # what a submitted request is checked against
+    storage_for: Callable[[EngineConfig], Storage]  # a storage backend for a config's settings
 
     @classmethod
     def create(cls, model: Qwen2ForCausalLM, config: EngineConfig) -> EngineParts:
@@ -88,7 +91,8 @@ class EngineParts:
         writes = None if transfers is None else transfers.writes
         return cls(tp, device_pool, cache, Scheduler(config, cache), runner, grid,
                    StepExecutor(runner, grid, load_flags, writes),
-                   Limits(model.config.vocab_size, grid.max_context_len))
+                   Limits(model.config.vocab_size, grid.max_context_len),
+                   functools.partial(_storage, model.config, host_pool=host_pool))
 
 
 def pretrained_model(path: str, config: EngineConfig) -> tuple[Qwen2ForCausalLM, EngineConfig]:
@@ -160,10 +164,12 @@ def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
     return config.host_tokens_for(device_tokens)
 
 
-def _storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> Storage:
+def _storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool | None) -> Storage:
     """The storage tier's backend, a directory or a Mooncake Store, under a namespace that names
     the model (its given or derived name and its config's hash), the dtype, the page size and
     the host layout."""
+    if host_pool is None:
+        raise ValueError("a storage tier needs cache_mode='hierarchical' (a host tier)")
     namespace = _namespace(model, config, host_pool)
     if config.storage_backend is StorageBackend.MOONCAKE:
         from jhicache.cache.mooncake_storage import MooncakeStorage  # an optional extra

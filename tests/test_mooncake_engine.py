@@ -103,3 +103,22 @@ def test_without_the_master_the_engine_serves_and_recovers_when_it_is_back(
     assert_idle_and_consistent(engine)
     engine.close()
 
+
+
+def test_the_store_attached_and_detached_at_run_time(master: Master) -> None:
+    engine = make_engine(**{**STORAGE, "storage_backend": "file"})  # no storage tier
+    assert run_chats(engine) == reference_histories()
+    config = engine.set_storage("mooncake", backend_config=json.dumps(master.config))
+    assert config.storage_backend.value == "mooncake" and config.storage_enabled
+    engine.flush_cache()
+    assert run_chats(engine) == reference_histories()
+    engine.flush_cache()
+    assert engine.stats().storage_backup_pages > 0
+    reader = mooncake_engine(master)  # another engine finds them in the store
+    assert run_chats(reader) == reference_histories()
+    assert reader.stats().storage_hit_tokens > 0
+    reader.close()
+    assert not engine.set_storage(None).storage_enabled
+    assert run_chats(engine) == reference_histories()
+    assert_idle_and_consistent(engine)
+    engine.close()
