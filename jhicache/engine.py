@@ -221,7 +221,10 @@ class Engine:
         (`PrefixCache.set_storage`). Returns the config now; ValueError changes nothing."""
         config = self.config.with_storage(backend, storage_dir, backend_config)
         with self._lock, self._serving():
-            storage = None if backend is None else self._storage_for(config)
+            try:
+                storage = None if backend is None else self._storage_for(config)
+            except (OSError, RuntimeError) as e:  # a directory, or a store, that cannot be used
+                raise ValueError(f"storage backend {backend}: {e}") from e
             self.cache.set_storage(storage, timeout_s)
             self.config = config
             return config
@@ -286,9 +289,8 @@ class Engine:
             return freed
 
     def load_back(self, prompt: Sequence[int]) -> bool:
-        """Copies the host-tier run of `prompt`'s cached prefix to the device tier with no step
-        around it, and returns once it has landed (a bench times a load alone this way). False
-        (nothing done) with no host run to load or while a request is unfinished."""
+        """Loads the host-tier run of `prompt`'s cached prefix alone, returning once it landed
+        (a bench times it); False (nothing done) with none to load or while requests run."""
         with self._lock, self._serving():
             if self._requests:
                 return False

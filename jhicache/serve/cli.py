@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name that /v1/models lists and responses carry "
                              "(default: the directory's name, or the preset's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--admin-api-key", metavar="KEY", default=None,
+                        help="the bearer token the storage tier's admin routes "
+                             "(/hicache/storage-backend) need; unset: they are open")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--log-level", default="info",
@@ -207,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "the warm-up has compiled every program", ctx.model.name, path, args.host,
                 args.port, tokenizer_dir or "none (token-id prompts only)")
     server = uvicorn.Server(uvicorn.Config(
-        build_app(ctx, warmup=True, max_request_bytes=args.max_request_bytes), host=args.host,
+        build_app(ctx, warmup=True, max_request_bytes=args.max_request_bytes,
+                  admin_api_key=args.admin_api_key), host=args.host,
         port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout))
 

@@ -25,14 +25,16 @@ class ServerThread:
     (which closes the engine, as the command's server does)."""
 
     def __init__(self, ctx: ServerContext, log_level: str = "warning",
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 admin_api_key: str | None = None) -> None:
         self.ctx = ctx
         self._sock = free_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         # log_config=None: a server inside another program leaves that program's logging as it
         # is (uvicorn's own config would close every handler the process has)
-        config = uvicorn.Config(build_app(ctx, max_request_bytes=max_request_bytes),
+        config = uvicorn.Config(build_app(ctx, max_request_bytes=max_request_bytes,
+                                          admin_api_key=admin_api_key),
                                 log_level=log_level, lifespan="on", log_config=None)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
