@@ -21,6 +21,7 @@ from tests.mooncake_support import Master, running_master
 
 PAGE, PAGES = 4, 12
 LAYOUT = PoolLayout(3, PAGES, PAGE, 2, 8, jnp.float32)
+BIG = PoolLayout(4, PAGES, PAGE, 64, 64, jnp.float32)
 
 
 def namespace(dtype: str = "float32") -> StorageNamespace:
@@ -124,3 +125,30 @@ def test_page_pieces_are_the_page_views_bytes() -> None:
     rows = [(int(row.ctypes.data), row.nbytes) for view in views for row in view]
     assert pieces == rows
     pool.close()
+
+
+def test_a_full_store_evicts_pages_as_misses_never_wrong_bytes(tmp_path: Path) -> None:
+    """Far more pages than the store's memory holds: every page read back is whole and the one
+    written under its key; the rest are misses."""
+    from jhicache.cache.mooncake_storage import MooncakeStorage
+
+    with running_master(tmp_path) as master:
+        pool = HostPool(BIG)  # 256 kB pages
+        config = {**master.config, "global_segment_size": 16 << 20}
+        ns = dataclasses.replace(namespace(), page_bytes=BIG.page_bytes)
+        storage = MooncakeStorage(ns, pool.page_pieces, pool.regions(), config)
+        keys = chain_keys(list(range(200 * PAGE)), PAGE)
+        assert len(keys) * BIG.page_bytes > 2 * config["global_segment_size"]  # it evicts
+        for start in range(0, len(keys), 10):
+            _fill(pool, list(range(10)), seed=start)
+            storage.set(keys[start:start + 10], list(range(10)))
+        served = 0
+        for start in range(0, len(keys), 10):
+            expected = _fill(pool, list(range(10)), seed=start)  # what was written
+            for i in range(10):
+                if storage.get([keys[start + i]], [11]) == 1:
+                    np.testing.assert_array_equal(_page(pool, 11), expected[i])
+                    served += 1
+        assert 0 < served < len(keys)
+        storage.close()
+        pool.close()
