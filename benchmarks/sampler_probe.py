@@ -57,9 +57,8 @@ def timings(batch: int, vocab: int, seed: int) -> dict[str, float]:
         ("top_k_top_p", {"top_k": 50, "top_p": 0.9}, Filters.BOTH),
         ("sample_no_filter", {}, Filters.BOTH), ("unfiltered", {}, Filters.NONE))
     for name, params, filters in variants:
-        temperature, top_k, top_p, seeds = arrays(**params)
-        out[name] = back_to_back_ms(lambda: sample(logits, temperature, top_k, top_p, seeds,
-                                                   rows=batch, filters=filters))
+        cuts = arrays(**params)
+        out[name] = back_to_back_ms(lambda: sample(logits, *cuts, rows=batch, filters=filters))
     out["greedy"] = back_to_back_ms(lambda: greedy(logits, rows=batch))
     return out
 
