@@ -205,6 +205,21 @@ def test_penalties_min_tokens_and_min_p_are_applied_on_both_apis(
         [t for t in chat_want if t not in eos])
 
 
+def test_min_tokens_holds_stop_strings_back(client: openai.OpenAI):
+    """A stop string is looked for only once min_tokens tokens are out (vLLM's rule): one
+    that the plain run meets early is passed over, then met again after them."""
+    kwargs = dict(model=MODEL, prompt="streams of tokens become", temperature=0, max_tokens=24)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
+    stop = full.text[2:5]
+    assert full.text.index(stop) < len(full.text) // 2
+    held = client.completions.create(**kwargs, stop=[stop], extra_body={
+        "ignore_eos": True, "min_tokens": 24}).choices[0]
+    assert held.text == full.text and held.finish_reason == "length"
+    cut = client.completions.create(**kwargs, stop=[stop], extra_body={
+        "ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and len(cut.text) < len(full.text)
+
+
 # ---- SGLang's native API over plain HTTP -------------------------------------------------
 
 def test_generate_stream_format(http: httpx.Client, reference: Engine, tok: Tokenizer):
