@@ -194,10 +194,10 @@ class StepExecutor:
                 history = programs.call(write_row, history, slot, entries)
             penalized = programs.call(penalize, logits, history, *penalty.arrays)
             sources = [logits, penalized] if sample_raw else [penalized]
-        sampled = [[programs.call(program, source, *arrays, rows=self.grid.max_requests,
-                                  **options)
-                    for program, arrays, options in samplers(logits.shape[0])][0]
-                   for source in sources][-1]
+        for source in sources:  # one, but for the warm-up's
+            sampled = [programs.call(program, source, *arrays, rows=self.grid.max_requests,
+                                     **options)
+                       for program, arrays, options in samplers(logits.shape[0])][0]
         if penalty is not None:
             history = programs.call(count_sampled, history, penalty.slots, sampled)
         asked = ask(logits.shape[0])
