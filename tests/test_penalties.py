@@ -257,3 +257,21 @@ def test_the_penalties_sort_nothing() -> None:
                              jnp.zeros(8, jnp.int32), jnp.ones(rows), jnp.zeros(rows),
                              jnp.zeros(rows), jnp.zeros(rows, jnp.bool_))
     assert " sort(" not in lowered.compile().as_text()
+
+
+def test_the_warm_up_s_padding_changes_nothing() -> None:
+    """The warm-up's inputs (a row write and counts past the table, neutral penalties) leave
+    the table and the logits as they are."""
+    history = TokenHistory(3, VOCAB, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    history.table = write_row(history.table, np.asarray(1, np.int32),
+                              np.arange(VOCAB, dtype=np.int32))
+    before = np.asarray(history.table)
+    step = history.padding(2, 4, write=True)
+    table = history.table
+    for slot, entries in step.writes:
+        table = write_row(table, slot, entries + 7)
+    logits = np.random.default_rng(1).normal(size=(2, VOCAB)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(penalize(jnp.asarray(logits), table,
+                                                      *step.arrays)), logits)
+    table = count_sampled(table, step.slots, jnp.arange(4, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(table), before)
