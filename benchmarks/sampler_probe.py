@@ -8,7 +8,10 @@ back, the host's dispatch hidden).
 Each batch size times every row sampling at temperature 1.0: with top-p 0.9 (`top_p`), top-k
 50 (`top_k`), both (`top_k_top_p`), neither but both cuts taken (`sample_no_filter`: the passes
 alone), neither (`unfiltered`); and `greedy`. The difference between `top_p` and `unfiltered` is
-what a top-p request adds to a step's sampling.
+what a top-p request adds to a step's sampling. `penalties` times the program a step whose
+requests set a penalty or min_tokens runs before its sampler (`jhicache.penalties.penalize`,
+every row penalised, over a table of 64 rows), and `count` the scatter after it: what such a
+step adds.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jhicache.models.config import PRESETS
 
 from jhicache.bench.command import save_json
+from jhicache.penalties import count_sampled, penalize
 from jhicache.sampling import Filters, SamplingParams, greedy, sample, sampling_arrays
 
 BATCHES = (1, 8, 32, 64)
@@ -60,7 +65,28 @@ def timings(batch: int, vocab: int, seed: int) -> dict[str, float]:
         cuts = arrays(**params)
         out[name] = back_to_back_ms(lambda: sample(logits, *cuts, rows=batch, filters=filters))
     out["greedy"] = back_to_back_ms(lambda: greedy(logits, rows=batch))
+    slots = np.arange(batch, dtype=np.int32)
+    table = jax.random.randint(jax.random.key(seed), (64, vocab), 0, 16, jnp.int32)
+    rows = (jnp.asarray(slots), jnp.full(batch, 1.1), jnp.full(batch, 0.5),
+            jnp.full(batch, 0.5), jnp.ones(batch, jnp.bool_))
+    out["penalties"] = back_to_back_ms(lambda: penalize(logits, table, *rows))
+    sampled = jnp.zeros(batch, jnp.int32)
+    out["count"] = chained_ms(lambda t: count_sampled(t, rows[0], sampled), table)
     return out
+
+
+def chained_ms(step: Callable[[jax.Array], jax.Array], first: jax.Array, reps: int = 5) -> float:
+    """`back_to_back_ms` of a program that takes its argument donated: each call is given the
+    one before's output, and the last is waited for (the calls form one chain)."""
+    current = jax.block_until_ready(step(first))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            current = step(current)
+        jax.block_until_ready(current)
+        times.append((time.perf_counter() - start) / CALLS)
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
