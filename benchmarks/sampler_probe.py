@@ -27,7 +27,7 @@ import numpy as np
 from jhicache.models.config import PRESETS
 
 from jhicache.bench.command import save_json
-from jhicache.penalties import count_sampled, penalize
+from jhicache.penalties import PenaltyRows, count_sampled, penalize
 from jhicache.sampling import Filters, SamplingParams, greedy, sample, sampling_arrays
 
 BATCHES = (1, 8, 32, 64)
@@ -65,13 +65,14 @@ def timings(batch: int, vocab: int, seed: int) -> dict[str, float]:
         cuts = arrays(**params)
         out[name] = back_to_back_ms(lambda: sample(logits, *cuts, rows=batch, filters=filters))
     out["greedy"] = back_to_back_ms(lambda: greedy(logits, rows=batch))
-    slots = np.arange(batch, dtype=np.int32)
     table = jax.random.randint(jax.random.key(seed), (64, vocab), 0, 16, jnp.int32)
-    rows = (jnp.asarray(slots), jnp.full(batch, 1.1), jnp.full(batch, 0.5),
-            jnp.full(batch, 0.5), jnp.ones(batch, jnp.bool_))
-    out["penalties"] = back_to_back_ms(lambda: penalize(logits, table, *rows))
+    rows = PenaltyRows((), np.arange(batch, dtype=np.int32), np.full(batch, 1.1, np.float32),
+                       np.full(batch, 0.5, np.float32), np.full(batch, 0.5, np.float32),
+                       np.ones(batch, np.bool_))
+    packed = jnp.asarray(rows.packed())
+    out["penalties"] = back_to_back_ms(lambda: penalize(logits, table, packed))
     sampled = jnp.zeros(batch, jnp.int32)
-    out["count"] = chained_ms(lambda t: count_sampled(t, rows[0], sampled), table)
+    out["count"] = chained_ms(lambda t: count_sampled(t, packed, sampled), table)
     return out
 
 

@@ -192,14 +192,15 @@ class StepExecutor:
             history = self.history.table
             for slot, entries in penalty.writes:
                 history = programs.call(write_row, history, slot, entries)
-            penalized = programs.call(penalize, logits, history, *penalty.arrays)
+            packed = penalty.packed()  # a host array, as the samplers' (a transfer, no program)
+            penalized = programs.call(penalize, logits, history, packed)
             sources = [logits, penalized] if sample_raw else [penalized]
         for source in sources:  # one, but for the warm-up's
             sampled = [programs.call(program, source, *arrays, rows=self.grid.max_requests,
                                      **options)
                        for program, arrays, options in samplers(logits.shape[0])][0]
         if penalty is not None:
-            history = programs.call(count_sampled, history, penalty.slots, sampled)
+            history = programs.call(count_sampled, history, packed, sampled)
         asked = ask(logits.shape[0])
         logprobs = None  # the asked ids as a host array: a transfer, no program
         if asked.token_ids is not None:

@@ -47,10 +47,13 @@ class PenaltyRows(NamedTuple):
     frequency: np.ndarray  # [B] float32 (0: none)
     hold_stops: np.ndarray  # [B] bool: fewer than min_tokens generated, stop tokens held back
 
-    @property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """What `penalize` takes after the logits and the table."""
-        return self.slots, self.repetition, self.presence, self.frequency, self.hold_stops
+    def packed(self) -> np.ndarray:
+        """The arrays as one int32 array, what `penalize` and `count_sampled` take (one
+        transfer: each separate one costs a dispatch of its own): `slots`, then the three
+        penalties' float32 bits, then `hold_stops`."""
+        floats = np.stack([self.repetition, self.presence, self.frequency]).view(np.int32)
+        return np.concatenate([self.slots, floats.reshape(-1),
+                               self.hold_stops.astype(np.int32)])
 
 
 class TokenHistory:
@@ -141,28 +144,28 @@ def write_row(table: jax.Array, slot: jax.Array, entries: jax.Array) -> jax.Arra
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def count_sampled(table: jax.Array, slots: jax.Array, sampled: jax.Array) -> jax.Array:
-    """Counts each row's sampled token in its table row (`slots` [rows] past the table and the
-    padding rows of `sampled` [rows]: nothing)."""
-    return table.at[slots, sampled].add(COUNT_UNIT, mode="drop")
+def count_sampled(table: jax.Array, packed: jax.Array, sampled: jax.Array) -> jax.Array:
+    """Counts each row's sampled token (`sampled` [rows]) in its table row (`PenaltyRows.packed`
+    starts with the rows' `slots`; those past the table: nothing)."""
+    return table.at[packed[:sampled.shape[0]], sampled].add(COUNT_UNIT, mode="drop")
 
 
 @jax.jit
 def penalize(
     logits: jax.Array,  # [B, vocab] float32, the model's
     table: jax.Array,  # [slots, vocab] int32
-    slots: jax.Array,  # [rows >= B] int32: each row's table row, past the table for none
-    repetition: jax.Array,  # [B] float32
-    presence: jax.Array,  # [B] float32
-    frequency: jax.Array,  # [B] float32
-    hold_stops: jax.Array,  # [B] bool
+    packed: jax.Array,  # [rows + 4B] int32: `PenaltyRows.packed`
 ) -> jax.Array:  # [B, vocab] float32
     """The penalised logits, in the order vLLM applies them: a token of the prompt or the
     output has a positive logit divided by the repetition penalty and a negative one
     multiplied by it (Hugging Face's `RepetitionPenaltyLogitsProcessor`); a token generated c
     times loses frequency * c + presence * (c > 0) (OpenAI's definition); a stop token of a
     row that holds them back gets -inf. Elementwise over the rows' table entries."""
-    history = jnp.take(table, slots[:logits.shape[0]], axis=0, mode="fill", fill_value=0)
+    rows = logits.shape[0]
+    slots, rest = packed[:-4 * rows], packed[-4 * rows:].reshape(4, rows)
+    repetition, presence, frequency = jax.lax.bitcast_convert_type(rest[:3], jnp.float32)
+    hold_stops = rest[3] != 0
+    history = jnp.take(table, slots[:rows], axis=0, mode="fill", fill_value=0)
     count = history >> _COUNT_SHIFT
     seen = ((history & PROMPT_BIT) != 0) | (count > 0)
     factor = repetition[:, None]

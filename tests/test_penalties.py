@@ -43,7 +43,7 @@ def _penalized(history: TokenHistory, logits: np.ndarray, chunks: list[Chunk],
     assert step is not None
     for slot, entries in step.writes:
         history.table = write_row(history.table, slot, entries)
-    out = penalize(jnp.asarray(logits), history.table, *step.arrays)
+    out = penalize(jnp.asarray(logits), history.table, jnp.asarray(step.packed()))
     return np.asarray(out)
 
 
@@ -89,7 +89,8 @@ def test_penalties_match_the_reference_processors_and_count_the_token_in_flight(
     sampled = rng.integers(0, VOCAB, rows).astype(np.int32)
     step = history.step_rows(chunks, logits.shape[0], rows)
     assert step is not None and not step.writes  # the rows are held: nothing written again
-    history.table = count_sampled(history.table, step.slots, jnp.asarray(sampled))
+    history.table = count_sampled(history.table, jnp.asarray(step.packed()),
+                                   jnp.asarray(sampled))
     chunks = [Chunk(r, r.known_len, 1, r.num_output + 1) for r in everyone]
     out = _penalized(history, logits, chunks, rows)
     for i, r in enumerate(requests):
@@ -254,8 +255,7 @@ def test_the_penalties_sort_nothing() -> None:
     """The penalties' program holds no sort (elementwise over each row's table entries)."""
     rows, vocab = 4, 300
     lowered = penalize.lower(jnp.zeros((rows, vocab)), jnp.zeros((6, vocab), jnp.int32),
-                             jnp.zeros(8, jnp.int32), jnp.ones(rows), jnp.zeros(rows),
-                             jnp.zeros(rows), jnp.zeros(rows, jnp.bool_))
+                             jnp.zeros(8 + 4 * rows, jnp.int32))
     assert " sort(" not in lowered.compile().as_text()
 
 
@@ -271,7 +271,8 @@ def test_the_warm_up_s_padding_changes_nothing() -> None:
     for slot, entries in step.writes:
         table = write_row(table, slot, entries + 7)
     logits = np.random.default_rng(1).normal(size=(2, VOCAB)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(penalize(jnp.asarray(logits), table,
-                                                      *step.arrays)), logits)
-    table = count_sampled(table, step.slots, jnp.arange(4, dtype=jnp.int32))
+    packed = jnp.asarray(step.packed())
+    np.testing.assert_array_equal(np.asarray(penalize(jnp.asarray(logits), table, packed)),
+                                  logits)
+    table = count_sampled(table, packed, jnp.arange(4, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(table), before)
