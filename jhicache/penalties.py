@@ -73,9 +73,10 @@ class TokenHistory:
         """The penalty inputs of a step of `chunks` (logits row i: chunk i's last token), its
         logits `logits_rows` rows and its sampled tokens `rows`; None when no chunk samples
         for a penalised request (the step then runs none of the penalty programs)."""
+        if self._held:  # at once, so that an ended request is not kept alive here
+            self._release_ended()
         if not any(c.samples_token and c.request.params.penalized for c in chunks):
             return None
-        self._release_ended()
         writes = []
         out = self.padding(logits_rows, rows)
         for i, chunk in enumerate(chunks):
@@ -101,7 +102,7 @@ class TokenHistory:
                            np.zeros(logits_rows, np.float32), np.zeros(logits_rows, np.bool_))
 
     def held(self) -> int:
-        """Rows held by requests (those that ended included, until the next penalised step)."""
+        """Rows held by requests (those that ended included, until the next step)."""
         return len(self._held)
 
     def _release_ended(self) -> None:

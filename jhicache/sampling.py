@@ -107,8 +107,10 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty!r}: "
                              f"expected > 0 (1: off)")
-        fix("min_tokens", _int("min_tokens", self.min_tokens, low=0,
-                               high=self.max_new_tokens + 1))
+        fix("min_tokens", _int("min_tokens", self.min_tokens, low=0))
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens}: expected at most "
+                             f"max_new_tokens ({self.max_new_tokens})")
         if self.seed is not None:
             fix("seed", _int("seed", self.seed, low=0, high=SEED_LIMIT))
         fix("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))

@@ -113,7 +113,10 @@ def test_rows_of_ended_requests_are_freed_and_written_again_for_the_next() -> No
     step = history.step_rows([Chunk(later, 3, 1, 3)], 1, 4)
     assert step is not None and [int(s) for s, _ in step.writes] == [int(step.slots[0])]
     np.testing.assert_array_equal(step.writes[0][1] >> 2, np.bincount([6] * 3, minlength=VOCAB))
+    first[1].status = later.status = RequestStatus.FINISHED
+    # a step with no penalised request runs nothing, and lets the ended requests go
     assert history.step_rows([Chunk(_request([1], [], SamplingParams()), 0, 1, 0)], 1, 4) is None
+    assert history.held() == 0
 
 
 SAMPLED = [
