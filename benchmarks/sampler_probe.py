@@ -8,7 +8,10 @@ back, the host's dispatch hidden).
 Each batch size times every row sampling at temperature 1.0: with top-p 0.9 (`top_p`), top-k
 50 (`top_k`), both (`top_k_top_p`), neither but both cuts taken (`sample_no_filter`: the passes
 alone), neither (`unfiltered`); and `greedy`. The difference between `top_p` and `unfiltered` is
-what a top-p request adds to a step's sampling.
+what a top-p request adds to a step's sampling. `penalties` times the program a step whose
+requests set a penalty or min_tokens runs before its sampler (`jhicache.penalties.penalize`,
+every row penalised, over a table of 64 rows), and `count` the scatter after it: what such a
+step adds.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jhicache.models.config import PRESETS
 
 from jhicache.bench.command import save_json
+from jhicache.penalties import PenaltyRows, count_sampled, penalize
 from jhicache.sampling import Filters, SamplingParams, greedy, sample, sampling_arrays
 
 BATCHES = (1, 8, 32, 64)
@@ -57,11 +62,32 @@ def timings(batch: int, vocab: int, seed: int) -> dict[str, float]:
         ("top_k_top_p", {"top_k": 50, "top_p": 0.9}, Filters.BOTH),
         ("sample_no_filter", {}, Filters.BOTH), ("unfiltered", {}, Filters.NONE))
     for name, params, filters in variants:
-        temperature, top_k, top_p, seeds = arrays(**params)
-        out[name] = back_to_back_ms(lambda: sample(logits, temperature, top_k, top_p, seeds,
-                                                   rows=batch, filters=filters))
+        cuts = arrays(**params)
+        out[name] = back_to_back_ms(lambda: sample(logits, *cuts, rows=batch, filters=filters))
     out["greedy"] = back_to_back_ms(lambda: greedy(logits, rows=batch))
+    table = jax.random.randint(jax.random.key(seed), (64, vocab), 0, 16, jnp.int32)
+    rows = PenaltyRows((), np.arange(batch, dtype=np.int32), np.full(batch, 1.1, np.float32),
+                       np.full(batch, 0.5, np.float32), np.full(batch, 0.5, np.float32),
+                       np.ones(batch, np.bool_))
+    packed = jnp.asarray(rows.packed())
+    out["penalties"] = back_to_back_ms(lambda: penalize(logits, table, packed))
+    sampled = jnp.zeros(batch, jnp.int32)
+    out["count"] = chained_ms(lambda t: count_sampled(t, packed, sampled), table)
     return out
+
+
+def chained_ms(step: Callable[[jax.Array], jax.Array], first: jax.Array, reps: int = 5) -> float:
+    """`back_to_back_ms` of a program that takes its argument donated: each call is given the
+    one before's output, and the last is waited for (the calls form one chain)."""
+    current = jax.block_until_ready(step(first))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            current = step(current)
+        jax.block_until_ready(current)
+        times.append((time.perf_counter() - start) / CALLS)
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from jhicache.grid import ShapeGrid, StepShape
 from jhicache.logprobs import PROMPT_REDUCTIONS, asked_ids, prompt_targets, token_logprobs
 from jhicache.models import AttentionMetadata
 from jhicache.models.functional import output_type
+from jhicache.penalties import PenaltyRows, TokenHistory, count_sampled, penalize, write_row
 from jhicache.runner import ModelRunner
 from jhicache.sampling import Filters, greedy, sample, sampling_arrays, step_filters
 
@@ -66,17 +67,20 @@ class _Dispatched(NamedTuple):
     logprobs: Any
     spans: tuple[scoring.PromptSpan, ...]
     prompt: Any  # the first prompt reduction's output
+    history: Any = None  # the token history's table after the step; None: not touched
 
 
 class StepExecutor:
-    """Owns the runner, the step grid and the pool's load flags, and dispatches a step's
-    programs over them: the inputs' patch of pending tokens, the forward's two programs, a
-    sampler, and the log-probability programs a step's requests ask for."""
+    """Owns the runner, the step grid, the pool's load flags and the penalised requests' token
+    history, and dispatches a step's programs over them: the inputs' patch of pending tokens,
+    the forward's two programs, the penalties where a request asks for them, a sampler, and
+    the log-probability programs a step's requests ask for."""
 
     def __init__(self, runner: ModelRunner, grid: ShapeGrid, load_flags: jax.Array | None,
-                 writes: WriteBacks | None) -> None:
+                 writes: WriteBacks | None, history: TokenHistory) -> None:
         self.runner, self.grid, self.load_flags = runner, grid, load_flags
         self.writes = writes  # the write-back gathers, compiled ahead too (None: no host tier)
+        self.history = history
 
     def launch(self, batch: Batch, transfers: TransferStep,
                previous: jax.Array | None) -> Launched:
@@ -91,9 +95,12 @@ class StepExecutor:
         gated = any(not t.done() for t in batch.tickets)  # its loads had not all landed
         inputs = model_inputs(batch, self.grid, self.load_flags, gate)
         run = _Run(self.runner)
-        out = self._dispatch(run, inputs, previous, lambda rows: [_sampler(batch, rows)],
-                             lambda rows: scoring.on_launch(batch, rows, inputs.shape.tokens),
-                             between=transfers.finish_loads)
+        out = self._dispatch(
+            run, inputs, previous, lambda rows: [_sampler(batch, rows)],
+            lambda rows: scoring.on_launch(batch, rows, inputs.shape.tokens),
+            lambda rows: self.history.step_rows(batch.chunks, rows, self.grid.max_requests),
+            between=transfers.finish_loads)
+        self._keep(out)
         for row, chunk in enumerate(batch.chunks):
             if chunk.samples_token:
                 chunk.request.pending_row = row
@@ -104,8 +111,8 @@ class StepExecutor:
         """Runs a step of `shape` whose every row is padding (it writes only the reserved
         padding page), with every sampler and log-probability program such a step or the next
         one can dispatch; a decode runs twice, without and with the patch of pending tokens."""
-        sampled = self._every_variant(_Run(self.runner), shape)
-        jax.block_until_ready(sampled)
+        sampled = self._every_variant(_Run(self.runner), shape, keep=True)
+        jax.block_until_ready((sampled, self.history.table))
 
     def lower(self, shape: StepShape, lock: contextlib.AbstractContextManager,
               sampled_logprobs: bool = True, prompt_logprobs: bool = True) -> None:
@@ -126,10 +133,12 @@ class StepExecutor:
         _compiled(self.writes.lower_gather(size), lock)
 
     def _every_variant(self, programs: _Programs, shape: StepShape, sampled_logprobs: bool = True,
-                       prompt_logprobs: bool = True) -> Any:
-        """Every program of a step of `shape` through `programs`: each sampler, the log
-        probabilities, and for a decode both inputs, unpatched then patched by the first's
-        samples. Returns the last sampled tokens."""
+                       prompt_logprobs: bool = True, keep: bool = False) -> Any:
+        """Every program of a step of `shape` through `programs`: the penalties' (with row
+        writes and counts that change nothing), each sampler over the model's and the
+        penalised logits, the log probabilities, and for a decode both inputs, unpatched then
+        patched by the first's samples; with `keep` (programs called, not lowered), the token
+        history's table each step returns is kept. Returns the last sampled tokens."""
         def samplers(rows: int) -> list[Sampler]:
             arrays = sampling_arrays([], [], rows)
             return [(greedy, (), {}), *((sample, arrays, {"filters": f}) for f in Filters)]
@@ -140,29 +149,58 @@ class StepExecutor:
                                  prompt_targets(shape.tokens) if prompt else None,
                                  PROMPT_REDUCTIONS if prompt else ())
 
+        def penalties(rows: int) -> PenaltyRows:
+            return self.history.padding(rows, self.grid.max_requests, write=True)
+
         sampled = None
         for patched in ((False, True) if shape.decode else (False,)):
             inputs = padding_inputs(shape, self.grid, self.load_flags, patched)
-            sampled = self._dispatch(programs, inputs, sampled, samplers, ask).sampled
+            out = self._dispatch(programs, inputs, sampled, samplers, ask, penalties,
+                                 sample_raw=True)
+            if keep:
+                self._keep(out)
+            sampled = out.sampled
         return sampled
+
+    def _keep(self, out: _Dispatched) -> None:
+        """Keeps the token history's table a step wrote (its programs take it donated)."""
+        if out.history is not None:
+            self.history.table = out.history
 
     def _dispatch(self, programs: _Programs, inputs: StepInputs, previous: Any,
                   samplers: Callable[[int], list[Sampler]],
                   ask: Callable[[int], scoring.Asked],
-                  between: Callable[[], object] = lambda: None) -> _Dispatched:
+                  penalties: Callable[[int], PenaltyRows | None],
+                  between: Callable[[], object] = lambda: None,
+                  sample_raw: bool = False) -> _Dispatched:
         """The programs of one step, in order: the patch of pending tokens (fed by `previous`,
         the step before's samples), the forward's first program, `between` (the later layers'
-        loads), its second program, the `samplers` (host arrays made for the logits' rows),
-        then the log-probability programs `ask` names. The host arrays are made just before
-        the program that takes them, so that the forward is dispatched first."""
+        loads), its second program, where `penalties` gives rows the token history's row
+        writes and the penalties (else none of their programs), the `samplers` (host arrays
+        made for the logits' rows) over the penalised logits (with `sample_raw`, the warm-up's,
+        over the model's too), the sampled tokens counted in the history, then the
+        log-probability programs `ask` names (of the model's logits). The host arrays are made
+        just before the program that takes them, so that the forward is dispatched first."""
         tokens = inputs.tokens
         if inputs.patches is not None:  # decode tokens sampled by the step still in flight
             tokens = programs.call(patch_tokens, tokens, *inputs.patches, previous)
         hidden = programs.first(tokens, inputs.meta)
         between()
         logits, rows = programs.rest(hidden, inputs.meta, inputs.last_index)
-        sampled = [programs.call(program, logits, *arrays, rows=self.grid.max_requests, **options)
-                   for program, arrays, options in samplers(logits.shape[0])][0]
+        penalty, history, sources = penalties(logits.shape[0]), None, [logits]
+        if penalty is not None:
+            history = self.history.table
+            for slot, entries in penalty.writes:
+                history = programs.call(write_row, history, slot, entries)
+            packed = penalty.packed()  # a host array, as the samplers' (a transfer, no program)
+            penalized = programs.call(penalize, logits, history, packed)
+            sources = [logits, penalized] if sample_raw else [penalized]
+        for source in sources:  # one, but for the warm-up's
+            sampled = [programs.call(program, source, *arrays, rows=self.grid.max_requests,
+                                     **options)
+                       for program, arrays, options in samplers(logits.shape[0])][0]
+        if penalty is not None:
+            history = programs.call(count_sampled, history, packed, sampled)
         asked = ask(logits.shape[0])
         logprobs = None  # the asked ids as a host array: a transfer, no program
         if asked.token_ids is not None:
@@ -172,7 +210,7 @@ class StepExecutor:
             targets = jax.device_put(asked.targets, rows.sharding)  # (replicated over a mesh)
             prompt = [programs.head_rows(rows, targets, reduction)
                       for reduction in asked.reductions][0]
-        return _Dispatched(sampled, logprobs, asked.spans, prompt)
+        return _Dispatched(sampled, logprobs, asked.spans, prompt, history)
 
 
 def _sampler(batch: Batch, rows: int) -> Sampler:

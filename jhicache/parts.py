@@ -40,6 +40,7 @@ from jhicache.models import (
 )
 from jhicache.models.qwen2_weights import read_config
 from jhicache.models.sharding import TensorParallel
+from jhicache.penalties import TokenHistory
 from jhicache.runner import ModelRunner
 from jhicache.scheduler import Scheduler
 
@@ -63,6 +64,11 @@ class EngineParts:
     @classmethod
     def create(cls, model: Qwen2ForCausalLM, config: EngineConfig) -> EngineParts:
         tp = tensor_parallel(model.config, config)
+        # before the pool, whose default size is a share of the device memory left: replicated
+        # over a mesh, as the logits it penalises are
+        history = TokenHistory(config.max_running_requests, model.config.vocab_size,
+                               jax.sharding.SingleDeviceSharding(jax.devices()[0]) if tp is None
+                               else tp.sharding(jax.sharding.PartitionSpec()))
         layout = _device_layout(model.config, config, tp)
         device_pool = DevicePool(layout, sharding=None if tp is None else tp.kv_pages_sharding)
         host_pool, transfers = None, None
@@ -90,7 +96,7 @@ class EngineParts:
         load_flags = device_pool.load_flags if host_pool is not None else None
         writes = None if transfers is None else transfers.writes
         return cls(tp, device_pool, cache, Scheduler(config, cache), runner, grid,
-                   StepExecutor(runner, grid, load_flags, writes),
+                   StepExecutor(runner, grid, load_flags, writes, history),
                    Limits(model.config.vocab_size, grid.max_context_len),
                    functools.partial(_storage, model.config, host_pool=host_pool))
 

@@ -1,4 +1,5 @@
-"""SamplingParams and the jitted sampler: greedy, temperature, top-k and top-p on device."""
+"""SamplingParams and the jitted sampler: greedy, temperature, top-k, top-p and min-p on
+device."""
 
 from __future__ import annotations
 
@@ -46,9 +47,15 @@ def _token_ids(field: str, value: object) -> tuple[int, ...]:
 class SamplingParams:
     """How to pick each new token.
 
-    `temperature == 0` is greedy. Otherwise the tempered softmax is cut to the `top_k` most
-    likely tokens, then to the smallest set of those whose renormalised mass reaches `top_p`
-    (the order Hugging Face and vLLM apply them in), and a token is drawn from what is left. A
+    The model's logits are first penalised (`jhicache.penalties`): each token already in the
+    prompt or the output has a positive logit divided by `repetition_penalty` and a negative
+    one multiplied by it (Hugging Face's and SGLang's rule), then each token generated `c`
+    times so far loses `frequency_penalty * c + presence_penalty * (c > 0)` (OpenAI's), and
+    before `min_tokens` new tokens no stop token can be drawn.
+    `temperature == 0` is then greedy. Otherwise the tempered softmax is cut to the `top_k` most
+    likely tokens, then to the smallest set of those whose renormalised mass reaches `top_p`,
+    then to the tokens at least `min_p` times as likely as the likeliest (the order Hugging
+    Face applies them in), and a token is drawn from what is left. A
     request with a `seed` draws the same tokens however it is batched and whatever the cache
     mode; an unseeded one gets a fresh random seed when it is submitted. Generation stops after
     `max_new_tokens` tokens or at the first of `stop_token_ids`, which is kept in the output.
@@ -70,6 +77,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
     token_ids_logprob: tuple[int, ...] = ()
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         fix = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen)
@@ -83,6 +95,22 @@ class SamplingParams:
             fix("top_p", _real("top_p", self.top_p))
             if not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"SamplingParams.top_p={self.top_p!r}: expected None or in (0, 1]")
+        fix("min_p", _real("min_p", self.min_p))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p={self.min_p!r}: expected in [0, 1]")
+        for field in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+            fix(field, _real(field, getattr(self, field)))
+            if not -2.0 <= getattr(self, field) <= 2.0:
+                raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: expected "
+                                 f"in [-2, 2]")
+        fix("repetition_penalty", _real("repetition_penalty", self.repetition_penalty))
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty!r}: "
+                             f"expected > 0 (1: off)")
+        fix("min_tokens", _int("min_tokens", self.min_tokens, low=0))
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens}: expected at most "
+                             f"max_new_tokens ({self.max_new_tokens})")
         if self.seed is not None:
             fix("seed", _int("seed", self.seed, low=0, high=SEED_LIMIT))
         fix("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
@@ -105,14 +133,23 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens before (a penalty, or `min_tokens`): it then
+        needs a row of the device's token history (`jhicache.penalties`)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or self.min_tokens > 0)
+
 
 def sampling_arrays(params: list[SamplingParams], steps: list[int],
                     rows: int) -> tuple[np.ndarray, ...]:
-    """Per-row temperature, top-k (0 = off), top-p, and (seed low, seed high, step) words, padded
-    to `rows`. Sampled rows must carry a seed (the engine gives unseeded requests one)."""
+    """Per-row temperature, top-k (0 = off), top-p, min-p, and (seed low, seed high, step) words,
+    padded to `rows`. Sampled rows must carry a seed (the engine gives unseeded requests
+    one)."""
     temperature = np.zeros(rows, np.float32)
     top_k = np.zeros(rows, np.int32)
     top_p = np.ones(rows, np.float32)
+    min_p = np.zeros(rows, np.float32)
     seeds = np.zeros((rows, 3), np.uint32)
     for i, (p, step) in enumerate(zip(params, steps)):
         if p.is_greedy:
@@ -120,8 +157,9 @@ def sampling_arrays(params: list[SamplingParams], steps: list[int],
         if p.seed is None:
             raise ValueError("a sampled row needs a seed: submit requests through the Engine")
         temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k or 0, p.top_p or 1.0
+        min_p[i] = p.min_p
         seeds[i] = p.seed & 0xFFFFFFFF, p.seed >> 32, step
-    return temperature, top_k, top_p, seeds
+    return temperature, top_k, top_p, min_p, seeds
 
 
 def _padded(ids: jax.Array, rows: int) -> jax.Array:
@@ -183,6 +221,7 @@ def sample(
     temperature: jax.Array,  # [B]
     top_k: jax.Array,  # [B] int32, 0 = no top-k
     top_p: jax.Array,  # [B] float32, 1 = no top-p
+    min_p: jax.Array,  # [B] float32, 0 = no min-p
     seeds: jax.Array,  # [B, 3] uint32: (seed low, seed high, step) per row
     *,
     rows: int,  # >= B: the output is padded to it
@@ -190,14 +229,25 @@ def sample(
 ) -> jax.Array:  # [rows] int32
     """Greedy rows take the argmax; the others sample from the filtered, tempered softmax (the
     Gumbel-max over token ids, so a row draws the same token whatever `filters` its batch
-    needs)."""
+    needs). Min-p is always taken: two passes over the row, beside the noise's cost."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     drawn = scaled + _gumbel(seeds, logits.shape[-1])
+    keep = min_p_mask(scaled, min_p)
     if filters is not Filters.NONE:
-        drawn = jnp.where(filter_mask(scaled, top_k, top_p, filters), drawn, -jnp.inf)
+        keep &= filter_mask(scaled, top_k, top_p, filters)
+    drawn = jnp.where(keep, drawn, -jnp.inf)
     sampled = jnp.argmax(drawn, axis=-1).astype(jnp.int32)
     return _padded(jnp.where(temperature > 0, sampled, greedy_ids), rows)
+
+
+def min_p_mask(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Which tokens of each row [B, vocab] are at least `min_p` times as likely as the likeliest
+    (0: all): p / p_max = exp(scaled - max), so a comparison of the tempered logits, with no
+    softmax. Its mask and top-k's and top-p's together are its cut taken after theirs (Hugging
+    Face's order): neither removes the likeliest token, the one it compares with."""
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    return scaled >= top + jnp.log(min_p)[:, None]  # log(0) = -inf keeps every token
 
 
 def filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -141,6 +141,25 @@ def check_logprobs_equal_one_device() -> None:
         assert all(len(r.top) == alternatives for r in two.prompt_logprobs[1:] if r is not None)
 
 
+def check_penalties_equal_one_device() -> None:
+    """Penalised requests (every penalty, min_tokens, a sampled one with min-p) at tp 2 draw
+    one device's tokens: the token history is replicated over the mesh, as the logits are."""
+    prompts = [[5, 6, 7, 5, 6, 7, 9] * 4, list(range(3, 40)), [11] * 20]
+    params = [SamplingParams(max_new_tokens=12, repetition_penalty=1.4, frequency_penalty=0.5),
+              SamplingParams(max_new_tokens=12, presence_penalty=1.0, min_tokens=6,
+                             stop_token_ids=(4, 12)),
+              SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, min_p=0.1,
+                             presence_penalty=0.5, frequency_penalty=0.5)]
+    one, two = (engine(tp_model(), tp) for tp in (1, 2))
+    outputs = [[o.token_ids for o in eng.generate(prompts, params)] for eng in (one, two)]
+    assert outputs[0] == outputs[1], outputs
+    plain = one.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [o.token_ids for o in plain][:2] != outputs[0][:2]  # the penalties acted
+    table = two.executor.history.table
+    assert len(table.sharding.device_set) == 2 and table.sharding.is_fully_replicated
+    two.check_invariants()
+
+
 def assert_host_tier_used(eng: Engine) -> None:
     """Pages left the device, went to host and came back, every copy retired; both tiers split
     into one shard per device (each device's host block a 1/tp share)."""
@@ -412,7 +431,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("bad_sizes_rejected", "checkpoint_loads_sharded", "dry_run_72b", "engine_tokens",
               "gated_forward_matches_ungated", "logprobs_equal_one_device",
-              "sharded_random_init"),
+              "penalties_equal_one_device", "sharded_random_init"),
     "tiers": ("deferred_copies_wait_on_every_shard", "hierarchical_replicated_kv_heads",
               "hierarchical_write_back", "hierarchical_write_through",
               "hierarchical_write_through_selective", "invariant_catches_misplaced_pages",

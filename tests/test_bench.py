@@ -21,6 +21,7 @@ from jhicache.bench import (
     compile_counter,
     engines,
     multiturn,
+    remote,
     workload,
 )
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
@@ -470,3 +471,21 @@ def test_turn_params_seed_each_sampled_turn_by_its_place() -> None:
     assert [p.seed for p in flat] == list(range(6))  # [round][client]: round * clients + client
     assert {(p.temperature, p.top_p, p.logprobs, p.max_new_tokens) for p in flat} == {
         (0.8, 0.9, 2, 5)}
+
+
+def test_penalties_reach_every_turn_and_the_remote_body() -> None:
+    """--presence-penalty, --frequency-penalty and --repetition-penalty: every turn's params
+    carry them, the HTTP body names them as SGLang does, and the report says so."""
+    args = cli.parse_args(["multiturn", "--presence-penalty", "0.5", "--frequency-penalty",
+                           "-0.25", "--repetition-penalty", "1.1"])
+    sampling = multiturn.turn_sampling(args)
+    flat = [p for row in multiturn.turn_params(MultiTurnSpec(num_clients=2, num_rounds=2),
+                                               sampling) for p in row]
+    assert {(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in flat} == {
+        (0.5, -0.25, 1.1)}
+    body = json.loads(remote.generate_body([1, 2], flat[0]))["sampling_params"]
+    assert (body["presence_penalty"], body["frequency_penalty"],
+            body["repetition_penalty"]) == (0.5, -0.25, 1.1)
+    plain = json.loads(remote.generate_body([1, 2], multiturn.turn_params(
+        MultiTurnSpec(num_clients=1, num_rounds=1))[0][0]))["sampling_params"]
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty"} & set(plain)

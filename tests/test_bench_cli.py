@@ -67,7 +67,10 @@ def test_sending_choices(capsys, option: str) -> None:
 
 
 @pytest.mark.parametrize(("option", "value"), [("--temperature", "-0.5"), ("--temperature", "nan"),
-                                               ("--top-p", "0"), ("--top-p", "1.5")])
+                                               ("--top-p", "0"), ("--top-p", "1.5"),
+                                               ("--presence-penalty", "2.5"),
+                                               ("--frequency-penalty", "nan"),
+                                               ("--repetition-penalty", "0")])
 def test_sampling_options_take_their_ranges(capsys, option: str, value: str) -> None:
     assert f"argument {option}:" in usage_error(capsys, ["multiturn", option, value])
 

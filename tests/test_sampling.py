@@ -20,10 +20,9 @@ from jhicache.sampling import (
 def _sample(logits: np.ndarray, params: list[SamplingParams], step: int = 0,
             filters: Filters | None = None) -> np.ndarray:
     """`sample` with the cuts `params` ask for, or with `filters`."""
-    temperature, top_k, top_p, seeds = map(jnp.asarray, sampling_arrays(
-        params, [step] * len(params), logits.shape[0]))
+    arrays = map(jnp.asarray, sampling_arrays(params, [step] * len(params), logits.shape[0]))
     rows = logits.shape[0] + 3  # padded past the batch, as the engine pads to its grid
-    out = np.asarray(sample(jnp.asarray(logits), temperature, top_k, top_p, seeds, rows=rows,
+    out = np.asarray(sample(jnp.asarray(logits), *arrays, rows=rows,
                             filters=step_filters(params) if filters is None else filters))
     np.testing.assert_array_equal(out[logits.shape[0]:], 0)
     return out[: logits.shape[0]]
@@ -69,9 +68,15 @@ def test_top_k_samples_only_among_the_k_largest_and_is_seeded() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_k=0),
-                                 dict(top_p=0.0)])
+                                 dict(top_p=0.0), dict(min_p=-0.1), dict(min_p=1.5),
+                                 dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                                 dict(frequency_penalty=float("nan")),
+                                 dict(repetition_penalty=0.0), dict(repetition_penalty=True),
+                                 dict(min_tokens=-1), dict(max_new_tokens=4, min_tokens=5),
+                                 dict(min_tokens=1.0)])
 def test_invalid_params_raise(bad: dict) -> None:
-    with pytest.raises(ValueError):
+    field = next(f for f in bad if f != "max_new_tokens" or len(bad) == 1)
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
         SamplingParams(**bad)
 
 
@@ -155,8 +160,8 @@ def test_the_sampler_sorts_nothing(filters: Filters) -> None:
     """No program of the sampler holds a sort of any row (the filters are value thresholds)."""
     rows, vocab = 4, 300
     lowered = sample.lower(jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
-                           jnp.ones(rows), jnp.zeros((rows, 3), jnp.uint32), rows=8,
-                           filters=filters)
+                           jnp.ones(rows), jnp.zeros(rows), jnp.zeros((rows, 3), jnp.uint32),
+                           rows=8, filters=filters)
     assert " sort(" not in lowered.compile().as_text()  # XLA's sort op, as jnp.argsort gives
 
 

@@ -171,6 +171,55 @@ def test_stop_string_cuts_text_streamed_or_not(client: openai.OpenAI):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.5}
+
+
+def test_penalties_min_tokens_and_min_p_are_applied_on_both_apis(
+        client: openai.OpenAI, http: httpx.Client, tok: Tokenizer, reference: Engine):
+    """The penalties, min_tokens and min_p reach the engine from /v1/completions,
+    /v1/chat/completions and /generate: each answer is the engine's own greedy run with them
+    (EOS held back by min_tokens), and the penalties change the plain run's tokens."""
+    ids = [7, 50, 120, 33, 200, 9, 41] * 3
+    eos = tuple(tok.eos_token_ids)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=eos, min_tokens=10, min_p=0.5,
+                            **PENALTIES)
+    want = reference.generate([ids], params)[0].token_ids
+    assert want != greedy(reference, ids, 12, eos)
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                    extra_body={**PENALTIES, "min_tokens": 10, "min_p": 0.5})
+    assert got.choices[0].model_extra["token_ids"] == want
+    native = http.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "min_new_tokens": 10, "min_p": 0.5,
+        **PENALTIES}}).json()
+    assert native["output_ids"] == want
+    messages = [{"role": "user", "content": "what does a cache keep?"}]
+    chat_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    chat_want = reference.generate([chat_ids], SamplingParams(
+        max_new_tokens=9, stop_token_ids=eos, min_tokens=3, **PENALTIES))[0].token_ids
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9,
+                                          temperature=0, presence_penalty=1.5,
+                                          frequency_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.5,
+                                                      "min_tokens": 3})
+    assert chat.choices[0].message.content == tok.decode(
+        [t for t in chat_want if t not in eos])
+
+
+def test_min_tokens_holds_stop_strings_back(client: openai.OpenAI):
+    """A stop string is looked for only once min_tokens tokens are out (vLLM's rule): one
+    that the plain run meets early is passed over, then met again after them."""
+    kwargs = dict(model=MODEL, prompt="streams of tokens become", temperature=0, max_tokens=24)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
+    stop = full.text[2:5]
+    assert full.text.index(stop) < len(full.text) // 2
+    held = client.completions.create(**kwargs, stop=[stop], extra_body={
+        "ignore_eos": True, "min_tokens": 24}).choices[0]
+    assert held.text == full.text and held.finish_reason == "length"
+    cut = client.completions.create(**kwargs, stop=[stop], extra_body={
+        "ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and len(cut.text) < len(full.text)
+
+
 # ---- SGLang's native API over plain HTTP -------------------------------------------------
 
 def test_generate_stream_format(http: httpx.Client, reference: Engine, tok: Tokenizer):
@@ -378,6 +427,56 @@ BAD = [
     ("/generate", {"sampling_params": {}}, "text"),
     ("/generate", {"input_ids": [1] * 2000}, None),
 ]
+
+
+# fields the server does not implement: refused, naming the field, never ignored
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+UNIMPLEMENTED = [
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "x", "tools": []}, "tools"),
+    ("/v1/completions", {"prompt": "x", "regex": "a+"}, "regex"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {**CHAT, "metadata": {"a": "b"}}, "metadata"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi",
+                                                    "name": "ann"}]}, "messages.0.name"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}},
+     "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "sampling_params": {"logit_bias": {"5": 1.0}}},
+     "sampling_params.logit_bias"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+     "sampling_params.min_new_tokens"),
+    ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path"),
+    ("/generate", {"text": "x", "image_data": "x.png"}, "image_data"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", UNIMPLEMENTED,
+                         ids=[f"{path}-{field}" for path, _, field in UNIMPLEMENTED])
+def test_fields_the_server_does_not_implement_are_refused_by_name(
+        http: httpx.Client, path: str, body: dict, field: str):
+    """The message names the field (nested ones by their path), `param` its top-level one."""
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field.split(".")[0] and field in error["message"], error
+
+
+def test_tool_and_format_fields_asking_for_what_the_server_does_are_accepted(
+        http: httpx.Client):
+    for extra in ({"tools": [], "tool_choice": "none"}, {"tool_choice": "auto"},
+                  {"response_format": {"type": "text"}}):
+        assert http.post("/v1/chat/completions", json={**CHAT, **extra}).status_code == 200
+    assert http.post("/generate", json={"text": "x", "lora_path": ""}).status_code == 200
 
 
 @pytest.mark.parametrize("path, body, param", BAD)

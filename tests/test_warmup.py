@@ -16,6 +16,7 @@ from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.compiles import CompileError
 from jhicache.grid import ShapeGrid, StepShape, token_ladder
 from jhicache.warmup import read_back, timing_shapes
+from tests.logits_processors import greedy_next
 from tests.models.numpy_reference import (
     random_hf_weights,
     reference_logits,
@@ -110,25 +111,40 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return write_hf_checkpoint(tmp_path_factory.mktemp("warm"), CFG, weights), weights
 
 
-def reference_greedy(weights: dict, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
+def reference_greedy(weights: dict, prompt: list[int], n: int,
+                     params: SamplingParams = SamplingParams()) -> list[int]:
+    """`n` greedy tokens of the numpy model, with `params`'s penalties."""
+    out: list[int] = []
     for _ in range(n):
-        tokens.append(int(np.argmax(reference_logits(weights, CFG, tokens)[-1])))
-    return tokens[len(prompt):]
+        logits = reference_logits(weights, CFG, [*prompt, *out])[-1]
+        out.append(greedy_next(logits, params, prompt, out))
+    return out
 
 
-def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[int], list[int]]]:
+def _penalties(n: int) -> dict:
+    """Every penalty, and min_tokens (at most `n`) holding a stop token back."""
+    return dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
+                min_tokens=min(n, 2), stop_token_ids=(3,))
+
+
+Finished = tuple[list[int], SamplingParams, list[int]]
+
+
+def random_traffic(engine: Engine, rng: np.random.Generator) -> list[Finished]:
     """Conversations that grow to the context limit (device and host hits, chunked prefills),
-    then an online burst of any lengths with aborts, sampled rows and log probabilities.
-    Returns (prompt, greedy output) of every greedy request that finished."""
+    then an online burst of any lengths with aborts, sampled rows, penalties and log
+    probabilities. Returns (prompt, params, greedy output) of every greedy request that
+    finished."""
     limit, vocab, done = engine.grid.max_context_len, CFG["vocab_size"], []
     chats: list[list[int]] = [[] for _ in range(3)]
     while min(len(c) for c in chats) < limit - 60:
         live = [c for c in chats if len(c) < limit - 60]
         prompts = [c + rng.integers(0, vocab, int(rng.integers(1, 50))).tolist() for c in live]
-        params = [SamplingParams(max_new_tokens=int(rng.integers(1, 8))) for _ in prompts]
-        for chat, prompt, out in zip(live, prompts, engine.generate(prompts, params)):
-            done.append((prompt, out.token_ids))
+        lengths = [int(rng.integers(1, 8)) for _ in prompts]
+        params = [SamplingParams(max_new_tokens=n, **(_penalties(n) if k % 2 else {}))
+                  for k, n in enumerate(lengths)]
+        for chat, prompt, p, out in zip(live, prompts, params, engine.generate(prompts, params)):
+            done.append((prompt, p, out.token_ids))
             chat[:] = prompt + out.token_ids
     ids = {}
     for i in range(7):  # 1 token up to the limit, some reusing a conversation's prefix
@@ -138,10 +154,11 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
         prompt = prefix + rng.integers(0, vocab, length - len(prefix)).tolist()
         sampled = i in (3, 5)  # with top-k (the sorting sampler), and without
         params = SamplingParams(max_new_tokens=n, temperature=1.0 if sampled else 0.0,
-                                top_k=5 if i != 5 else None,
+                                top_k=5 if i != 5 else None, min_p=0.1 if i == 3 else 0.0,
                                 seed=i, logprobs=2 if i % 2 else None,  # their programs too
-                                prompt_logprobs=(1 + 2 * (i % 2)) if i % 3 == 1 else None)
-        ids[engine.add_request(prompt, params)] = (prompt, sampled)
+                                prompt_logprobs=(1 + 2 * (i % 2)) if i % 3 == 1 else None,
+                                **(_penalties(n) if i in (1, 3, 4) else {}))
+        ids[engine.add_request(prompt, params)] = (prompt, params)
         if i % 2:
             engine.step()
     outputs, tokens = {}, {rid: [] for rid in ids}
@@ -156,10 +173,10 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[tuple[list[
             break
     engine.step()
     engine.step()
-    for rid, (prompt, sampled) in ids.items():
+    for rid, (prompt, params) in ids.items():
         out = outputs.get(rid)
-        if out is not None and out.finish_reason == "length" and not sampled:
-            done.append((prompt, tokens[rid]))
+        if out is not None and out.finish_reason == "length" and params.is_greedy:
+            done.append((prompt, params, tokens[rid]))
     return done
 
 
@@ -176,10 +193,10 @@ def test_after_warmup_random_traffic_compiles_nothing_and_matches_the_reference(
     finished = random_traffic(engine, np.random.default_rng(11))
     stats = engine.stats()
     assert stats.compiles_serving == 0  # fail_on_compile would have raised already
-    assert len(finished) > 20
-    for prompt, output in finished:
-        assert output == reference_greedy(weights, prompt, len(output))
-    assert max(len(p) + len(o) for p, o in finished) == engine.grid.max_context_len
+    assert len(finished) > 20 and sum(p.penalized for _, p, _ in finished) >= 8
+    for prompt, params, output in finished:
+        assert output == reference_greedy(weights, prompt, len(output), params)
+    assert max(len(p) + len(o) for p, _, o in finished) == engine.grid.max_context_len
     if mode != "off":
         assert stats.device_hit_tokens > 0
     if mode == "hierarchical":

@@ -46,6 +46,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def penalty(text: str) -> float:
+    """argparse type: a presence or frequency penalty, a number in [-2, 2] (OpenAI's range)."""
+    value = _parsed(float, text)
+    if not -2.0 <= value <= 2.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [-2, 2]")
+    return value
+
+
 def storage_directory(text: str) -> str:
     """argparse type: a directory for the storage tier's files, made (with its parents) if it
     does not exist yet."""

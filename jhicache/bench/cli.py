@@ -20,6 +20,7 @@ from jhicache.bench.arg_types import (
     non_negative_float,
     non_negative_int,
     output_file,
+    penalty,
     positive_float,
     positive_int,
     preset_name,
@@ -130,6 +131,13 @@ def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=fraction, metavar="P", default=None,
                    help="multiturn, serve-overhead: sampled answers from this nucleus (needs "
                         "--temperature > 0)")
+    for name, kind, default, what in (
+            ("presence", penalty, 0.0, "OpenAI's presence penalty, in [-2, 2]"),
+            ("frequency", penalty, 0.0, "OpenAI's frequency penalty, in [-2, 2]"),
+            ("repetition", positive_float, 1.0, "the repetition penalty (Hugging Face's; 1: "
+                                               "off)")):
+        p.add_argument(f"--{name}-penalty", type=kind, metavar="X", default=default,
+                       help=f"multiturn, serve-overhead: every request with {what}")
     p.add_argument("--fetch-policy", default=None, choices=_values(FetchPolicy),
                    help="how a request waits for its pages from storage (unset: storage-hit "
                         "reads them in full first; multiturn and restart take the engine's own)")

@@ -123,16 +123,22 @@ def run_summary(run: clients.ClientsRun, spec: MultiTurnSpec) -> dict:
 @dataclasses.dataclass(frozen=True)
 class TurnSampling:
     """How every turn's answer is drawn: greedy, or at `temperature` (> 0) from the `top_p`
-    nucleus with a seed per turn; with `logprobs` alternatives per token where given."""
+    nucleus with a seed per turn; with `logprobs` alternatives per token where given; with the
+    penalties given (their SamplingParams fields)."""
 
     temperature: float = 0.0
     top_p: float | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def turn_sampling(args: argparse.Namespace) -> TurnSampling:
     return TurnSampling(getattr(args, "temperature", 0.0), getattr(args, "top_p", None),
-                        getattr(args, "logprobs", None))
+                        getattr(args, "logprobs", None), getattr(args, "presence_penalty", 0.0),
+                        getattr(args, "frequency_penalty", 0.0),
+                        getattr(args, "repetition_penalty", 1.0))
 
 
 def clients_config(args: argparse.Namespace, seed: int) -> clients.ClientsConfig:
@@ -166,7 +172,10 @@ def turn_params(spec: MultiTurnSpec, sampling: TurnSampling = TurnSampling()
     return [[SamplingParams(max_new_tokens=n, temperature=sampling.temperature,
                             top_p=sampling.top_p if sampled else None,
                             seed=r * spec.num_clients + c if sampled else None,
-                            logprobs=sampling.logprobs)
+                            logprobs=sampling.logprobs,
+                            presence_penalty=sampling.presence_penalty,
+                            frequency_penalty=sampling.frequency_penalty,
+                            repetition_penalty=sampling.repetition_penalty)
              for c, n in enumerate(row)] for r, row in enumerate(output_lengths(spec))]
 
 

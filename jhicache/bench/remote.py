@@ -31,7 +31,11 @@ def generate_body(prompt: Sequence[int], params: SamplingParams) -> bytes:
     sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens,
                                 "temperature": params.temperature, "ignore_eos": True}
     optional = {"top_k": params.top_k, "top_p": params.top_p, "sampling_seed": params.seed,
-                "stop_token_ids": list(params.stop_token_ids) or None}
+                "stop_token_ids": list(params.stop_token_ids) or None,
+                "presence_penalty": params.presence_penalty or None,
+                "frequency_penalty": params.frequency_penalty or None,
+                "repetition_penalty": (None if params.repetition_penalty == 1
+                                       else params.repetition_penalty)}
     sampling.update({k: v for k, v in optional.items() if v is not None})
     body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
     return msgspec.json.encode(body)  # the bench's prompts are lists of Python ints

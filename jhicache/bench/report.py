@@ -48,6 +48,11 @@ def multiturn_table(result: dict) -> str:
         lines.append(f"  answers sampled at temperature {spec['temperature']}"
                      + (f", top-p {top_p}" if top_p is not None else "")
                      + ", a seed per turn")
+    penalties = [f"{name} penalty {spec[f'{name}_penalty']}"
+                 for name, off in (("presence", 0), ("frequency", 0), ("repetition", 1))
+                 if spec.get(f"{name}_penalty", off) != off]
+    if penalties:
+        lines.append("  every request with " + ", ".join(penalties))
     lines += _round_rows(modes, spec["num_rounds"])
     for name, m in modes.items():
         lines += _mode_lines(name, m)

@@ -45,6 +45,11 @@ class SamplingFields:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     prompt_logprobs_start: int = 0  # the first prompt position they are given for
     token_ids_logprob: Sequence[int] = ()  # ids whose log probabilities come at each position
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # no stop token (EOS included) before this many new tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +149,10 @@ class ServerContext:
                                   logprobs=fields.logprobs,
                                   prompt_logprobs=fields.prompt_logprobs,
                                   prompt_logprobs_start=fields.prompt_logprobs_start,
-                                  token_ids_logprob=tuple(fields.token_ids_logprob))
+                                  token_ids_logprob=tuple(fields.token_ids_logprob),
+                                  min_p=fields.min_p, presence_penalty=fields.presence_penalty,
+                                  frequency_penalty=fields.frequency_penalty,
+                                  repetition_penalty=fields.repetition_penalty,
+                                  min_tokens=fields.min_tokens)
         except ValueError as e:
             raise ApiError(400, str(e)) from None

@@ -42,6 +42,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return ("the request body must be a JSON object, sent with "
                 "Content-Type: application/json"), None
     where = ".".join(loc)
+    if first.get("type") == "extra_forbidden":
+        return (f"{where}: this server does not implement this field (it is refused rather "
+                f"than ignored)", loc[0] if loc else None)
     return ((f"{where}: {first.get('msg')}" if where else str(first.get("msg"))),
             (loc[0] if loc else None))
 

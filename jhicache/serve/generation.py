@@ -105,6 +105,7 @@ class _TextState:
                        if tokenizer is not None else None)
         self._stops = StopStrings(spec.stop_strings)
         self._stop_ids = frozenset(spec.params.stop_token_ids)
+        self._min_tokens = spec.params.min_tokens  # no stop string ends before them either
         self._returns_tokens = spec.returns_tokens
         self._released = 0
         self._searched = 0
@@ -129,7 +130,10 @@ class _TextState:
                 new_logprobs = new_logprobs[:-1]
         run.logprobs += new_logprobs or ()
         text = self._detokenize(new, reason is not None)
-        hit = self._stops.find(text, self._searched)
+        # as vLLM: a stop string is looked for once min_tokens tokens are out (in the text
+        # since the last look, and the longest stop string's length before it)
+        hit = (self._stops.find(text, self._searched)
+               if len(run.token_ids) >= self._min_tokens else None)
         self._searched = len(text)
         if hit is not None:
             text, reason, matched = text[:hit[0]], FinishReason.STOP, hit[1]

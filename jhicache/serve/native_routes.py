@@ -121,11 +121,20 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
+        if body.lora_path:
+            raise ApiError(400, "lora_path: this server serves no adapters", "lora_path")
         sp = body.sampling_params
+        if sp.min_new_tokens > sp.max_new_tokens:
+            raise ApiError(400, f"sampling_params.min_new_tokens={sp.min_new_tokens} exceeds "
+                                f"max_new_tokens={sp.max_new_tokens}", "sampling_params")
         fields = SamplingFields(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                                 top_p=sp.top_p, top_k=sp.top_k, seed=sp.sampling_seed,
                                 stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-                                ignore_eos=sp.ignore_eos)
+                                ignore_eos=sp.ignore_eos, min_p=sp.min_p,
+                                presence_penalty=sp.presence_penalty,
+                                frequency_penalty=sp.frequency_penalty,
+                                repetition_penalty=sp.repetition_penalty,
+                                min_tokens=sp.min_new_tokens)
         fields, text = _logprobs(ctx, body, fields)
         named = fields.token_ids_logprob
         prompt_ids = await _prompt(ctx, body)

@@ -41,10 +41,29 @@ def _fields(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
             logprobs: int | None) -> SamplingFields:
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    if body.min_tokens > max(max_tokens, 1):
+        raise ApiError(400, f"min_tokens={body.min_tokens} exceeds the {max_tokens} tokens "
+                            f"asked for", "min_tokens")
     return SamplingFields(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                           top_k=body.top_k, seed=body.seed, stop=body.stop,
                           stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                          logprobs=logprobs)
+                          logprobs=logprobs, min_p=body.min_p,
+                          presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens)
+
+
+def _refuse_tools_and_formats(body: ChatCompletionRequest) -> None:
+    """Tools and response formats are not implemented: a request may name them only to ask
+    for what the server does anyway (no tools; plain text)."""
+    if body.tools:
+        raise ApiError(400, "tools: this server does not call tools", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, f"tool_choice={body.tool_choice!r}: this server does not call "
+                            f"tools", "tool_choice")
+    if body.response_format not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format: this server writes plain text only "
+                            "({\"type\": \"text\"})", "response_format")
 
 
 def _completion_fields(body: CompletionRequest) -> SamplingFields:
@@ -164,6 +183,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _refuse_tools_and_formats(body)
         tokenizer = ctx.require_tokenizer("a chat request", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:

@@ -1,5 +1,5 @@
 """The wire format: request bodies of the OpenAI and SGLang endpoints as pydantic models (strict
-types, unknown fields ignored), the OpenAI error body and the server-sent-event framing."""
+types, unknown fields refused), the OpenAI error body and the server-sent-event framing."""
 
 from __future__ import annotations
 
@@ -12,22 +12,36 @@ from starlette.responses import Response
 PositiveInt = Annotated[int, Field(ge=1)]
 LogprobCount = Annotated[int, Field(ge=0, le=20)]  # jhicache.logprobs.MAX_LOGPROBS
 TokenIds = list[Annotated[int, Field(ge=0)]]
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence and frequency range
+RepetitionPenalty = Annotated[float, Field(gt=0)]  # 1: off
+MinP = Annotated[float, Field(ge=0, le=1)]
 SSE_DONE = b"data: [DONE]\n\n"
 
 
 class _Body(BaseModel):
     # strict: "5" is not an int nor 1 a bool (a wrong type is a 400, not a silent cast);
-    # extra fields are ignored, as clients send fields this server does not implement
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a field this server does not implement is a 400 naming it (extra_forbidden), never
+    # ignored: a client relying on it would get other results than it asked for
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Penalties(_Body):
+    """The penalties and cuts both APIs name alike (SGLang's names, vLLM's too)."""
+
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
-    """Sampling fields shared by both OpenAI endpoints (`ignore_eos` and `stop_token_ids` are
-    the extensions vLLM and SGLang accept too)."""
+class _OpenAISampling(_Penalties):
+    """Sampling fields shared by both OpenAI endpoints (`top_k`, `min_p`, `min_tokens`,
+    `repetition_penalty`, `ignore_eos` and `stop_token_ids` are the extensions vLLM and SGLang
+    accept too)."""
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0)] = 1.0
@@ -37,6 +51,7 @@ class _OpenAISampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -81,12 +96,18 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None  # with logprobs: alternatives per token
+    # accepted only where they ask for what the server does anyway (refused otherwise): no
+    # tools, and text out
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
-class NativeSampling(_Body):
+class NativeSampling(_Penalties):
     """SGLang's `sampling_params` (its defaults: 128 new tokens, temperature 1)."""
 
     max_new_tokens: PositiveInt = 128
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
     temperature: Annotated[float, Field(ge=0)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: int = -1
@@ -113,6 +134,7 @@ class GenerateRequest(_Body):
     # as for input_ids); needs return_logprob
     token_ids_logprob: TokenIds | list[TokenIds] | None = None
     return_text_in_logprobs: bool = False
+    lora_path: str | None = None  # SGLang's: refused unless empty (this server has no adapter)
 
 
 def error_body(message: str, status: int, param: str | None = None,
