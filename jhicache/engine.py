@@ -115,7 +115,8 @@ class Engine:
             gained = self._step()
             return aborted + self._outputs(gained)
 
-    def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
+    def warmup(self, progress: bool = True, freeze_heap: bool = False,
+               stop: threading.Event | None = None) -> WarmupReport:
         """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
         sampling, the inputs' transfer, the write-back gathers), so that serving compiles
         nothing; with `progress`, a progress bar on stderr. Only while no request is unfinished
@@ -124,14 +125,15 @@ class Engine:
         `stats()` and `occupancy()` answer meanwhile; do not step the engine until it returns
         (a step would compile what it meets, as without a warm-up). With `freeze_heap`, what
         is alive then leaves the garbage collector's walks (`warmup.freeze_heap`): for a
-        process that serves this engine to its end."""
+        process that serves this engine to its end. Setting `stop` (from another thread) ends
+        it at the next program with `warmup.WarmupStopped` (an engine closed meanwhile)."""
         with self._lock:
             if self._requests:
                 raise ValueError("warmup() needs an idle engine: requests are unfinished")
             self._drain()
         # the lock for its steps only
         report = warm_up(self.executor, self.compiles, self._lock, self.check_invariants,
-                         progress, freeze_heap)
+                         progress, freeze_heap, stop)
         self.startup = dataclasses.replace(self.startup, warmup=report)
         return report
 
