@@ -10,18 +10,20 @@ from typing import Any
 
 import jax
 
+from jhicache.arg_types import (
+    Given,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from jhicache.bench import clients
 from jhicache.bench.arg_types import (
     MODES,
-    Given,
     checkpoint_dir,
     fraction,
     mode_list,
-    non_negative_float,
-    non_negative_int,
     output_file,
-    positive_float,
-    positive_int,
     preset_name,
     request_rate,
     server_url,
