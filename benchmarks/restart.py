@@ -46,9 +46,10 @@ class Leg:
 
 def bench_restart(args: argparse.Namespace, vocab: int) -> dict:
     """Straight: every round on one engine. Restarted: the rounds before `--restart-round` on
-    an engine, then, on a new engine over the same storage directory (the first closed after
-    its backups), the rest. Each engine is warmed up before it serves; each run has its own
-    directory under `--storage-dir`, removed after."""
+    an engine, then, on a new engine over the same storage directory (the first closed as a
+    clean stop closes it: every cached page written to storage), the rest. Each engine is
+    warmed up before it serves; each run has its own directory under `--storage-dir`, removed
+    after."""
     spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
     args._device_tokens = device_tokens_for(args, spec)
     after = args.restart_round if args.restart_round is not None else spec.num_rounds // 2
@@ -86,10 +87,8 @@ def _leg(args: argparse.Namespace, spec: MultiTurnSpec, storage: Path, turns: Se
     engine = make_engine(args, **overrides)
     with as_served(engine), CompileCounter() as compiles:
         run = asyncio.run(_serve(engine, turns, params, args, histories))
-    engine.flush_cache()  # every page is written to storage before the engine goes
-    stats = engine.stats().as_dict()
-    engine.close()
-    return Leg(run, stats, compiles.count)
+    engine.close()  # as a clean stop does: every cached page is written to storage
+    return Leg(run, engine.stats().as_dict(), compiles.count)
 
 
 async def _serve(engine: Engine, turns: Sequence, params: Sequence[Sequence[SamplingParams]],

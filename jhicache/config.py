@@ -156,13 +156,15 @@ class EngineConfig:
       storage_dir: a directory for the storage tier under the host tier (hierarchical mode
         only): host pages are written there (see storage_write_policy), and a request's
         pages past its cached prefix are read back from it. Pages live in a
-        subdirectory per namespace (model, dtype, page size, layout) and survive restarts.
+        subdirectory per namespace (model, dtype, page size, layout) and survive restarts:
+        `Engine.close` writes every cached page storage lacks, whatever the write policies.
         None: no storage tier.
       storage_write_policy: "write_through" (a page goes to storage when it is written to
         host) or "write_back" (when it is evicted from host: its host page is freed once
         written). Either way a prefix's head pages are planned before its tail.
-      storage_capacity_bytes: the directory's cap for this namespace (LRU eviction in the
-        background between 95% and 85% of it); None: no cap.
+      storage_capacity_bytes: the directory's cap for this namespace, however many servers
+        write to it (LRU eviction over all their pages, from 95% down to 85% of it); None: no
+        cap.
       storage_model_name: the model's identity in the namespace; None derives it (a preset's
         name and seed, a checkpoint directory's name, and the model config's hash). Give one
         name to share a directory between servers whose checkpoints live at different paths.

@@ -154,18 +154,21 @@ class Engine:
             self._aborted.append(req.take_output([]))
             return True
 
-    def close(self) -> None:
-        """Lets go of what the engine holds beside its device arrays: waits for the copies and
-        storage writes in flight, stops the storage tier's threads and unpins the host tier's
-        memory. Only with no request unfinished (ValueError otherwise); idempotent. The engine
-        serves nothing afterwards."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Lets go of what the engine holds beside its device arrays: waits for the copies in
+        flight; with a storage tier, writes there every cached page it lacks, whatever the
+        write policies (pages only on device or host too, the most recently used prefixes
+        first), for up to `timeout_s` (None: until all are written), so that a restart on the
+        directory finds the whole cache; stops the storage tier's threads and unpins the host
+        tier's memory. Only with no request unfinished (ValueError otherwise); idempotent. The
+        engine serves nothing afterwards."""
         with self._lock:
             if self._closed:
                 return
             if self._requests:
                 raise ValueError("close() needs an idle engine: requests are unfinished")
             self._drain()
-            self.cache.close()
+            self.cache.close(timeout_s)
             self._closed = True
 
     def has_unfinished(self) -> bool:
@@ -222,7 +225,7 @@ class Engine:
         theirs), as SGLang's /clear_hicache_storage_backend: only while no request is
         unfinished (False, nothing done, otherwise); backups planned before it end first.
         True without a storage tier (nothing to delete)."""
-        return self._when_idle(self.cache.clear_storage)
+        return self._when_idle(lambda: self.cache.clear(storage=True))
 
     def _when_idle(self, action: Callable[[], object]) -> bool:
         """Runs `action` once the step and copies in flight have ended, if no request is

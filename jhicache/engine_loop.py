@@ -103,6 +103,7 @@ class EngineLoop:
         self.stop_warmup = threading.Event()  # set as the loop ends: the warm-up ends too
         self.warmed: tuple[int, WarmupReport | BaseException] | None = None  # once it ended
         self.deferred: collections.deque[ToLoop] = collections.deque()
+        self.close_timeout_s: float | None = None  # the `Close` that ended `run`'s
 
     def run(self) -> None:
         try:
@@ -131,6 +132,7 @@ class EngineLoop:
         `Close`."""
         for message in messages:
             if isinstance(message, Close):
+                self.close_timeout_s = message.timeout_s
                 return False
             if isinstance(message, Hold):
                 self.holds += message.delta

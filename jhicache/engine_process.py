@@ -38,6 +38,7 @@ from jhicache.engine_loop import IDLE_POLL_S, EngineLoop, engine_info
 from jhicache.wire import Answer, Close, Done, Outputs, Started, ToLoop, ToParent
 
 _IDLE_POLL_MS = int(IDLE_POLL_S * 1000)  # how often the parent looks at an idle child
+EXIT_S = 2.0  # of a close's timeout, left to the child's exit once its engine is closed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,12 +189,13 @@ class EngineProcess:
                 raise EngineProcessError(f"the engine process is gone ({e})") from None
 
     def close(self, timeout: float | None = None) -> None:
-        """Asks the child to end (it aborts what runs) and waits for it and the receiver; kills
-        it if it has not ended after `timeout` seconds."""
+        """Asks the child to end (it aborts what runs, then closes its engine: a storage tier
+        stores the cache, for up to `timeout` less EXIT_S) and waits for it and the receiver;
+        kills it after `timeout` (an end asked for: not reported as a failure)."""
         self._closing = True
         if self.process.is_alive():
-            try:
-                self.send(Close())
+            try:  # the child's exit after its engine's close takes a moment of its own
+                self.send(Close(None if timeout is None else max(0.0, timeout - EXIT_S)))
             except EngineProcessError:
                 pass
         self.process.join(timeout)
@@ -306,7 +308,10 @@ def _child_main(spec: EngineSpec, directory: str, parent_pid: int, main_thread: 
     try:
         engine = spec.build()
         up.send(encoder.encode(engine_info(engine)))
-        EngineLoop(engine, _ZmqEnd(down, up, parent_pid)).run()
+        loop = EngineLoop(engine, _ZmqEnd(down, up, parent_pid))
+        loop.run()
+        if not loop.end.orphaned():  # (an orphan's parent is gone: exit at once)
+            engine.close(loop.close_timeout_s)  # a storage tier keeps the cache
         up.send(encoder.encode(Closed()))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, then the child exits)
         up.send(encoder.encode(Failed(repr(e), traceback.format_exc())))

@@ -18,12 +18,14 @@ from jhicache.cache import (
     HostPool,
     PoolLayout,
     PrefixCache,
+    Transfers,
     make_copier,
 )
+from jhicache.cache.fetches import FetchRule
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.host_memory import available_bytes
 from jhicache.cache.storage import StorageNamespace
-from jhicache.config import CacheMode, EngineConfig, KVDtype
+from jhicache.config import CacheMode, EngineConfig, FetchPolicy, KVDtype
 from jhicache.executor import StepExecutor
 from jhicache.grid import ShapeGrid
 from jhicache.inputs import Limits
@@ -60,7 +62,7 @@ class EngineParts:
         tp = tensor_parallel(model.config, config)
         layout = _device_layout(model.config, config, tp)
         device_pool = DevicePool(layout, sharding=None if tp is None else tp.kv_pages_sharding)
-        host_pool, copier = None, None
+        host_pool, transfers = None, None
         if config.cache_mode is CacheMode.HIERARCHICAL:
             host_tokens = _host_tokens(layout, config)
             host_layout = dataclasses.replace(layout, num_pages=host_tokens // config.page_size)
@@ -68,12 +70,13 @@ class EngineParts:
             devices = device_pool.shard_devices
             copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
+            transfers = Transfers(device_pool, host_pool, copier, config.transfer_tuning)
         storage = (_file_storage(model.config, config, host_pool)
                    if host_pool is not None and config.storage_dir is not None else None)
         cache = PrefixCache(config.page_size, device_pool, host_pool, config.write_policy,
-                            config.load_back_threshold, config.write_through_threshold, copier,
+                            config.load_back_threshold, config.write_through_threshold, transfers,
                             storage, config.storage_io_threads, config.storage_write_policy,
-                            config.transfer_tuning)
+                            _fetch_rule(config))
         runner = ModelRunner(model, device_pool, tp)
         grid = ShapeGrid.create(
             chunked_prefill_tokens=config.chunked_prefill_tokens,
@@ -82,7 +85,7 @@ class EngineParts:
         # With a host tier every forward takes the load flags (one compiled variant per shape,
         # whether or not its loads are still landing); without one nothing is ever loaded.
         load_flags = device_pool.load_flags if host_pool is not None else None
-        writes = None if cache.transfers is None else cache.transfers.writes
+        writes = None if transfers is None else transfers.writes
         return cls(tp, device_pool, cache, Scheduler(config, cache), runner, grid,
                    StepExecutor(runner, grid, load_flags, writes),
                    Limits(model.config.vocab_size, grid.max_context_len))
@@ -172,6 +175,11 @@ def _file_storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool)
         page_bytes=layout.page_bytes, tensor_parallel_size=host_pool.shards)
     return FileStorage(config.storage_dir, namespace, host_pool.page_views,
                        config.storage_capacity_bytes)
+
+
+def _fetch_rule(config: EngineConfig) -> FetchRule:
+    return FetchRule(FetchPolicy(config.fetch_policy), config.fetch_threshold,
+                     config.fetch_timeout_s, config.fetch_timeout_per_ki_token_s)
 
 
 def _ordinal(device: jax.Device) -> int:

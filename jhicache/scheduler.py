@@ -14,8 +14,7 @@ import numpy as np
 
 from jhicache.batch import Batch, Chunk
 from jhicache.cache import LoadTicket, MatchResult, PrefixCache
-from jhicache.cache.fetches import FetchRule
-from jhicache.config import CacheMode, EngineConfig, FetchPolicy
+from jhicache.config import CacheMode, EngineConfig
 from jhicache.request import FinishReason, Request, RequestStatus
 
 SPLIT_PIECES = 4  # a split fetch's head is computed in pieces of this share of a step's budget
@@ -31,20 +30,21 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cache: PrefixCache) -> None:
         self.config = config
         self.cache = cache
+        self.fetches = cache.fetches  # its reads from storage, by request
         self.page_size = config.page_size
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.counters = dict.fromkeys(("device_hit_tokens", "host_hit_tokens",
                                        "storage_hit_tokens", "retracted_requests"), 0)
-        self.fetch_rule = FetchRule(FetchPolicy(config.fetch_policy), config.fetch_threshold,
-                                    config.fetch_timeout_s, config.fetch_timeout_per_ki_token_s)
 
     @property
     def reuse(self) -> bool:
         return self.config.cache_mode is not CacheMode.OFF
 
     def add(self, request: Request) -> None:
+        """Queues `request`; storage is asked at once for the pages past its cached prefix."""
         self.waiting.append(request)
+        self.fetches.arrive(request.request_id, request.match_tokens, request.tokens)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,7 +92,7 @@ class Scheduler:
         met: list[Request] = []
         for req in self.running:
             if req.status is RequestStatus.PREFILLING and budget > 0:
-                stop = self.cache.fetch_progress(req.request_id)
+                stop = self.fetches.gate(req.request_id).stop
                 if stop is not None and req.cached_len >= stop:
                     met.append(req)
                     continue
@@ -105,11 +105,10 @@ class Scheduler:
         for req in reversed(met):
             self._take_fetched_tail(req)
         tickets: list[LoadTicket] = []
-        self._advance_fetches()
         for req in list(self.waiting):  # first come, first served; a request reading from
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if self.cache.fetching(req.request_id) and not self.fetch_rule.split:
+            if self.fetches.gate(req.request_id).wait:
                 continue  # storage is passed over, not waited for
             if req.pending:  # retracted while its last token was in flight
                 break
@@ -122,19 +121,6 @@ class Scheduler:
                 budget -= admitted.length
         return Batch(chunks=chunks, is_decode=False, tickets=tuple(tickets)) if chunks else None
 
-    def fetching(self) -> bool:
-        """Whether a waiting request is reading its pages from storage."""
-        return any(self.cache.fetching(req.request_id) for req in self.waiting)
-
-    def _advance_fetches(self) -> None:
-        """Asks storage, once per request, for the pages past a waiting request's cached
-        prefix, and moves each read on (the cache ends it as the fetch policy says); a request
-        is admitted once its read has ended, with the pages read in the tree as host pages."""
-        if self.config.storage_dir is None:  # no storage tier: nothing to ask, every step
-            return
-        for req in self.waiting:
-            self.cache.fetch(req.request_id, req.match_tokens, req.tokens, self.fetch_rule)
-
     # ---- split fetches: the head computed while the tail is read -------------------------
 
     def _take_fetched_tail(self, req: Request) -> None:
@@ -144,7 +130,7 @@ class Scheduler:
         self.running.remove(req)
         computed = req.cached_len
         self._settle(req, computed)
-        self.cache.fetch_progress(req.request_id, computed, computed=True)
+        self.fetches.meet(req.request_id, computed, computed=True)
         req.status, req.cached_len, req.shared_len = RequestStatus.WAITING, 0, 0
         self.waiting.appendleft(req)
 
@@ -169,19 +155,19 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, tickets: list[LoadTicket]) -> Chunk | None:
         """Matches `req` against the cache, queues its load-back, allocates its first chunk."""
         rid = req.request_id
-        if self.cache.fetching(rid):  # split: the pages already read past the prefix
+        if self.fetches.gate(rid).stop is not None:  # split: the pages read past the prefix
             match = self.cache.match(req.match_tokens, leave_last=True)
-            self.cache.fetch_progress(rid, match.device_len + match.host_len)
+            self.fetches.meet(rid, match.device_len + match.host_len)
         attached = self._attach_prefix(req, budget, tickets) if self.reuse else (0, 0)
         if attached is None:
             return None
-        chunk = self._next_chunk(req, budget, self.cache.fetch_progress(rid))
+        chunk = self._next_chunk(req, budget, self.fetches.gate(rid).stop)
         if chunk is None:
             self._release(req)
             return None
         # pages read from storage for it, then loaded back, count as storage hits; pages it
         # computed itself before it took those (split fetch) are no hits
-        hits = self.cache.fetch_hits(rid, *self._count_prefetched(req, attached))
+        hits = self.fetches.admit(rid, *self._count_prefetched(req, attached))
         self.counters["device_hit_tokens"] += hits.device
         self.counters["host_hit_tokens"] += hits.host
         self.counters["storage_hit_tokens"] += hits.storage
@@ -270,7 +256,7 @@ class Scheduler:
         """Pages a load-back may take: what can be freed, less the pages of the first chunk left
         to compute after it. Loaded pages replace pages the request would otherwise compute into,
         so only that chunk (and a decode page) must stay available."""
-        available = self.cache.pages().device_available
+        available = self.cache.pages.device_available
         cached = match.device_len + match.host_len
         first_chunk = min(req.num_tokens - cached, budget)
         return (available - (_pages_for(cached + first_chunk, self.page_size)
@@ -311,7 +297,7 @@ class Scheduler:
         will be by steps already dispatched, which run before any later reader); the rest are
         freed. False if it was not queued here (finished, or never added)."""
         if req in self.waiting or req in self.running:
-            self.cache.forget(req.request_id)  # a read from storage in flight ends first
+            self.fetches.forget(req.request_id)  # a read from storage in flight ends first
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.running:
@@ -392,7 +378,7 @@ class Scheduler:
         req.device_pages, req.cache_handle = [], None
 
     def _end(self, req: Request, reason: FinishReason) -> None:
-        self.cache.forget(req.request_id)  # a read from storage still in flight ends
+        self.fetches.forget(req.request_id)  # a read from storage still in flight ends
         req.status, req.finish_reason, req.pending = RequestStatus.FINISHED, reason, 0
 
     def owned_device_pages(self) -> list[int]:

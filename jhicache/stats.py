@@ -114,6 +114,10 @@ class EngineStats:
     storage_truncated_pages: int = 0
     storage_corrupt_pages: int = 0
     storage_evicted_pages: int = 0
+    # pages the backend could not write, by reason (`storage.WRITE_FAILURE_REASONS`)
+    storage_write_failures_no_space: int = 0
+    storage_write_failures_permission: int = 0
+    storage_write_failures_io: int = 0
     storage_pages: int = 0
     storage_bytes: int = 0
     storage_capacity_bytes: int = 0
@@ -165,7 +169,7 @@ class Occupancy:
 
     @classmethod
     def of(cls, scheduler: Scheduler, cache: PrefixCache) -> Occupancy:
-        pages = cache.pages()
+        pages = cache.pages
         return cls(waiting_requests=len(scheduler.waiting),
                    running_requests=len(scheduler.running),
                    device_pages=pages.device, device_free_pages=pages.device_free,

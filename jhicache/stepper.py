@@ -103,8 +103,8 @@ class Stepper:
         if progressed:
             self._idle_steps = 0
             return
-        if self.scheduler.fetching():  # waiting on storage: not idle, but nothing to do yet
-            self.cache.wait_for_storage(_STORAGE_WAIT_S)
+        if self.cache.fetches.reading():  # waiting on storage: not idle, but nothing to do yet
+            self.cache.fetches.wait(_STORAGE_WAIT_S)
             return
         # Loaded pages stay locked until their copy retires: wait for the transfers rather
         # than count a step that only had to wait for the copy engine.

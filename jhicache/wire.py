@@ -67,7 +67,10 @@ class Hold(msgspec.Struct, tag=True):
 
 
 class Close(msgspec.Struct, tag=True):
-    """Abort what runs, end the copies in flight and stop."""
+    """Abort what runs, end the copies in flight and stop; an engine process then closes its
+    engine, whose storage tier gets `timeout_s` (None: no limit) to store the cache."""
+
+    timeout_s: float | None = None
 
 
 ToLoop = Add | Abort | Cancel | Query | Warmup | Hold | Close

@@ -537,6 +537,8 @@ def test_a_restarted_server_serves_a_prefix_from_storage(checkpoint: Path,
                 replies.append(c.post("/generate", json=body).json())
                 hits = metric(c, "jhicache:cache_hit_tokens_total", tier="storage")
                 full = metric(c, "jhicache:storage_fetches_total", outcome="full")
+                assert metric(c, "jhicache:storage_write_failures_total",
+                              reason="no_space") == 0
                 assert c.post("/flush_cache").status_code == 200  # it waits for the backups
                 assert metric(c, "jhicache:storage_bytes") > 0  # a flush keeps storage
                 if restart:

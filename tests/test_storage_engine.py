@@ -1,19 +1,25 @@
 """The storage tier in the engine: a restart on the same directory hits from storage with the
 tokens of no cache at all, under each fetch policy (split: computing the head while the tail is
-read), bfloat16 pages bit for bit; damaged pages are recomputed; an abort during a fetch leaks
-nothing; an unusable directory is a clear error at start."""
+read), bfloat16 pages bit for bit; a clean stop keeps the whole cache whatever the write
+policies; damaged pages are recomputed; an abort during a fetch leaks nothing; an unusable
+directory is a clear error at start."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from jhicache import Engine, SamplingParams
+from jhicache import AsyncEngine, Engine, SamplingParams
+from jhicache.bench.workload import MultiTurnChats
 from jhicache.cache.page_keys import chain_keys
+from jhicache.engine_process import EngineSpec
+from tests.test_async_engine import run
 from tests.test_engine import (
+    SPEC,
     assert_idle_and_consistent,
     make_engine,
     reference_histories,
@@ -59,6 +65,98 @@ def test_write_back_to_storage_writes_pages_evicted_from_host(tmp_path: Path) ->
     again = storage_engine(tmp_path)
     assert run_chats(again) == reference_histories()
     assert again.stats().storage_hit_tokens > 0
+
+
+def _rounds(engine: Engine, chats: MultiTurnChats, rounds: int) -> tuple[int, list[list[int]]]:
+    """Runs the chats' next `rounds`; the last one's prompt tokens hit (any tier), its tokens."""
+    params = SamplingParams(max_new_tokens=SPEC.output_length)
+    for _ in range(rounds):
+        outputs = engine.generate(chats.prompts(), params)
+        chats.extend([o.token_ids for o in outputs])
+    hits = sum(o.device_hit_tokens + o.host_hit_tokens + o.storage_hit_tokens for o in outputs)
+    return hits, [o.token_ids for o in outputs]
+
+
+def test_a_clean_stop_keeps_the_cache_with_the_default_write_policies(tmp_path: Path) -> None:
+    """The default write policy copies a page to host only when the device evicts it; a clean
+    stop (`close`) writes every page only on device (or host) to storage, so that the round
+    after a restart hits what it hits on an engine never restarted, with the same tokens."""
+    sizes = dict(host_kv_tokens=1024, fetch_threshold=16, fetch_policy="wait_complete")
+    straight = make_engine(**sizes)
+    hits, tokens = _rounds(straight, MultiTurnChats(SPEC), SPEC.num_rounds)
+    assert hits > 0
+    first = make_engine(storage_dir=str(tmp_path), **sizes)
+    chats = MultiTurnChats(SPEC)
+    _rounds(first, chats, SPEC.num_rounds - 1)
+    tree, tier = first.cache.tree, first.cache.storage
+    assert tier is not None
+    device_only = [n for n in tree.nodes() if n.host_pages is None]
+    assert device_only  # pages that reached neither host nor storage while it served
+    first.close()
+    keys = [k for n in tree.nodes() for k in tree.page_keys(n)]
+    assert all(tier.storage.contains(k) for k in keys)
+    assert first.stats().storage_pages >= len(keys)
+    again = make_engine(storage_dir=str(tmp_path), **sizes)
+    assert _rounds(again, chats, 1) == (hits, tokens)
+    assert again.stats().storage_hit_tokens == hits
+
+
+def test_close_stores_the_cache_within_its_timeout(tmp_path: Path) -> None:
+    """A storage that writes slowly: `close(timeout_s)` stops writing once the time is up
+    (within a chunk of pages), and what it wrote is whole."""
+    engine = make_engine(storage_dir=str(tmp_path), host_kv_tokens=1024)
+    prompt = list(range(1, 20 * 16 + 2))  # twenty whole pages, on device only
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    tier = engine.cache.storage
+    assert tier is not None
+    set_pages = tier.storage.set
+
+    def slow_set(keys, host_pages):
+        time.sleep(0.5)
+        return set_pages(keys, host_pages)
+
+    tier.storage.set = slow_set  # type: ignore[method-assign]
+    start = time.monotonic()
+    engine.close(timeout_s=0.2)
+    assert time.monotonic() - start < 5  # the timeout, and the chunk being written
+    stored = len(list(tmp_path.rglob("*.kv")))
+    assert 0 < stored < 20 and engine.stats().storage_pages == stored
+    again = make_engine(storage_dir=str(tmp_path), host_kv_tokens=1024, fetch_threshold=16,
+                        fetch_policy="wait_complete")
+    output = again.generate([prompt], SamplingParams(max_new_tokens=1))[0]
+    assert output.storage_hit_tokens == stored * 16
+
+
+def test_under_a_storage_cap_close_keeps_the_most_recent_prefixes(tmp_path: Path) -> None:
+    """Two prompts of six pages on device, a cap of eight pages: close writes the older first,
+    so that the cap's eviction (least recently written first) keeps the newer whole."""
+    probe = storage_engine(tmp_path / "probe")
+    page_file = probe.cache.storage.storage.page_file_bytes  # type: ignore[union-attr]
+    engine = make_engine(storage_dir=str(tmp_path / "capped"), host_kv_tokens=1024,
+                         storage_capacity_bytes=8 * page_file)
+    older, newer = ([base + i for i in range(6 * 16 + 1)] for base in (1, 200))
+    for prompt in (older, newer):
+        engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    engine.close()
+    stored = {p.name for p in (tmp_path / "capped").rglob("*.kv")}
+    assert {f"{k.hex()}.kv" for k in chain_keys(newer[:96], 16)} <= stored
+    assert len(stored) <= 8
+
+
+def test_an_engine_process_stores_its_cache_when_closed(tmp_path: Path) -> None:
+    """The server's engine process closes its engine at `Close`: the pages of a prompt that
+    never left the device (default write policy) are in storage once it has exited."""
+    prompt = list(range(1, 3 * 16 + 2))  # three whole pages, then the token left to compute
+    engine = AsyncEngine(EngineSpec(factory=functools.partial(
+        make_engine, storage_dir=str(tmp_path), host_kv_tokens=1024)))
+    try:
+        run(lambda: engine.generate([prompt], SamplingParams(max_new_tokens=1)))
+        assert engine.stats().storage_pages == 0  # on device only while it serves
+    finally:
+        engine.close(timeout=60)
+    assert engine.process is not None and engine.process.exitcode == 0
+    stored = {p.name for p in tmp_path.rglob("*.kv")}
+    assert stored >= {f"{k.hex()}.kv" for k in chain_keys(prompt[:48], 16)}
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout", "split"])
@@ -183,15 +281,17 @@ def test_an_abort_during_a_fetch_leaks_nothing(tmp_path: Path, policy: str) -> N
     tier.storage.get = held_get  # type: ignore[method-assign]
     rid = again.add_request(prompt, SamplingParams(max_new_tokens=2))
     again.step()  # the request asks storage for its pages and waits (split: computes meanwhile)
-    running = [r for r in again.scheduler.running if again.cache.fetching(r.request_id)]
-    assert again.scheduler.fetching() if policy == "wait_complete" else running
+    fetches = again.cache.fetches
+    running = [r for r in again.scheduler.running if fetches.gate(r.request_id).stop is not None]
+    waiting = [r for r in again.scheduler.waiting if fetches.gate(r.request_id).wait]
+    assert waiting if policy == "wait_complete" else running
     assert again.abort(rid)
     outputs = again.drain()
     assert [o.finish_reason for o in outputs] == ["abort"]
     release.set()
-    again.cache.wait_for_backups()  # the held reads end; their pages go back to the free list
+    again.cache.flush(backups=True)  # the held reads end; their pages go back to the free list
     for _ in range(3):  # the read threads end; their pages go back to the free list
-        again.cache.wait_for_storage(1.0)
+        again.cache.fetches.wait(1.0)
         again.step()
     assert_idle_and_consistent(again)
     assert again.cache.storage.held_pages() == []  # type: ignore[union-attr]

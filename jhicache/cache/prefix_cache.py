@@ -22,30 +22,27 @@ done (`Transfers.fence_device_pages`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from jhicache.cache.copier import Copier, make_copier
+from jhicache.cache.copier import make_copier
 from jhicache.cache.device_pool import DevicePool
-from jhicache.cache.fetches import Fetches, FetchRule, Hits, should_end
+from jhicache.cache.fetches import Fetches, FetchRule
 from jhicache.cache.host_pool import HostPool
 from jhicache.cache.invariants import InvariantError, check_invariants
-from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.step import TransferStep
-from jhicache.cache.storage import Storage
-from jhicache.cache.storage_tier import (
-    STORAGE_TIER_COUNTERS,
-    FetchState,
-    StorageFetch,
-    StorageTier,
-)
+from jhicache.cache.storage import WRITE_FAILURE_REASONS, Storage
+from jhicache.cache.storage_tier import STORAGE_TIER_COUNTERS, StorageTier
 from jhicache.cache.ticket import LoadTicket
 from jhicache.cache.tiers import DeviceTier, HostTier
 from jhicache.cache.transfer_op import TransferKind, TransferOp
 from jhicache.cache.transfers import Transfers
 from jhicache.config import StorageWritePolicy, TransferTuning, WritePolicy
+
+logger = logging.getLogger("jhicache.storage")
 
 _STATS = ("evicted_device_tokens", "dropped_nodes", "dropped_tokens", "write_through_failures",
           "load_back_skipped", "load_back_over_quota", "load_back_failures", "load_back_stale",
@@ -68,10 +65,10 @@ class PrefixCache:
 
     def __init__(self, page_size: int, device_pool: DevicePool, host_pool: HostPool | None = None,
                  policy: WritePolicy | str = WritePolicy.WRITE_BACK, load_back_threshold: int = 10,
-                 write_through_threshold: int = 2, copier: Copier | None = None,
+                 write_through_threshold: int = 2, transfers: Transfers | None = None,
                  storage: Storage | None = None, storage_io_threads: int = 8,
                  storage_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH,
-                 tuning: TransferTuning = TransferTuning()) -> None:
+                 fetch_rule: FetchRule = FetchRule()) -> None:
         if page_size != device_pool.layout.page_size:
             raise ValueError(f"page_size {page_size} != device pool's "
                              f"{device_pool.layout.page_size}")
@@ -85,10 +82,11 @@ class PrefixCache:
         self.device_pool, self.host_pool = device_pool, host_pool
         self.device = DeviceTier(self.tree, device_pool.layout.num_pages)
         self._stats = dict.fromkeys(_STATS, 0)
-        if copier is None:  # copies at once, one memmove per device shard (the CPU's way)
+        if transfers is None and host_pool is not None:  # copies at once, one memmove per
+            # device shard (the CPU's way)
             copier = make_copier("cpu", range(device_pool.num_shards))[0]
-        self.transfers = (Transfers(device_pool, host_pool, copier, tuning)
-                          if host_pool is not None else None)
+            transfers = Transfers(device_pool, host_pool, copier, TransferTuning())
+        self.transfers = transfers if host_pool is not None else None
         self.host = HostTier(self.tree, host_pool.layout.num_pages) if host_pool else None
         self._loading: dict[int, Node] = {}  # load op id -> deepest loaded node, locked until done
         # device page -> the load in flight into it (page ids survive node splits; nodes do not)
@@ -99,7 +97,8 @@ class PrefixCache:
                         if storage is not None and self.host is not None else None)
         self.storage_policy = StorageWritePolicy(storage_policy)
         self._filling: dict[int, int] = {}  # host page -> the write-back op copying into it
-        self.fetches = Fetches()
+        self.fetches = Fetches(self.storage, self.tree, self.host, fetch_rule, self._alloc_host,
+                               self._filling)
 
     # -- match / lock / insert -----------------------------------------------------------
     def match(self, tokens: Sequence[int], *, leave_last: bool = False) -> MatchResult:
@@ -265,10 +264,10 @@ class PrefixCache:
         if short > 0:
             if short > self.host.evictable_pages:
                 return None
-            self.evict_host(short)
+            self._evict_host(short)
         return self.host.alloc(n_pages)
 
-    def evict_host(self, n_pages: int) -> int:
+    def _evict_host(self, n_pages: int) -> int:
         """Deletes LRU host-only leaves until `n_pages` host pages are freed or held by the
         storage backups of the evicted (the storage write-back policy plans them; they are
         freed once written); returns the pages freed now. Their writes were dispatched when
@@ -376,40 +375,68 @@ class PrefixCache:
         step = TransferStep(self.transfers, self._retire)
         step.poll()
         self._poll_storage()
+        self.fetches.advance_all(time.perf_counter())
         yield step
         if self.transfers is not None:
             self.transfers.launch()
 
-    def flush(self) -> int:
+    def flush(self, backups: bool = False) -> int:
         """Launches and waits for every transfer, then retires them (the storage backups they
-        held back start: an idle engine still writes them); returns how many."""
+        held back start: an idle engine still writes them); with `backups`, also waits until
+        every storage backup planned so far has been written and no ended fetch still reads.
+        Returns the transfers retired."""
         if self.transfers is None:
             return 0
         retired = self._retire(self.transfers.flush())
         self._poll_storage()
+        if backups and self.storage is not None and self.host is not None:
+            self.host.free(self.storage.wait_backups())
         return retired
 
+    @property
     def pages(self) -> PoolPages:
         """Each tier's pool size, free and (device) available pages now."""
         host = self.host
         return PoolPages(self.device.capacity, self.device.num_free, self.device.available,
                          host.capacity if host else 0, host.num_free if host else 0)
 
-    def close(self) -> None:
-        """Waits for every copy and storage backup, stops the storage tier's threads and
-        unpins the host pool: the cache serves nothing afterwards."""
-        self.wait_for_backups()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits for every copy; with a storage tier, stores every cached page it lacks
+        (`_store_all`), within `timeout_s` (None: however long it takes); stops the storage
+        tier's threads and unpins the host pool: the cache serves nothing afterwards."""
         if self.storage is not None:
+            self._store_all(None if timeout_s is None else time.monotonic() + timeout_s)
             self.storage.close()
+        else:
+            self.flush()
         if self.host_pool is not None:
             self.host_pool.close()
 
-    def wait_for_backups(self) -> None:
-        """Blocks until every transfer has ended, every storage backup planned so far has
-        been written, and no ended fetch still reads."""
-        self.flush()
-        if self.storage is not None and self.host is not None:
-            self.host.free(self.storage.wait_backups())
+    def _store_all(self, deadline: float | None) -> None:
+        """Plans the backup of every cached page storage lacks, whatever the write policies
+        (a page only on device is copied to host for it), the most recently used prefixes
+        first (under a storage cap, last: its eviction keeps the last written), and writes
+        them until `deadline`. A prefix that finds no host room (its pages are locked by
+        backups in flight) is tried again once those are written."""
+        assert self.storage is not None and self.host is not None
+        before, skipped = self.storage.counters["backup_pages"], None
+        newest_first = self.storage.storage.usage().capacity_bytes is None
+        while True:
+            leaves = sorted((n for n in self.tree.nodes() if not n.children),
+                            key=lambda n: (n.last_access, n.node_id), reverse=newest_first)
+            was, skipped = skipped, 0
+            for leaf in leaves:  # (a host eviction for an earlier one may remove a leaf)
+                if (leaf.parent is not None
+                        and not self.storage.known(self.tree.page_keys(leaf)[-1])):
+                    skipped += not self._plan_backup(leaf)
+            self.flush()
+            self.host.free(self.storage.wait_backups(deadline))
+            out_of_time = deadline is not None and time.monotonic() >= deadline
+            if not skipped or was is not None and skipped >= was or out_of_time:
+                break
+        left = self.storage.unwritten_pages()
+        logger.info("storage: %d pages written at close%s", self.storage.counters["backup_pages"]
+                    - before, f", {left} not (out of time)" if left else "")
 
     def _retire(self, ops: list[TransferOp]) -> int:
         if self.storage is not None:
@@ -428,187 +455,26 @@ class PrefixCache:
                         del self._loading_pages[page]
         return len(ops)
 
-    def clear(self) -> int:
+    def clear(self, storage: bool = False) -> int:
         """Empties the device and host tiers (a flush of the whole cache; storage keeps its
-        pages); every transfer and storage backup ends first. Nothing may be locked: the
-        caller holds no request. Returns the device and host pages freed."""
-        self.wait_for_backups()
+        pages), or with `storage` the storage tier alone (the device and host tiers keep
+        theirs). Every transfer and storage backup ends first (backups planned would store
+        pages again). Nothing may be locked: the caller holds no request. Returns the pages
+        freed or deleted."""
+        self.flush(backups=True)
+        if storage:
+            return 0 if self.storage is None else self.storage.clear()
         device, host = self.tree.clear()
         if self.host is not None:
             self.host.free(host)
         self._release_device(device)
         return len(device) + len(host)
 
-    def clear_storage(self) -> int:
-        """Deletes every stored page (after the backups already planned, which would store
-        pages again); returns how many. The device and host tiers keep theirs."""
-        if self.storage is None:
-            return 0
-        self.wait_for_backups()
-        return self.storage.clear()
-
     # -- storage -------------------------------------------------------------------------
     def _poll_storage(self) -> None:
         """Starts the backups whose copies are done, and frees fetched pages no one uses."""
         if self.storage is not None and self.host is not None:
             self.host.free(self.storage.poll())
-
-    def wait_for_storage(self, timeout_s: float) -> None:
-        """Blocks until a storage query or read ends, or `timeout_s` passes (the engine has
-        nothing else to do)."""
-        if self.storage is not None:
-            self.storage.wait_for_progress(timeout_s)
-
-    def start_fetch(self, tokens: Sequence[int], match: MatchResult, threshold: int,
-                    from_tail: bool = False) -> StorageFetch | None:
-        """Asks storage (on a thread) for the pages of `tokens` past `match` (whole pages,
-        the last token left to compute), to be read from the first or, with `from_tail`, from
-        the last; None when there is no storage tier or fewer than `threshold` tokens to ask
-        for. The matched prefix stays cached until the fetch ends."""
-        if self.storage is None or self.host is None:
-            return None
-        hit = (match.device_len + match.host_len) // self.page_size
-        pages = (len(tokens) - 1) // self.page_size
-        if (pages - hit) * self.page_size < max(threshold, self.page_size):
-            return None
-        keys = chain_keys(tokens[:pages * self.page_size], self.page_size)
-        anchor = (match.last_node, match.last_node.device_pages is not None)
-        self._pin(anchor, True)
-        return self.storage.start_fetch(keys[hit:], hit, anchor, from_tail)
-
-    def _pin(self, anchor: tuple[Node, bool], pin: bool) -> None:
-        """Keeps the anchor node (and so its prefix) in the tree: locked on device when it was
-        there at the start, else pinned on host."""
-        assert self.host is not None
-        node, on_device = anchor
-        if on_device:
-            (self.tree.lock if pin else self.tree.unlock)(node)
-        else:
-            (self.host.pin if pin else self.host.unpin)([node])
-
-    def advance_fetch(self, fetch: StorageFetch, tokens: Sequence[int], threshold: int,
-                      stop: bool) -> int | None:
-        """Moves `fetch` on: once its query is answered, gives the found pages host pages and
-        starts their reads (or ends it: too few found, or no host room); with `stop`, ends it.
-        An ended fetch's pages read so far enter the tree as host pages; returns how many
-        tokens they hold, or None while it goes on."""
-        assert self.storage is not None and self.host is not None
-        if fetch.state is FetchState.QUERYING and fetch.queried:
-            assert fetch.found is not None
-            room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
-            host = self._alloc_host(room) if room * self.page_size >= threshold else None
-            if host is None:
-                key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
-                self.storage.counters[key] += 1
-                return self.end_fetch(fetch, tokens)
-            self.storage.read(fetch, host, {self._filling[p] for p in host if p in self._filling})
-            return None
-        # a fetch from the tail ends where the request's compute meets it (the scheduler's)
-        if fetch.state is FetchState.FETCHING and (stop or fetch.finished and not fetch.from_tail):
-            return self.end_fetch(fetch, tokens)
-        if stop and fetch.state is FetchState.QUERYING:
-            return self.end_fetch(fetch, tokens)
-        return None
-
-    def end_fetch(self, fetch: StorageFetch, tokens: Sequence[int] | None,
-                  from_page: int | None = None) -> int:
-        """Ends `fetch`: the pages read from the first go into the tree under its anchor (none
-        with `tokens` None: an aborted request); with `from_page` (a fetch from the tail), its
-        pages from that page of the prompt on, if they were all read, and the prefix before them
-        must be cached by then. Returns the tokens they hold."""
-        assert self.storage is not None and self.host is not None
-        if fetch.state is FetchState.ENDED:
-            return 0
-        first = None if from_page is None else from_page - fetch.first_page
-        lo, hi = self.storage.end_fetch(fetch, first)
-        self._pin(fetch.anchor, False)  # type: ignore[arg-type]
-        pages = fetch.host_pages[lo:hi]
-        if tokens is None or not pages:
-            self.host.free(pages)
-            return 0
-        end = (fetch.first_page + hi) * self.page_size
-        unused = self.tree.insert_host(tokens[:end], pages, fetch.first_page + lo)
-        self.host.free(unused)
-        return (len(pages) - len(unused)) * self.page_size
-
-    # -- fetches by request --------------------------------------------------------------
-    def fetch(self, rid: str, match_tokens: Sequence[int], tokens: Sequence[int],
-              rule: FetchRule) -> None:
-        """For a waiting request: the first call asks storage (on a thread) for the pages of
-        `match_tokens` past its cached prefix, if `rule` says they are worth asking for; each
-        later call moves that read on, ending it as the fetch policy says (the pages read go
-        into the tree under `tokens` as host pages)."""
-        if self.storage is None:
-            return
-        if not self.fetches.asked(rid):
-            match = self.match(match_tokens, leave_last=True)
-            fetch = self.start_fetch(match_tokens, match, rule.threshold, rule.split)
-            self.fetches.add(rid, fetch, tokens, rule)
-            return
-        fetch = self.fetches.in_flight(rid)
-        if fetch is None:
-            return
-        if rule.split:  # reads start once storage answers; when they have all ended, the pages
-            self._fetch_stop(rid)  # read from the first go into the tree (all, or to a failed one)
-            if self.fetches.in_flight(rid) is not None and fetch.finished:
-                self.fetches.ended(rid, self.end_fetch(fetch, tokens))
-            return
-        stop = should_end(fetch, rule, self.page_size, time.perf_counter())
-        got = self.advance_fetch(fetch, tokens, rule.threshold, stop)
-        if got is not None:
-            self.fetches.ended(rid, got)
-
-    def fetch_progress(self, rid: str, cached_len: int | None = None,
-                       computed: bool = False) -> int | None:
-        """The admission question, under the split policy: where `rid`'s compute may go while
-        its read from storage goes on (a prompt position at a page boundary), or None (no read
-        in flight). Given `cached_len` (its prompt's tokens the tree holds now), a compute that
-        met the pages read takes them from there (with `computed`, the request computed those
-        tokens itself: they are no hits). Other policies hold a waiting request back instead
-        (`fetching`)."""
-        fetch = self.fetches.in_flight(rid)
-        record = self.fetches.get(rid)
-        if fetch is None or record is None or not record.rule.split:
-            return None
-        stop = None if computed else self._fetch_stop(rid)
-        if stop is None and not computed:
-            return None
-        if cached_len is not None and (computed or stop is not None and cached_len >= stop):
-            got = self.end_fetch(fetch, record.tokens, cached_len // self.page_size)
-            self.fetches.ended(rid, got, cached_len if computed else 0)
-            return None
-        return stop
-
-    def _fetch_stop(self, rid: str) -> int | None:
-        """For a request whose prefix's tail is being read (split): the prompt position, a page
-        boundary, where its compute meets the pages read so far (or, while storage is still
-        asked which pages it holds, the last page asked for). None when it reads nothing (any
-        more): too few pages found, or no host room."""
-        record = self.fetches.get(rid)
-        assert record is not None and record.fetch is not None
-        fetch = record.fetch
-        got = self.advance_fetch(fetch, record.tokens, record.rule.threshold, False)
-        if got is not None:
-            self.fetches.ended(rid, got)
-            return None
-        read_from = fetch.read_from
-        last = fetch.first_page + len(fetch.keys) if read_from is None else read_from
-        return last * self.page_size
-
-    def fetching(self, rid: str) -> bool:
-        """Whether `rid`'s read from storage is in flight."""
-        return self.fetches.in_flight(rid) is not None
-
-    def fetch_hits(self, rid: str, device: int, host: int) -> Hits:
-        """An admission's (device, host) hit tokens by tier: host pages read from storage for
-        it count as storage hits, and tokens it computed itself (split) as none."""
-        return self.fetches.hits(rid, device, host)
-
-    def forget(self, rid: str) -> None:
-        """`rid` is done (finished or aborted): a read still in flight ends, its pages freed."""
-        fetch = self.fetches.forget(rid)
-        if fetch is not None:
-            self.end_fetch(fetch, None)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:  # counts, and seconds spent copying
@@ -639,7 +505,8 @@ class PrefixCache:
         usage = None if self.storage is None else self.storage.storage.usage()
         stats: dict[str, Any] = {f"storage_{k}": tier.get(k, 0) for k in STORAGE_TIER_COUNTERS}
         for k in ("written_bytes", "write_s", "read_bytes", "read_s", "missing_pages",
-                  "truncated_pages", "corrupt_pages", "evicted_pages"):
+                  "truncated_pages", "corrupt_pages", "evicted_pages",
+                  *(f"write_failures_{reason}" for reason in WRITE_FAILURE_REASONS)):
             stats[f"storage_{k}"] = getattr(backend, k) if backend is not None else 0
         stats.update(storage_pages=usage.pages if usage else 0,
                      storage_bytes=usage.bytes if usage else 0,

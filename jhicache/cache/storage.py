@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
 
 FORMAT_VERSION = 1
+# why a page could not be written: the file system is full (or over a quota), it refuses
+# (read-only, not permitted), or any other I/O error
+WRITE_FAILURE_REASONS = ("no_space", "permission", "io")
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,9 @@ class StorageCounters:
     written_pages: int = 0
     written_bytes: int = 0
     write_s: float = 0.0
-    write_failures: int = 0
+    write_failures_no_space: int = 0  # by reason (WRITE_FAILURE_REASONS)
+    write_failures_permission: int = 0
+    write_failures_io: int = 0
     read_pages: int = 0
     read_bytes: int = 0
     read_s: float = 0.0
@@ -54,6 +62,15 @@ class StorageCounters:
     corrupt_pages: int = 0
     evicted_pages: int = 0
     evicted_bytes: int = 0
+
+
+def write_failure_reason(error: OSError) -> str:
+    """The reason (one of WRITE_FAILURE_REASONS) a write failed with `error`."""
+    if error.errno in _NO_SPACE:
+        return "no_space"
+    if error.errno in _PERMISSION:
+        return "permission"
+    return "io"
 
 
 @dataclasses.dataclass(frozen=True)

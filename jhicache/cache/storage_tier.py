@@ -25,6 +25,9 @@ FETCH_CHUNK_PAGES = 8  # pages one read task takes: several tasks keep the disk'
 # steadily (every chunk started at once would share the disk and end at about the same time;
 # two chunks of 8 pages in flight kept the disk's queue short: benchmarks/LOG.md, 2026-12-04).
 TAIL_CHUNK_PAGES = 1
+# Pages a backup writes between looks at whether the tier is closing: a closing tier whose
+# deadline passed stops within this many pages, not at the end of a long prefix's backup.
+WRITE_CHUNK_PAGES = 8
 
 
 class FetchState(enum.Enum):
@@ -53,7 +56,7 @@ class StorageFetch:
     kept = (0, 0)  # once ended: the range of `host_pages` handed to the tree
     read_s = 0.0  # the reads' wall time, start of the first to end of the last
     _read: list[int] = dataclasses.field(default_factory=list)  # per chunk: pages read, or -1
-    _pending = 0  # read tasks not yet ended
+    _pending = 1  # tasks not yet ended (at first, its query)
     _queued: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=collections.deque)  # from the tail: (chunk, first page) not yet started
     _cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -102,6 +105,70 @@ class StorageFetch:
         with self._lock:
             return self.queried and self._pending == 0
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def answer(self, found: int) -> None:
+        """Its query has ended: `found` of its keys, from the first, are stored."""
+        with self._lock:
+            self.found, self._pending = found, 0
+
+    def begin(self, host_pages: list[int], held: bool) -> None:
+        """Its found pages are to be read into `host_pages`; `held`: not before host copies
+        into them end (it is not finished meanwhile: its pages stay held)."""
+        assert self.state is FetchState.QUERYING and self.queried
+        self.state, self.host_pages = FetchState.FETCHING, host_pages
+        if held:
+            with self._lock:
+                self._pending = 1
+
+    def chunks(self, io_threads: int) -> list[tuple[int, int]]:
+        """Starts its reads: the (chunk, first page) tasks to submit now (from the tail, as many
+        as `io_threads`, the rest queued behind them; none once cancelled)."""
+        if self.cancelled:  # ended while its copies ran: it reads nothing
+            with self._lock:
+                self._pending = 0
+            return []
+        order = list(enumerate(range(0, len(self.host_pages), self.chunk_pages)))
+        with self._lock:
+            self._read = [0] * len(order)
+            self._pending = len(order)
+            self.read_s = -time.perf_counter()  # the last read to end adds its end time
+            if self.from_tail:
+                self._queued.extend(reversed(order))
+                order = [self._queued.popleft()
+                         for _ in range(min(io_threads, len(self._queued)))]
+        return order
+
+    def chunk_done(self, i: int, read: int) -> tuple[int, int] | None:
+        """Chunk `i`'s task has ended, with `read` pages read (-1: not tried); returns the next
+        queued task to submit (from the tail), if any."""
+        with self._lock:
+            self._read[i] = read
+            self._pending -= 1
+            if self.cancelled:  # an ended fetch starts no more reads
+                self._pending -= len(self._queued)
+                self._queued.clear()
+            if self._pending == 0:
+                self.read_s += time.perf_counter()
+            return self._queued.popleft() if self._queued else None
+
+    def end(self, first: int | None) -> tuple[int, int]:
+        """Terminates it: the range of `host_pages` handed to the caller (see
+        `StorageTier.end_fetch`)."""
+        self._cancel.set()
+        if self.state is FetchState.FETCHING:
+            n = len(self.host_pages)
+            if first is None:
+                self.kept = (0, self.completed)
+            elif n - self.tail_completed <= first < n:
+                self.kept = (first, n)
+            else:
+                self.kept = (n, n)
+        self.state = FetchState.ENDED
+        return self.kept
+
 
 @dataclasses.dataclass(eq=False)
 class _Backup:
@@ -133,6 +200,7 @@ class StorageTier:
         self._reads_after: list[tuple[StorageFetch, set[int]]] = []
         self.counters: dict[str, float] = dict.fromkeys(STORAGE_TIER_COUNTERS, 0)
         self._progress = threading.Event()  # set when a fetch's query or read task ends
+        self._stopping = threading.Event()  # set at close: backups write no more pages
 
     # -- backups -------------------------------------------------------------------------
     def known(self, key: bytes) -> bool:
@@ -165,7 +233,7 @@ class StorageTier:
         pages of fetches that ended and whose threads have stopped (the caller frees them)."""
         while self._planned and not self._planned[0].after:
             backup = self._planned.popleft()
-            self._writing.append((backup, self._writer.submit(self.storage.set, backup.keys,
+            self._writing.append((backup, self._writer.submit(self._write, backup.keys,
                                                                 backup.host_pages)))
         freed: list[int] = []
         while self._writing and self._writing[0][1].done():
@@ -177,6 +245,19 @@ class StorageTier:
             freed += _outside(fetch.host_pages, fetch.kept)
         return freed
 
+    def _write(self, keys: list[bytes], host_pages: list[int]) -> int:
+        """Stores a backup's pages, a few at a time until the tier closes; how many it did."""
+        stored = 0
+        for start in range(0, len(keys), WRITE_CHUNK_PAGES):
+            if self._stopping.is_set():
+                break
+            end = start + WRITE_CHUNK_PAGES
+            done = self.storage.set(keys[start:end], host_pages[start:end])
+            stored += done
+            if done < len(keys[start:end]):
+                break
+        return stored
+
     def _end_backup(self, backup: _Backup, stored: int) -> None:
         self._unlock_pages(backup.host_pages)
         self.counters["backup_pages"] += stored
@@ -185,18 +266,26 @@ class StorageTier:
         # written: the backend's index knows them now; failed: planned again next time
         self._known.difference_update(backup.keys)
 
-    def wait_backups(self) -> list[int]:
+    def wait_backups(self, deadline: float | None = None) -> list[int]:
         """Blocks until every planned backup whose copies are done has been written (the
-        caller flushes the copies first), and until no ended fetch's thread still reads;
-        returns what `poll` did meanwhile."""
+        caller flushes the copies first), or `deadline` (`time.monotonic()`) passes, and until
+        no ended fetch's thread still reads; returns what `poll` did meanwhile."""
         freed: list[int] = []
         while self._planned and not self._planned[0].after or self._writing:
             freed += self.poll()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
             if self._writing:
-                concurrent.futures.wait([self._writing[0][1]])
+                concurrent.futures.wait([self._writing[0][1]], timeout=left)
         while any(f.state is FetchState.ENDED and not f.finished for f in self._holding):
             self.wait_for_progress(0.01)
         return freed + self.poll()
+
+    def unwritten_pages(self) -> int:
+        """Pages of the backups planned and not yet written."""
+        return (sum(len(b.keys) for b in self._planned)
+                + sum(len(b.keys) for b, _ in self._writing))
 
     def clear(self) -> int:
         """Deletes every stored page (no backup may be in flight); returns how many."""
@@ -210,17 +299,14 @@ class StorageTier:
         """Asks the backend, on a thread, how many of `keys` it holds."""
         fetch = StorageFetch(keys, first_page, anchor, time.perf_counter(), from_tail,
                              TAIL_CHUNK_PAGES if from_tail else FETCH_CHUNK_PAGES)
-        with fetch._lock:
-            fetch._pending = 1
         self.counters["fetches"] += 1
 
         def query() -> None:
             try:
-                found = self.storage.exists(keys) if not fetch._cancel.is_set() else 0
+                found = self.storage.exists(keys) if not fetch.cancelled else 0
             except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
                 found = 0
-            with fetch._lock:
-                fetch.found, fetch._pending = found, 0
+            fetch.answer(found)
             self._progress.set()
 
         self._readers.submit(query)
@@ -230,34 +316,17 @@ class StorageTier:
         """Reads the first `len(host_pages)` found pages into `host_pages`, in chunks, on the
         reader threads (the last chunk first with `from_tail`), once the host copies `after`
         are done: freed pages may still be the target of a copy queued before they were."""
-        assert fetch.state is FetchState.QUERYING and fetch.queried
-        fetch.state, fetch.host_pages = FetchState.FETCHING, host_pages
+        fetch.begin(host_pages, held=bool(after))
         self._holding.append(fetch)
         if after:
-            with fetch._lock:
-                fetch._pending = 1  # not finished: its pages are not freed before the copies end
             self._reads_after.append((fetch, set(after)))
         else:
             self._start_reads(fetch)
 
     def _start_reads(self, fetch: StorageFetch) -> None:
-        host_pages = fetch.host_pages
-        if fetch._cancel.is_set():  # ended while its copies ran: it reads nothing
-            with fetch._lock:
-                fetch._pending = 0
+        order = fetch.chunks(self._io_threads)
+        if not order:
             self._progress.set()
-            return
-        chunks = range(0, len(host_pages), fetch.chunk_pages)
-        started = time.perf_counter()
-        with fetch._lock:
-            fetch._read = [0] * len(chunks)
-            fetch._pending = len(chunks)
-            fetch.read_s = -started  # the last read to end adds its end time
-        order = list(enumerate(chunks))
-        if fetch.from_tail:
-            fetch._queued.extend(reversed(order))
-            order = [fetch._queued.popleft()
-                     for _ in range(min(self._io_threads, len(fetch._queued)))]
         for i, start in order:
             self._readers.submit(self._read_chunk, fetch, i, start)
 
@@ -265,19 +334,11 @@ class StorageTier:
         end = min(start + fetch.chunk_pages, len(fetch.host_pages))
         read = -1
         try:
-            if not fetch._cancel.is_set():
+            if not fetch.cancelled:
                 read = self.storage.get(fetch.keys[start:end], fetch.host_pages[start:end])
         except Exception:  # noqa: BLE001 (a backend failure is a miss, not a crash)
             read = 0
-        with fetch._lock:
-            fetch._read[i] = read
-            fetch._pending -= 1
-            if fetch._cancel.is_set():  # an ended fetch starts no more reads
-                fetch._pending -= len(fetch._queued)
-                fetch._queued.clear()
-            if fetch._pending == 0:
-                fetch.read_s += time.perf_counter()
-            queued = fetch._queued.popleft() if fetch._queued else None
+        queued = fetch.chunk_done(i, read)
         self._progress.set()
         if queued is not None:
             try:
@@ -295,26 +356,22 @@ class StorageTier:
         gap from the first or, with `first` (a fetch from the tail), those from index `first`
         to the last if all of them were read; the rest are freed by a later `poll` once no
         thread writes them. Returns the range of `host_pages` that is the caller's."""
-        fetch._cancel.set()
-        if fetch.state is FetchState.FETCHING:
-            n = len(fetch.host_pages)
-            if first is None:
-                fetch.kept = (0, fetch.completed)
-            elif n - fetch.tail_completed <= first < n:
-                fetch.kept = (first, n)
-            else:
-                fetch.kept = (n, n)
-            kept = fetch.kept[1] - fetch.kept[0]
-            self.counters["fetched_pages"] += kept
-            self.counters["fetch_full" if kept == n else "fetch_partial"] += 1
-        fetch.state = FetchState.ENDED
-        return fetch.kept
+        reading = fetch.state is FetchState.FETCHING
+        lo, hi = fetch.end(first)
+        if reading:
+            self.counters["fetched_pages"] += hi - lo
+            self.counters["fetch_full" if hi - lo == len(fetch.host_pages) else
+                          "fetch_partial"] += 1
+        return lo, hi
 
     def held_pages(self) -> list[int]:
         """Host pages this tier holds: fetches' (being read, or ended and not yet freed)."""
         return [p for f in self._holding for p in _outside(f.host_pages, f.kept)]
 
     def close(self) -> None:
+        """Stops the threads: a backup being written stops within WRITE_CHUNK_PAGES pages,
+        those not started are dropped (call `wait_backups` first to write them)."""
+        self._stopping.set()
         for pool in (self._writer, self._readers):
             pool.shutdown(wait=True, cancel_futures=True)
         self.storage.close()

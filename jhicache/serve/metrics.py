@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jhicache.async_engine import AsyncEngine
+from jhicache.cache.storage import WRITE_FAILURE_REASONS
 from jhicache.stats import EngineStats
 
 PREFIX = "jhicache:"  # the `sglang:` / `vllm:` convention of those servers' metric names
@@ -97,6 +98,12 @@ def _storage_metrics(stats: EngineStats) -> Iterator[Metric]:
     for reason in ("missing", "truncated", "corrupt"):
         misses.add_metric([reason], getattr(stats, f"storage_{reason}_pages"))
     yield misses
+    failures = CounterMetricFamily(PREFIX + "storage_write_failures",
+                                   "Storage pages that could not be written, by reason "
+                                   "(no_space, permission, io).", labels=["reason"])
+    for reason in WRITE_FAILURE_REASONS:
+        failures.add_metric([reason], getattr(stats, f"storage_write_failures_{reason}"))
+    yield failures
     yield GaugeMetricFamily(PREFIX + "storage_bytes", "Bytes the storage tier holds.",
                             value=stats.storage_bytes)
     yield GaugeMetricFamily(PREFIX + "storage_capacity_bytes",

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhicache.cache import Copier, DevicePool, HostPool, PoolLayout, PrefixCache
+from jhicache.cache import Copier, DevicePool, HostPool, PoolLayout, PrefixCache, Transfers
 from jhicache.cache.copier import Direction, Mark
-from jhicache.config import WritePolicy
+from jhicache.config import TransferTuning, WritePolicy
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
 
@@ -73,7 +73,10 @@ def make_cache(page_size: int, device_pages: int, host_pages: int | None,
     layout = PoolLayout(layers, device_pages + 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host_layout = PoolLayout(layers, host_pages or 1, page_size, HEADS, HEAD_DIM, jnp.float32)
     host = HostPool(host_layout) if host_pages else None
-    return PrefixCache(page_size, DevicePool(layout), host, policy, copier=copier, **kwargs)
+    pool = DevicePool(layout)
+    transfers = (None if copier is None or host is None
+                 else Transfers(pool, host, copier, TransferTuning()))
+    return PrefixCache(page_size, pool, host, policy, transfers=transfers, **kwargs)
 
 
 def expected_kv(tokens: Sequence[int], layer: int, page_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,12 +1,18 @@
 """Page keys and FileStorage on fresh random pages: round trips through host pages, prefixes
 that stop at their first gap, truncated, corrupt, renamed and foreign files as misses that leave
-the host page untouched, a restart that finds every page, the size cap, an unusable directory,
-and concurrent writers."""
+the host page untouched, a restart that finds every page and removes stray temporary files, the
+size cap (over two writers of one directory too), write failures counted and logged once a
+burst, an unusable directory, and concurrent writers."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
+import os
+import socket
 import struct
+import subprocess
 import threading
 from pathlib import Path
 
@@ -14,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jhicache.cache import file_storage
 from jhicache.cache.device_pool import PoolLayout
 from jhicache.cache.file_storage import CONFIG_FILE, FileStorage, StorageDirError
 from jhicache.cache.host_pool import HostPool
@@ -125,17 +132,37 @@ def test_a_foreign_namespace_sees_nothing_and_a_mismatched_config_is_refused(
         storage(tmp_path, pool)
 
 
-def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path) -> None:
+def test_a_restart_finds_every_page_by_a_scan(tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     pool = filled(7)
     keys = chain_keys(list(range(6 * 4)), 4)
     first = storage(tmp_path, pool)
     first.set(keys, list(range(6)))
-    (first.dir / ".stray.tmp").write_bytes(b"half a page")  # a writer killed mid-write
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    gone = _finished_pid()
+    stray = [".stray.tmp", f".{keys[0].hex()}.kv.{host}.{gone}.1.tmp",  # its writer is gone
+             f".{keys[1].hex()}.kv.{host}.{os.getpid()}.1.tmp"]  # no thread of ours is 1
+    in_flight = [f".{keys[2].hex()}.kv.{host}.{os.getppid()}.5.tmp",  # a live writer's
+                 f".{keys[3].hex()}.kv.0123abcd.{gone}.5.tmp"]  # another host's, just now
+    for name in stray + in_flight:
+        (first.dir / name).write_bytes(b"half a page")
     target = filled(8)
-    again = storage(tmp_path, target)
+    with caplog.at_level(logging.INFO, logger="jhicache.storage"):
+        again = storage(tmp_path, target)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"storage tier in {again.dir}: namespace {again.namespace.digest} (tiny, float32, 4 "
+        f"tokens a page), 6 pages ({again.usage().bytes / 1e6:.1f} MB) found, 3 stray "
+        "temporary files removed; cap none"]
+    assert {p.name for p in again.dir.glob("*.tmp")} == set(in_flight)
     assert again.usage() == first.usage() and again.usage().pages == 6
     assert again.exists(keys) == 6 and again.get(keys, list(range(6, 12))) == 6
     assert all(page_bytes(target, 6 + p) == page_bytes(pool, p) for p in range(6))
+
+
+def _finished_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 def test_the_size_cap_evicts_least_recently_used_pages(tmp_path: Path) -> None:
@@ -152,6 +179,79 @@ def test_the_size_cap_evicts_least_recently_used_pages(tmp_path: Path) -> None:
     assert capped.counters().evicted_pages == 2
     kept = {p.name for p in capped.dir.glob("*.kv")}
     assert kept == {f"{k.hex()}.kv" for k in keys[:2] + keys[4:]}
+
+
+def _directory_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.kv"))
+
+
+def test_the_size_cap_holds_for_the_directory_over_two_writers(tmp_path: Path) -> None:
+    """Two servers on one directory, each capped at ten pages: the directory never holds
+    more than ten pages' bytes, and each evicts the least recently used pages of both."""
+    pools = [filled(13), filled(14)]
+    keys = chain_keys(list(range(40 * 4)), 4)
+    file_bytes = storage(tmp_path / "probe", pools[0]).page_file_bytes
+    stores = [storage(tmp_path, pool, capacity_bytes=10 * file_bytes) for pool in pools]
+    for i, key in enumerate(keys):
+        assert stores[i % 2].set([key], [i % 12]) == 1
+        assert _directory_bytes(stores[0].dir) <= 10 * file_bytes
+    assert sum(s.counters().evicted_pages for s in stores) >= 40 - 10
+    kept = {p.name for p in stores[0].dir.glob("*.kv")}
+    assert f"{keys[-1].hex()}.kv" in kept and f"{keys[0].hex()}.kv" not in kept
+    again = storage(tmp_path, pools[0], capacity_bytes=10 * file_bytes)  # what a restart sees
+    assert again.usage().bytes == _directory_bytes(again.dir)
+
+
+def test_write_failures_are_counted_by_reason_and_logged_once_a_burst(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pool = filled(15)
+    keys = chain_keys(list(range(12 * 4)), 4)
+    store = storage(tmp_path, pool)
+    real = os.pwritev
+
+    def full(fd: int, buffers: list, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_storage.os, "pwritev", full)
+    with caplog.at_level(logging.WARNING, logger="jhicache.storage"):
+        for i in range(8):
+            assert store.set(keys[i:i + 1], [i]) == 0
+        counters = store.counters()
+        assert (counters.write_failures_no_space, counters.write_failures_io) == (8, 0)
+        assert [r.getMessage() for r in caplog.records if "fail" in r.getMessage()] == [
+            "storage writes fail (no_space): [Errno 28] No space left on device; each failure "
+            "is counted (jhicache:storage_write_failures_total) and logged again every 60 s "
+            "while they go on"]
+        assert not list(store.dir.glob("*.tmp")) and store.usage().pages == 0
+        monkeypatch.setattr(file_storage.os, "pwritev", real)
+        caplog.clear()
+        assert store.set(keys[8:10], [8, 9]) == 2
+        assert [r.getMessage() for r in caplog.records] == [
+            "storage writes succeed again, after 8 failed"]
+    monkeypatch.setattr(file_storage.os, "replace", lambda *a: (_ for _ in ()).throw(
+        PermissionError(errno.EROFS, "Read-only file system")))
+    assert store.set(keys[10:], [10, 11]) == 0
+    assert store.counters().write_failures_permission == 1
+    assert not list(store.dir.glob("*.tmp"))
+
+
+def test_a_file_system_without_flock_caps_per_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pool = filled(16)
+    keys = chain_keys(list(range(12 * 4)), 4)
+    file_bytes = storage(tmp_path / "probe", pool).page_file_bytes
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(file_storage.fcntl, "flock", no_flock)
+    with caplog.at_level(logging.WARNING, logger="jhicache.storage"):
+        capped = storage(tmp_path, pool, capacity_bytes=10 * file_bytes)
+        assert capped.set(keys, list(range(12))) == 12
+    assert capped.counters().evicted_pages > 0
+    assert _directory_bytes(capped.dir) <= 10 * file_bytes
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"storage directory {capped.dir} takes no flock"]
 
 
 def test_an_unusable_directory_is_a_clear_error(tmp_path: Path) -> None:

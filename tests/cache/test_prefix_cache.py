@@ -138,7 +138,7 @@ def test_host_eviction_only_removes_host_only_leaves(page: int) -> None:
     prefill(cache, a)
     prefill(cache, b)  # host: copies of a and b (both on device too)
     cache.flush()
-    assert cache.evict_host(4) == 0  # host copies of on-device nodes are never host-evicted
+    assert cache._evict_host(4) == 0  # host copies of on-device nodes are never host-evicted
     prefill(cache, c)  # device evicts a (host copy exists); c's write-through host-evicts a
     check(cache)
     assert cache.match(a).host_len == 0 and cache.stats()["evicted_host_tokens"] == len(a)

@@ -131,7 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
     def evict(self, n: int, host: bool) -> None:
         if host:
             if self.cache.host is not None:
-                self.cache.evict_host(n)
+                self.cache._evict_host(n)
             return
         before = self.cache.device.pages.num_free
         freed = self.cache.evict_device(n)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import initialize, precondition, rule
 
 from jhicache.cache import PrefixCache
-from jhicache.cache.file_storage import CONFIG_FILE, FileStorage
+from jhicache.cache.file_storage import CONFIG_FILE, USAGE_FILE, FileStorage
 from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.storage import StorageNamespace
 from jhicache.cache.storage_tier import StorageFetch
@@ -56,7 +56,7 @@ def test_a_dropped_nodes_host_only_child_whose_backup_is_in_flight(tmp_path: Pat
     # Q on host only (its backup written), P and its child C on device with no host copy
     prefill(cache, Q)
     cache.evict_device(2)
-    cache.wait_for_backups()
+    cache.flush(backups=True)
     prefill(cache, P)
     prefill(cache, P + C)
     # Loading Q back needs both device pages: C is written back (P is stored already, so only
@@ -68,7 +68,7 @@ def test_a_dropped_nodes_host_only_child_whose_backup_is_in_flight(tmp_path: Pat
     assert cache.match(P + C).device_len + cache.match(P + C).host_len == 0
     cache.check_invariants()  # C's page is held for its backup: neither free nor leaked
     assert cache.host.num_free == 0
-    cache.wait_for_backups()
+    cache.flush(backups=True)
     assert cache.host.num_free == 1  # written, then freed
     assert cache.storage.known(chain_keys(P + C, PAGE)[1])
     cache.check_invariants()
@@ -180,7 +180,7 @@ class RaceMachine(StorageMachine):
     def start_fetch(self, tokens: list[int], tail: bool) -> None:
         tokens = self._aligned(tokens) + [999]  # the last token is left to compute
         match = self.cache.match(tokens, leave_last=True)
-        fetch = self.cache.start_fetch(tokens, match, self.page, from_tail=tail)
+        fetch = self.cache.fetches.start(tokens, match, self.page, from_tail=tail)
         if fetch is not None:
             self.in_flight.append((fetch, tokens))
 
@@ -190,9 +190,9 @@ class RaceMachine(StorageMachine):
         """Moves one fetch on as the scheduler does, ending it with `stop` or once read; a
         fetch from the tail ends once read, from its first page."""
         fetch, tokens = self.in_flight[i % len(self.in_flight)]
-        got = self.cache.advance_fetch(fetch, tokens, self.page, stop=stop)
+        got = self.cache.fetches.advance(fetch, tokens, self.page, stop=stop)
         if got is None and fetch.from_tail and fetch.finished:
-            got = self.cache.end_fetch(fetch, tokens, fetch.first_page)
+            got = self.cache.fetches.end(fetch, tokens, fetch.first_page)
         if got is not None:
             self.in_flight.remove((fetch, tokens))
             event(f"fetch ended with pages: {got > 0}")
@@ -203,13 +203,13 @@ class RaceMachine(StorageMachine):
     @rule(i=st.integers(0, 10))
     def abort_fetch(self, i: int) -> None:
         fetch, _ = self.in_flight.pop(i % len(self.in_flight))
-        self.cache.end_fetch(fetch, None)
+        self.cache.fetches.end(fetch, None)
 
     @rule(i=st.integers(0, 100), truncate=st.booleans())
     def damage(self, i: int, truncate: bool) -> None:
         """Damages one stored page file: cut short, or one byte of its payload flipped."""
         files = sorted(p for p in Path(self.root).rglob("*")
-                       if p.is_file() and p.name != CONFIG_FILE)
+                       if p.is_file() and p.name not in (CONFIG_FILE, USAGE_FILE))
         if not files:
             return
         path = files[i % len(files)]
@@ -245,7 +245,7 @@ class RaceMachine(StorageMachine):
     def teardown(self) -> None:
         if hasattr(self, "cache"):
             for fetch, _ in self.in_flight:
-                self.cache.end_fetch(fetch, None)
+                self.cache.fetches.end(fetch, None)
             self.in_flight.clear()
             self._waiting(lambda: None)
         super().teardown()
