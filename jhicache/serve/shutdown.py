@@ -32,7 +32,8 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 POLL_S = 0.05  # how often the drain looks at the requests in flight
 # After the drain, the engine gets what is left of the shutdown timeout, at least this, to end
-# (its process is killed past it): its last step, the aborts, the copies in flight.
+# (its process is killed past it): its last step, the aborts, the copies in flight, a storage
+# tier's last writes (EngineProcess keeps 2 s of it for the exit).
 CLOSE_GRACE_S = 5.0
 # A warm-up stops at its next program, but a program's compile cannot be cut short: past this,
 # the engine's process is killed (its compiles hold nothing a later start needs).
@@ -88,12 +89,15 @@ class Drain:
             await asyncio.sleep(POLL_S)
 
     async def close_engine(self) -> None:
-        """Closes the engine (its requests end with `EngineClosedError`), killing its process
-        if it has not ended within what is left of the drain's time (at least
-        `CLOSE_GRACE_S`), or `WARMUP_STOP_S` while it warms up. Idempotent."""
+        """Closes the engine (its requests end with `EngineClosedError`; a storage tier stores
+        the cache meanwhile), killing its process if it has not ended within what is left of
+        the drain's time, at least `CLOSE_GRACE_S` (only that once asked twice), or
+        `WARMUP_STOP_S` while it warms up. Idempotent."""
         loop = asyncio.get_running_loop()
         warming = self.engine.is_running and not self.engine.is_ready
-        left = self._deadline - loop.time() if self._deadline is not None else 0.0
+        left = 0.0
+        if self._deadline is not None and self.asks < 2:
+            left = self._deadline - loop.time()
         await self.engine.aclose(WARMUP_STOP_S if warming else max(left, CLOSE_GRACE_S))
 
 
