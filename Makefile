@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test,plot,serve]'
+	$(PY) -m pip install --quiet -e '.[test,plot,serve,mooncake]'
 	@touch $(STAMP)
 
 # The installed bench (model, multi-turn), then the host-hit bench from benchmarks/ (not installed).

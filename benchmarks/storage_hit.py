@@ -1,20 +1,25 @@
 """The storage-hit bench: TTFT of a prefix found only in the storage tier, against recomputing
-it and against a device hit, with the disk's own read rate measured in the same run."""
+it and against a device hit, with the backend's own read rate measured in the same run (the
+disk's for `file`; for `mooncake`, a store on this machine whose memory a store service holds,
+the store's get rate for page-sized objects)."""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks import cli, tables
+from benchmarks import cli, mooncake_local, tables
 from benchmarks.cli import sized
 from benchmarks.host_hit import bytes_per_token, stats_delta, ttft_of
 from benchmarks.rows import Rule, Target
@@ -89,19 +94,26 @@ def _read_all(path: Path) -> int:
     return total
 
 
-def storage_engine(args: argparse.Namespace, root: Path) -> Engine:
-    """Hierarchical, every page written through to host and storage, every storage hit read in
-    full before its request runs (or as `--fetch-policy` says); a device pool of four times the
-    prompt and two pages."""
+def storage_engine(args: argparse.Namespace, root: Path,
+                   store: dict[str, Any] | None = None) -> Engine:
+    """Hierarchical, every page written through to host and storage (a directory under `root`,
+    or with `store` a Mooncake Store's client config), every storage hit read in full before
+    its request runs (or as `--fetch-policy` says); a device pool of four times the prompt and
+    two pages."""
     tokens = 4 * (args.storage_hit_prefix + args.storage_hit_turn + 2 * args.page_size)
     through = argparse.Namespace(**{**vars(args), "write_policy": "write_through"})
     threads = {} if args.storage_io_threads is None else {
         "storage_io_threads": args.storage_io_threads}
     return make_engine(through, cache_mode="hierarchical", device_kv_tokens=tokens,
-                       load_back_threshold=1,
-                       storage_dir=str(root),
+                       load_back_threshold=1, **_backend(root, store),
                        fetch_policy=args.fetch_policy or FetchPolicy.WAIT_COMPLETE.value,
                        fetch_threshold=args.page_size, **threads)
+
+
+def _backend(root: Path, store: dict[str, Any] | None) -> dict[str, Any]:
+    if store is None:
+        return {"storage_dir": str(root)}
+    return {"storage_backend": "mooncake", "storage_backend_config": json.dumps(store)}
 
 
 def storage_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.Namespace,
@@ -113,7 +125,7 @@ def storage_hit_trial(engine: Engine, rng: np.random.Generator, args: argparse.N
     start = time.perf_counter()
     engine.flush_cache()  # waits for the backups; device and host tiers empty
     backup_wait_s = time.perf_counter() - start
-    dropped = drop_page_cache(root)
+    dropped = drop_page_cache(root) if root.exists() else 0
     before = engine.stats().as_dict()
     with CompileCounter() as compiles:
         storage_s, out = ttft_of(engine, prefix + turns[1])  # the prefix only on disk
@@ -139,9 +151,12 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
     """`--storage-hit-trials` trials after the engine's warm-up and a warm-up trial, each with
     its own prompts; the disk's read rates measured beside them; the trial with the median
     storage-hit TTFT, every trial under "trials"."""
-    with tempfile.TemporaryDirectory(dir=args.storage_dir) as directory:
+    with tempfile.TemporaryDirectory(dir=args.storage_dir) as directory, \
+            contextlib.ExitStack() as stack:
         root = Path(directory)
-        engine = storage_engine(args, root / "storage")
+        store = (None if args.storage_backend == "file"
+                 else stack.enter_context(_local_store(args, root)))
+        engine = storage_engine(args, root / "storage", None if store is None else store[0])
         # every program compiled, as a server's start does: where a split fetch's compute meets
         # its reads varies from trial to trial, and so do the chunk shapes it runs
         with as_served(engine):
@@ -149,18 +164,55 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
             storage_hit_trial(engine, rng, args, root / "storage")  # the tier's first use
             trials = [storage_hit_trial(engine, rng, args, root / "storage")
                       for _ in range(args.storage_hit_trials)]
+        engine.close(timeout_s=0)
         prefix_bytes = args.storage_hit_prefix * bytes_per_token(engine)
-        disk = disk_read_rates(root, prefix_bytes)
+        if store is None:
+            rates = disk_read_rates(root, prefix_bytes)
+            ceiling = max(rates["disk_sequential_read_bps"], rates["disk_parallel_read_bps"])
+        else:
+            page_bytes = args.page_size * bytes_per_token(engine)
+            rates = mooncake_local.store_rates(store[1], page_bytes, prefix_bytes // page_bytes)
+            ceiling = rates["store_get_bps"]
     ttfts = [t["storage_hit_ttft_s"] for t in trials]
     median = median_index(ttfts)
-    ceiling = max(disk["disk_sequential_read_bps"], disk["disk_parallel_read_bps"])
-    result = {**trials[median], **disk, "trials": trials, "median_trial": median,
+    result = {**trials[median], **rates, "trials": trials, "median_trial": median,
+              "storage_backend": args.storage_backend,
               "prefix_tokens": args.storage_hit_prefix, "turn_tokens": args.storage_hit_turn,
               "fetch_policy": FetchPolicy(engine.config.fetch_policy).value,
               "storage_io_threads": engine.config.storage_io_threads,
-              "disk_read_ceiling_bps": ceiling}
+              "disk_read_ceiling_bps": ceiling}  # (the store's get rate for mooncake)
     result["fetch_read_over_disk"] = result["fetch_read_bps"] / ceiling
     return result
+
+
+@contextlib.contextmanager
+def _local_store(args: argparse.Namespace,
+                 root: Path) -> Iterator[tuple[dict[str, Any], mooncake_local.Master]]:
+    """A master and a store service holding three prefixes' pages (older ones are evicted),
+    and the engine's client config: it contributes no memory, so its pages live in the
+    service's, as a fleet's do."""
+    root.mkdir(parents=True, exist_ok=True)
+    tokens = 3 * (args.storage_hit_prefix + 4 * args.page_size)
+    segment = tokens * _token_bytes(args) + (256 << 20)
+    master = mooncake_local.Master(root / "master.log", segment_bytes=0)
+    master.start()
+    service = mooncake_local.StoreService(master, segment, root)
+    try:
+        service.start()
+        yield master.config, master
+    finally:
+        service.stop()
+        master.stop()
+
+
+def _token_bytes(args: argparse.Namespace) -> int:
+    """A token's KV bytes for the bench's model (before any engine is built)."""
+    from jhicache.models import preset_config
+    from jhicache.models.qwen2_weights import read_config
+
+    config = read_config(args.weights) if args.weights else preset_config(args.preset)
+    itemsize = 4 if args.dtype == "float32" else 2
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
@@ -171,6 +223,10 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
     p.add_argument("--storage-hit-trials", **sized(count, 7, 1),
                    help="measured trials (after a warm-up one); the figures printed are the "
                         "median trial's by storage-hit TTFT")
+    p.add_argument("--storage-backend", choices=("file", "mooncake"), default="file",
+                   help="the storage tier: a directory, or a Mooncake Store started on this "
+                        "machine (a master and a store service; the store's get rate is then "
+                        "the ceiling)")
     p.add_argument("--storage-io-threads", type=positive_int, metavar="N", default=None,
                    help="the storage tier's reader threads, so its reads in flight (unset: the "
                         "engine's own)")
@@ -179,6 +235,11 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
 def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
     """A long prefix (32768 tokens or more) aims at a third of recompute's TTFT and 0.8x of the
     disk's read rate; a shorter one, whose recompute is quick, only at beating recompute."""
+    if args.storage_backend == "mooncake":
+        return "storage_hit_mooncake", Target(
+            "faster than recompute; read >= 0.8x the store's get rate",
+            (Rule("storage_hit_over_recompute", "TTFT", at_most=1.0),
+             Rule("fetch_read_over_disk", "read", at_least=0.8)))
     if args.storage_hit_prefix < 32768:
         return "storage_hit", Target("faster than recompute (ratio recorded)", (
             Rule("storage_hit_over_recompute", "TTFT", at_most=1.0),))

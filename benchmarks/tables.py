@@ -93,6 +93,19 @@ def host_hit_table(result: dict) -> str:
             + _timeline_text(result.get("host_hit_timeline")))
 
 
+def _backend_alone(result: dict) -> str:
+    """The storage backend's own rate beside the fetch's: the disk's, or the store's."""
+    if result.get("storage_backend") == "mooncake":
+        return (f"the Mooncake store alone: get {format_rate(result['store_get_bps'] / 1e9)}, "
+                f"put {format_rate(result['store_put_bps'] / 1e9)}; fetch / get "
+                f"{result['fetch_read_over_disk']:.2f}")
+    return (f"the disk alone: sequential {format_rate(result['disk_sequential_read_bps'] / 1e9)}"
+            f", {result['disk_probe_files']} files at once "
+            f"{format_rate(result['disk_parallel_read_bps'] / 1e9)} (page cache "
+            f"{format_rate(result['page_cache_read_bps'] / 1e9)}); fetch / disk "
+            f"{result['fetch_read_over_disk']:.2f}")
+
+
 def storage_hit_table(result: dict) -> str:
     trials = result["trials"]
     ttfts = [t["storage_hit_ttft_s"] * 1e3 for t in trials]
@@ -109,12 +122,7 @@ def storage_hit_table(result: dict) -> str:
             f"  read {result['engine_storage_read_bytes'] / 1e9:.2f} GB in "
             f"{result['engine_storage_fetch_read_s'] * 1e3:.1f} ms by "
             f"{result.get('storage_io_threads', '?')} reader threads: "
-            f"{format_rate(result['fetch_read_bps'] / 1e9)}; the disk alone: sequential "
-            f"{format_rate(result['disk_sequential_read_bps'] / 1e9)}, "
-            f"{result['disk_probe_files']} files at once "
-            f"{format_rate(result['disk_parallel_read_bps'] / 1e9)}"
-            f" (page cache {format_rate(result['page_cache_read_bps'] / 1e9)}); fetch / disk "
-            f"{result['fetch_read_over_disk']:.2f}\n"
+            f"{format_rate(result['fetch_read_bps'] / 1e9)}; {_backend_alone(result)}\n"
             f"  the median of {len(trials)} trials by storage-hit TTFT (trial "
             f"{result['median_trial'] + 1}): {min(ttfts):.1f}-{max(ttfts):.1f} ms")
 

@@ -11,6 +11,7 @@ import multiprocessing.process
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from jhicache import inputs
 from jhicache.cache.invariants import InvariantError
@@ -31,6 +32,7 @@ from jhicache.wire import (
     Outputs,
     Query,
     QueryName,
+    SetStorage,
     Started,
     ToLoop,
     ToParent,
@@ -243,6 +245,23 @@ class AsyncEngine:
         """`Engine.clear_storage()`: deletes the storage tier's pages; False while requests are
         unfinished."""
         return self._query("clear_storage").flag
+
+    def set_storage(self, backend: str | None, storage_dir: str | None = None,
+                    backend_config: str | None = None,
+                    timeout_s: float | None = 30.0) -> dict[str, Any]:
+        """`Engine.set_storage(...)` between two steps, wherever the engine runs (blocks until
+        it is done); returns the engine's config then, as `info.config` now shows it. Raises
+        ValueError (nothing changed) for a setting the engine refused."""
+        call = _Call(concurrent.futures.Future())
+        self._send(lambda n: SetStorage(n, backend, storage_dir, backend_config, timeout_s),
+                   call)
+        done = call.future.result()
+        assert isinstance(done, Done)
+        if done.error is not None:
+            raise ValueError(done.error)
+        assert done.config is not None
+        self.info.config = done.config  # the engine's config changed with its storage tier
+        return done.config
 
     def _query(self, name: QueryName) -> Answer:
         call = _Call(concurrent.futures.Future())

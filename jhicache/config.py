@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import numbers
+from typing import Any
 
 
 class CacheMode(enum.Enum):
@@ -29,6 +31,23 @@ class StorageWritePolicy(enum.Enum):
 
     WRITE_THROUGH = "write_through"  # when they are written to host
     WRITE_BACK = "write_back"  # when they are evicted from host (kept until written)
+
+
+class StorageBackend(enum.Enum):
+    """Where the storage tier keeps its pages."""
+
+    FILE = "file"  # a directory (storage_dir), local or shared: one file a page
+    MOONCAKE = "mooncake"  # a Mooncake Store that several servers share
+
+
+# The storage backend config's keys, by backend (Mooncake's own store config names, as
+# SGLang's --hicache-storage-backend-extra-config takes them)
+STORAGE_BACKEND_KEYS = {
+    StorageBackend.FILE: (),
+    StorageBackend.MOONCAKE: ("local_hostname", "metadata_server", "global_segment_size",
+                              "local_buffer_size", "protocol", "device_name",
+                              "master_server_address"),
+}
 
 
 class FetchPolicy(enum.Enum):
@@ -59,6 +78,23 @@ def _as_enum(enum_type: type[enum.Enum], value: object, field: str) -> enum.Enum
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in enum_type)
         raise ValueError(f"EngineConfig.{field}={value!r}: expected one of {allowed}") from None
+
+
+def _backend_config(text: str, keys: tuple[str, ...]) -> str:
+    """The storage backend config as sorted JSON text; ValueError naming what is wrong (not
+    JSON, not an object, a key the backend does not take)."""
+    where = "EngineConfig.storage_backend_config"
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown} for this backend; known: "
+                         f"{list(keys)}")
+    return json.dumps(value, sort_keys=True)
 
 
 def _int(field: str, value: object, low: int) -> int:
@@ -159,6 +195,11 @@ class EngineConfig:
         subdirectory per namespace (model, dtype, page size, layout) and survive restarts:
         `Engine.close` writes every cached page storage lacks, whatever the write policies.
         None: no storage tier.
+      storage_backend: "file" (the default: a tier in `storage_dir`, when one is given) or
+        "mooncake" (a tier in a Mooncake Store that several servers share; no storage_dir).
+      storage_backend_config: the backend's settings as JSON text (an object; on the command
+        line "@FILE" reads it from a file); for Mooncake its store config names
+        (`STORAGE_BACKEND_KEYS`), over its `MOONCAKE_*` environment variables.
       storage_write_policy: "write_through" (a page goes to storage when it is written to
         host) or "write_back" (when it is evicted from host: its host page is freed once
         written). Either way a prefix's head pages are planned before its tail.
@@ -195,6 +236,8 @@ class EngineConfig:
     max_context_len: int | None = None
     fail_on_compile: bool = False
     storage_dir: str | None = None
+    storage_backend: StorageBackend | str = StorageBackend.FILE
+    storage_backend_config: str | None = None
     storage_write_policy: StorageWritePolicy | str = StorageWritePolicy.WRITE_THROUGH
     storage_capacity_bytes: int | None = None
     storage_model_name: str | None = None
@@ -213,6 +256,7 @@ class EngineConfig:
         fix("fetch_policy", _as_enum(FetchPolicy, self.fetch_policy, "fetch_policy"))
         fix("storage_write_policy", _as_enum(StorageWritePolicy, self.storage_write_policy,
                                              "storage_write_policy"))
+        fix("storage_backend", _as_enum(StorageBackend, self.storage_backend, "storage_backend"))
         for field in ("page_size", "write_through_threshold", "max_running_requests",
                       "chunked_prefill_tokens", "tensor_parallel_size"):
             fix(field, _int(field, getattr(self, field), 1))
@@ -252,9 +296,41 @@ class EngineConfig:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"EngineConfig.{field}={value!r}: expected a non-empty string")
-        if self.storage_dir is not None and self.cache_mode is not CacheMode.HIERARCHICAL:
-            raise ValueError("EngineConfig.storage_dir needs cache_mode='hierarchical' (the "
-                             "storage tier sits under the host tier)")
+        if self.storage_backend is StorageBackend.MOONCAKE:
+            for field in ("storage_dir", "storage_capacity_bytes"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"EngineConfig.{field} is not used by the mooncake "
+                                     f"storage backend (the store's master holds its size)")
+        if self.storage_enabled and self.cache_mode is not CacheMode.HIERARCHICAL:
+            raise ValueError("a storage tier (EngineConfig.storage_dir or storage_backend="
+                             "'mooncake') needs cache_mode='hierarchical' (the storage tier "
+                             "sits under the host tier)")
+        if self.storage_backend_config is not None:
+            fix("storage_backend_config", _backend_config(
+                self.storage_backend_config,
+                STORAGE_BACKEND_KEYS[StorageBackend(self.storage_backend)]))
+
+    @property
+    def storage_enabled(self) -> bool:
+        """Whether the engine has a storage tier (a directory, or a Mooncake Store)."""
+        return self.storage_dir is not None or self.storage_backend is StorageBackend.MOONCAKE
+
+    def with_storage(self, backend: StorageBackend | str | None, storage_dir: str | None = None,
+                     backend_config: str | None = None) -> EngineConfig:
+        """This config with another storage tier: `backend` "file" in `storage_dir`, or
+        "mooncake" with `backend_config`, or none (None); ValueError for a bad setting."""
+        if backend is None and (storage_dir or backend_config):
+            raise ValueError("no storage tier takes no storage_dir or storage_backend_config")
+        config = dataclasses.replace(self, storage_backend=backend or StorageBackend.FILE,
+                                     storage_dir=storage_dir, storage_backend_config=backend_config)
+        if backend is not None and not config.storage_enabled:
+            raise ValueError("EngineConfig.storage_dir: the file storage backend needs one")
+        return config
+
+    def storage_settings(self) -> dict[str, Any]:
+        """The storage backend's settings (`storage_backend_config`), as a dict."""
+        text = self.storage_backend_config
+        return {} if text is None else dict(json.loads(text))
 
     def _check_pool_sizes(self) -> None:
         if self.device_kv_tokens is not None and self.device_kv_tokens < 2 * self.page_size:

@@ -15,7 +15,7 @@ import numpy as np
 
 from jhicache import inputs
 from jhicache.compiles import CompilePhase, CompileWatch
-from jhicache.config import EngineConfig
+from jhicache.config import EngineConfig, StorageBackend
 from jhicache.models import Qwen2Config, Qwen2ForCausalLM
 from jhicache.parts import EngineParts, preset_model, pretrained_model
 from jhicache.request import Request, RequestOutput
@@ -38,6 +38,7 @@ class Engine:
         self.tp, self.device_pool, self.cache = parts.tp, parts.device_pool, parts.cache
         self.scheduler, self.runner, self.grid = parts.scheduler, parts.runner, parts.grid
         self.executor, self._limits = parts.executor, parts.limits
+        self._storage_for = parts.storage_for
         self.load_flags = parts.executor.load_flags
         self.compiles = CompileWatch()
         self.startup = StartupTimes(pools_s=time.perf_counter() - built)
@@ -100,16 +101,10 @@ class Engine:
                     for prompt, p, rid in zip(arrays, per_prompt, ids)]
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; an output for every request that gained a token or finished in it,
-        and for one whose prompt log probabilities it filled further before its first token
-        (a chunk before the prompt's last: no token, the new rows in `prompt_scores`, so that
-        a caller can use them while the next chunk computes). Outputs are deltas: the new
-        tokens, their log probabilities and the new prompt rows, never a request's whole so
-        far, so a step's cost does not grow with the requests' lengths.
-
-        With `overlap_schedule`, a step dispatches the next batch before it reads the tokens of
-        the one before, so the outputs a step returns are those of the batch dispatched by the
-        previous call."""
+        """One engine step; an output (a delta: new tokens, their log probabilities, new prompt
+        rows) for every request that gained a token or finished in it, and for one whose
+        prompt log probabilities a chunk before the prompt's last filled further. With
+        `overlap_schedule` the outputs are those of the batch the previous call dispatched."""
         with self._lock, self._serving():
             aborted, self._aborted = self._aborted, []
             gained = self._step()
@@ -117,16 +112,12 @@ class Engine:
 
     def warmup(self, progress: bool = True, freeze_heap: bool = False,
                stop: threading.Event | None = None) -> WarmupReport:
-        """Compiles every program the engine's steps can dispatch (`grid`'s shapes: the forward,
-        sampling, the inputs' transfer, the write-back gathers), so that serving compiles
-        nothing; with `progress`, a progress bar on stderr. Only while no request is unfinished
-        (ValueError otherwise). With JAX's persistent compilation cache on, a later start
-        reads the programs back instead of compiling them. Its compiles take no lock, so
-        `stats()` and `occupancy()` answer meanwhile; do not step the engine until it returns
-        (a step would compile what it meets, as without a warm-up). With `freeze_heap`, what
-        is alive then leaves the garbage collector's walks (`warmup.freeze_heap`): for a
-        process that serves this engine to its end. Setting `stop` (from another thread) ends
-        it at the next program with `warmup.WarmupStopped` (an engine closed meanwhile)."""
+        """Compiles every program a step can dispatch (`grid`'s shapes), so that serving
+        compiles nothing; with `progress`, a progress bar on stderr. Only while idle
+        (ValueError otherwise); `stats()` and `occupancy()` answer meanwhile, but do not step
+        until it returns. `freeze_heap`: what is alive then leaves the garbage collector's
+        walks (`warmup.freeze_heap`), for a process that serves this engine to its end.
+        Setting `stop` (from another thread) ends it at its next program (`WarmupStopped`)."""
         with self._lock:
             if self._requests:
                 raise ValueError("warmup() needs an idle engine: requests are unfinished")
@@ -155,13 +146,10 @@ class Engine:
             return True
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Lets go of what the engine holds beside its device arrays: waits for the copies in
-        flight; with a storage tier, writes there every cached page it lacks, whatever the
-        write policies (pages only on device or host too, the most recently used prefixes
-        first), for up to `timeout_s` (None: until all are written), so that a restart on the
-        directory finds the whole cache; stops the storage tier's threads and unpins the host
-        tier's memory. Only with no request unfinished (ValueError otherwise); idempotent. The
-        engine serves nothing afterwards."""
+        """Lets go of what the engine holds beside its device arrays: with a storage tier,
+        writes there every cached page it lacks, whatever the write policies, for up to
+        `timeout_s` (None: all), so that a restart finds the whole cache (`PrefixCache.close`).
+        Only while idle (ValueError otherwise); idempotent; it serves nothing afterwards."""
         with self._lock:
             if self._closed:
                 return
@@ -227,6 +215,22 @@ class Engine:
         True without a storage tier (nothing to delete)."""
         return self._when_idle(lambda: self.cache.clear(storage=True))
 
+    def set_storage(self, backend: StorageBackend | str | None, storage_dir: str | None = None,
+                    backend_config: str | None = None, timeout_s: float | None = 30.0,
+                    ) -> EngineConfig:
+        """Attaches a storage tier ("file" in `storage_dir`, or "mooncake" with its JSON
+        `backend_config`) in place of any, or detaches it (None), while requests are served
+        (`PrefixCache.set_storage`). Returns the config now; ValueError changes nothing."""
+        config = self.config.with_storage(backend, storage_dir, backend_config)
+        with self._lock, self._serving():
+            try:
+                storage = None if backend is None else self._storage_for(config)
+            except (OSError, RuntimeError) as e:  # a directory, or a store, that cannot be used
+                raise ValueError(f"storage backend {backend}: {e}") from e
+            self.cache.set_storage(storage, timeout_s)
+            self.config = config
+            return config
+
     def _when_idle(self, action: Callable[[], object]) -> bool:
         """Runs `action` once the step and copies in flight have ended, if no request is
         unfinished; False (nothing done) otherwise."""
@@ -238,11 +242,9 @@ class Engine:
             return True
 
     def check_invariants(self) -> None:
-        """Raises `InvariantError` on any page-accounting error in either tier (one tree and one
-        page id space serve every device shard), when a layer's device pages are not split over
-        the devices as the pool's sharding says, when any shard of a layer left the buffer
-        the host tier's copies target, or when an attention kernel stopped waiting for loaded
-        pages before they landed (a device read: it waits for the compute queued so far)."""
+        """Raises `InvariantError` on any page-accounting error in any tier, a device pool laid
+        out off its sharding, or a kernel that read loaded pages before they landed
+        (`PrefixCache.check_invariants`; a device read: it waits for the compute queued)."""
         with self._lock, self._serving():
             self.cache.check_invariants(
                 extra_owned_device_pages=self.scheduler.owned_device_pages())
@@ -279,10 +281,9 @@ class Engine:
             self.check_invariants()
 
     def evict(self, pages: int | None = None, wait: bool = True) -> int:
-        """Evicts least recently used unlocked device pages, at least `pages` where there are
-        that many (every one, with None), as the engine does when it needs room: their write-
-        backs to the host tier start under the write policy. With `wait`, returns once every
-        copy has landed. Returns the pages freed."""
+        """Evicts least recently used unlocked device pages, at least `pages` (None: all), as
+        the engine does when it needs room (their write-backs start); with `wait`, returns once
+        every copy has landed. Returns the pages freed."""
         with self._lock, self._serving():
             freed = self.cache.evict_device(pages)
             if wait:
@@ -290,9 +291,8 @@ class Engine:
             return freed
 
     def load_back(self, prompt: Sequence[int]) -> bool:
-        """Copies the host-tier run of `prompt`'s cached prefix to the device tier with no step
-        around it, and returns once it has landed (a bench times a load alone this way). False
-        (nothing done) with no host run to load or while a request is unfinished."""
+        """Loads the host-tier run of `prompt`'s cached prefix alone, returning once it landed
+        (a bench times it); False (nothing done) with none to load or while requests run."""
         with self._lock, self._serving():
             if self._requests:
                 return False
@@ -300,11 +300,9 @@ class Engine:
             return self.stepper.load_alone(list(prompt))
 
     def drain(self) -> list[RequestOutput]:
-        """Ends the step in flight and waits for every transfer; returns that step's outputs
-        (as `step()` does). Unfinished requests stay queued for later steps; with
-        none, the engine is idle afterwards (no step, copy or write-back in flight), as a
-        caller that stops stepping needs it to be: `AsyncEngine` calls it once its requests
-        have all finished."""
+        """Ends the step in flight and waits for every transfer; returns that step's outputs.
+        With no request unfinished the engine is idle afterwards (`AsyncEngine` calls it once
+        its requests have all finished)."""
         with self._lock, self._serving():
             return self._drain()
 

@@ -28,6 +28,7 @@ from jhicache.wire import (
     Outputs,
     Query,
     QueryName,
+    SetStorage,
     Started,
     ToLoop,
     ToParent,
@@ -163,6 +164,16 @@ class EngineLoop:
                 self.engine.abort(message.request_id)
         elif isinstance(message, Query):
             self.end.post(self.calls[message.name](message.call))
+        elif isinstance(message, SetStorage):
+            self.end.post(self._set_storage(message))
+
+    def _set_storage(self, message: SetStorage) -> Done:
+        try:
+            config = self.engine.set_storage(message.backend, message.storage_dir,
+                                             message.backend_config, message.timeout_s)
+        except ValueError as e:
+            return Done(message.call, error=str(e))
+        return Done(message.call, config=msgspec.to_builtins(config))
 
     def _warm(self, message: Warmup) -> None:
         try:

@@ -5,8 +5,10 @@ cache, scheduler, runner, step grid and step executor built over them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,8 +26,8 @@ from jhicache.cache import (
 from jhicache.cache.fetches import FetchRule
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.host_memory import available_bytes
-from jhicache.cache.storage import StorageNamespace
-from jhicache.config import CacheMode, EngineConfig, FetchPolicy, KVDtype
+from jhicache.cache.storage import Storage, StorageNamespace
+from jhicache.config import CacheMode, EngineConfig, FetchPolicy, KVDtype, StorageBackend
 from jhicache.executor import StepExecutor
 from jhicache.grid import ShapeGrid
 from jhicache.inputs import Limits
@@ -56,6 +58,7 @@ class EngineParts:
     grid: ShapeGrid
     executor: StepExecutor
     limits: Limits  # what a submitted request is checked against
+    storage_for: Callable[[EngineConfig], Storage]  # a storage backend for a config's settings
 
     @classmethod
     def create(cls, model: Qwen2ForCausalLM, config: EngineConfig) -> EngineParts:
@@ -71,8 +74,8 @@ class EngineParts:
             copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
             host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
             transfers = Transfers(device_pool, host_pool, copier, config.transfer_tuning)
-        storage = (_file_storage(model.config, config, host_pool)
-                   if host_pool is not None and config.storage_dir is not None else None)
+        storage = (_storage(model.config, config, host_pool)
+                   if host_pool is not None and config.storage_enabled else None)
         cache = PrefixCache(config.page_size, device_pool, host_pool, config.write_policy,
                             config.load_back_threshold, config.write_through_threshold, transfers,
                             storage, config.storage_io_threads, config.storage_write_policy,
@@ -88,7 +91,8 @@ class EngineParts:
         writes = None if transfers is None else transfers.writes
         return cls(tp, device_pool, cache, Scheduler(config, cache), runner, grid,
                    StepExecutor(runner, grid, load_flags, writes),
-                   Limits(model.config.vocab_size, grid.max_context_len))
+                   Limits(model.config.vocab_size, grid.max_context_len),
+                   functools.partial(_storage, model.config, host_pool=host_pool))
 
 
 def pretrained_model(path: str, config: EngineConfig) -> tuple[Qwen2ForCausalLM, EngineConfig]:
@@ -160,21 +164,33 @@ def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
     return config.host_tokens_for(device_tokens)
 
 
-def _file_storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> FileStorage:
-    """The storage tier's backend: a directory whose namespace names the model (its given or
-    derived name and its config's hash), the dtype, the page size and the host layout."""
+def _storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool | None) -> Storage:
+    """The storage tier's backend, a directory or a Mooncake Store, under a namespace that names
+    the model (its given or derived name and its config's hash), the dtype, the page size and
+    the host layout."""
+    if host_pool is None:
+        raise ValueError("a storage tier needs cache_mode='hierarchical' (a host tier)")
+    namespace = _namespace(model, config, host_pool)
+    if config.storage_backend is StorageBackend.MOONCAKE:
+        from jhicache.cache.mooncake_storage import MooncakeStorage  # an optional extra
+
+        return MooncakeStorage(namespace, host_pool.page_pieces, host_pool.regions(),
+                               config.storage_settings())
     assert config.storage_dir is not None
+    return FileStorage(config.storage_dir, namespace, host_pool.page_views,
+                       config.storage_capacity_bytes)
+
+
+def _namespace(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> StorageNamespace:
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(model), sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     layout = host_pool.layout
-    namespace = StorageNamespace(
+    return StorageNamespace(
         model=f"{config.storage_model_name or 'model'} config {digest}",
         dtype=jnp.dtype(layout.dtype).name, page_size=layout.page_size,
         layout=(f"layer_first layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
                 f"head_dim={layout.head_dim} shards={host_pool.shards}"),
         page_bytes=layout.page_bytes, tensor_parallel_size=host_pool.shards)
-    return FileStorage(config.storage_dir, namespace, host_pool.page_views,
-                       config.storage_capacity_bytes)
 
 
 def _fetch_rule(config: EngineConfig) -> FetchRule:

@@ -206,7 +206,7 @@ class Scheduler:
                 handle, pages = match.last_node, pages + list(ticket.device_pages)
                 host_len = len(ticket.device_pages) * self.page_size
         # The prefix may still be landing: loaded ahead (prefetch) or for another request.
-        tickets += [t for t in self.cache.loads_under(handle) if t not in tickets]
+        tickets += [t for t in match.loading if t not in tickets]
         req.cache_handle = handle
         req.device_pages = pages
         req.shared_len = req.cached_len = len(pages) * self.page_size

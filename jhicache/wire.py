@@ -52,6 +52,17 @@ class Query(msgspec.Struct, tag=True):
     name: QueryName
 
 
+class SetStorage(msgspec.Struct, tag=True):
+    """`Engine.set_storage(backend, storage_dir, backend_config, timeout_s)`, between steps;
+    the reply's `config` is the engine's config as it is then."""
+
+    call: int
+    backend: str | None
+    storage_dir: str | None = None
+    backend_config: str | None = None
+    timeout_s: float | None = 30.0
+
+
 class Warmup(msgspec.Struct, tag=True):
     """`Engine.warmup(progress, freeze_heap)`, before the commands sent after it."""
 
@@ -73,7 +84,7 @@ class Close(msgspec.Struct, tag=True):
     timeout_s: float | None = None
 
 
-ToLoop = Add | Abort | Cancel | Query | Warmup | Hold | Close
+ToLoop = Add | Abort | Cancel | Query | SetStorage | Warmup | Hold | Close
 
 
 # ---- from the loop --------------------------------------------------------------------------
@@ -104,6 +115,7 @@ class Done(msgspec.Struct, tag=True):
     call: int
     error: str | None = None
     flag: bool = False  # Abort: the request was followed; flush/clear_storage: it acted
+    config: dict[str, Any] | None = None  # SetStorage: the engine's config now (JSON object)
 
 
 class Answer(msgspec.Struct, tag=True):

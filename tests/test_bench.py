@@ -25,6 +25,7 @@ from jhicache.bench import (
 )
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
+from tests.mooncake_support import mooncake_or_skip
 
 # A small step grid (3 shapes: 64 tokens x 1 or 4 requests, decode 4): each mode's warm-up
 # compiles every shape of its grid, and the CPU defaults' grid is 8 shapes.
@@ -102,6 +103,19 @@ def test_storage_hit_reads_the_prefix_from_disk_and_measures_the_disk(tmp_path, 
         hit["fetch_read_bps"] / hit["disk_read_ceiling_bps"])
     assert len(hit["trials"]) == 2 and "prefix in storage" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [out]  # the storage and the probe's files are gone
+
+
+def test_storage_hit_from_a_mooncake_store_measures_the_stores_get_rate(tmp_path) -> None:
+    mooncake_or_skip()
+    out = tmp_path / "mooncake.json"
+    args = [*TINY, "--storage-hit-prefix", "64", "--storage-hit-turn", "8",
+            "--storage-hit-trials", "1", "--storage-dir", str(tmp_path), "--out", str(out),
+            "--storage-backend", "mooncake"]
+    assert storage_hit.main(args) == 0
+    hit = json.loads(out.read_text())["storage_hit"]
+    assert hit["storage_backend"] == "mooncake" and hit["storage_hit_tokens"] == 64
+    assert hit["disk_read_ceiling_bps"] == hit["store_get_bps"] > 0
+    assert [t["storage_hit_compiles"] for t in hit["trials"]] == [0]
 
 
 def test_storage_hit_with_the_split_policy_computes_what_it_does_not_read(tmp_path) -> None:

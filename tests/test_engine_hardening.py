@@ -246,6 +246,14 @@ BAD_CONFIGS = [
     ("fetch_timeout_s", dict(fetch_timeout_s=-1.0)),
     ("fetch_timeout_per_ki_token_s", dict(fetch_timeout_per_ki_token_s=math.inf)),
     ("storage_io_threads", dict(storage_io_threads=0)),
+    ("storage_backend", dict(storage_backend="s3")),
+    ("storage_backend_config", dict(storage_backend="mooncake", storage_backend_config="{")),
+    ("storage_backend_config", dict(storage_backend="mooncake", storage_backend_config="[]")),
+    ("storage_backend_config", dict(storage_backend="mooncake",
+                                    storage_backend_config='{"master": "h:1"}')),
+    ("storage_backend_config", dict(storage_dir="/tmp/x", storage_backend_config='{"a": 1}')),
+    ("storage_dir", dict(storage_backend="mooncake", storage_dir="/tmp/x")),
+    ("storage_capacity_bytes", dict(storage_backend="mooncake", storage_capacity_bytes=1 << 30)),
     ("transfer_tuning", dict(transfer_tuning={"load_head_bytes": 1})),
 ]
 

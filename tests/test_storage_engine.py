@@ -362,3 +362,51 @@ def test_a_page_evicted_from_storage_is_written_again(tmp_path: Path) -> None:
     engine.flush_cache()
     assert engine.cache.storage.storage.exists(  # type: ignore[union-attr]
         chain_keys(prompt[:96], 16)) == 6
+
+
+def test_a_tier_detached_and_attached_while_requests_are_served(tmp_path: Path) -> None:
+    """Detached while a request waits on its read (held back): the read ends with what it
+    had and the request is served with the tokens of no cache; a tier attached again (another
+    directory) takes the pages written after it; every page is accounted for throughout."""
+    prompt, params = list(range(1, 130)), SamplingParams(max_new_tokens=3)
+    expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
+    first = storage_engine(tmp_path / "a")
+    first.generate([prompt], params)
+    first.close()
+    again = storage_engine(tmp_path / "a", chunked_prefill_tokens=32)
+    tier = again.cache.storage
+    assert tier is not None
+    release, get = threading.Event(), tier.storage.get
+
+    def held_get(keys, host_pages):  # the reads wait until the detach has begun
+        release.wait(10)
+        return get(keys, host_pages)
+
+    tier.storage.get = held_get  # type: ignore[method-assign]
+    rid = again.add_request(prompt, params)
+    again.step()
+    assert again.cache.fetches.gate(rid).wait
+    threading.Timer(0.2, release.set).start()
+    assert not again.set_storage(None).storage_enabled
+    outputs = []
+    while again.has_unfinished():
+        outputs += again.step()
+    assert [t for o in outputs for t in o.new_token_ids] == expected
+    assert_idle_and_consistent(again)
+    config = again.set_storage("file", storage_dir=str(tmp_path / "b"))
+    assert config.storage_dir == str(tmp_path / "b") and again.config == config
+    again.generate([prompt[:64] + [7] * 80], params)
+    again.close()
+    assert list((tmp_path / "b").rglob("*.kv"))
+
+
+def test_a_bad_storage_setting_at_run_time_changes_nothing(tmp_path: Path) -> None:
+    engine = storage_engine(tmp_path)
+    for bad in (dict(backend="file"), dict(backend="s3", storage_dir=str(tmp_path)),
+                dict(backend=None, storage_dir=str(tmp_path)),
+                dict(backend="mooncake", backend_config="[1]")):
+        with pytest.raises(ValueError):
+            engine.set_storage(**bad)
+    assert engine.config.storage_dir == str(tmp_path) and engine.cache.storage is not None
+    assert run_chats(engine) == reference_histories()
+    engine.close()

@@ -141,6 +141,13 @@ class Fetches:
         if record is not None and record.fetch is not None:
             self.end(record.fetch, None)
 
+    def end_all(self) -> None:
+        """Ends every read in flight, the pages read so far going into the tree (the storage
+        tier is detached)."""
+        for record in self._records.values():
+            if record.fetch is not None:
+                self._ended(record, self.end(record.fetch, record.tokens))
+
     def in_flight(self, rid: str) -> StorageFetch | None:
         """`rid`'s read in flight, if any."""
         record = self._records.get(rid)

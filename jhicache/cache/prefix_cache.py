@@ -93,8 +93,8 @@ class PrefixCache:
         self._loading_pages: dict[int, LoadTicket] = {}
         if storage is not None and self.host is None:
             raise ValueError("a storage tier needs the host tier")
-        self.storage = (StorageTier(storage, self.host.lock, self.host.unlock, storage_io_threads)
-                        if storage is not None and self.host is not None else None)
+        self._io_threads = storage_io_threads
+        self.storage = self._tier(storage)
         self.storage_policy = StorageWritePolicy(storage_policy)
         self._filling: dict[int, int] = {}  # host page -> the write-back op copying into it
         self.fetches = Fetches(self.storage, self.tree, self.host, fetch_rule, self._alloc_host,
@@ -105,7 +105,10 @@ class PrefixCache:
         """Longest cached prefix; `tokens` is floored to whole pages (after dropping the last
         token when `leave_last`, so at least one token is always left to compute)."""
         n = len(tokens) - (1 if leave_last and tokens else 0)
-        return self.tree.match(tokens[:n - n % self.page_size])
+        match = self.tree.match(tokens[:n - n % self.page_size])
+        if self._loading_pages:
+            match = match._replace(loading=self._loads_under(match.last_device_node))
+        return match
 
     def lock(self, node: Node) -> None:
         self.tree.lock(node)
@@ -351,7 +354,7 @@ class PrefixCache:
         self._loading_pages.update(dict.fromkeys(device, ticket))
         return ticket
 
-    def loads_under(self, node: Node) -> list[LoadTicket]:
+    def _loads_under(self, node: Node) -> tuple[LoadTicket, ...]:
         """Tickets of the loads in flight into `node` and its ancestors: a forward reading that
         prefix waits on them (a prefix loaded ahead, or by another request, may not have landed).
         Looked up by page: a match may have split a loading node since its load started."""
@@ -363,7 +366,7 @@ class PrefixCache:
                 if ticket is not None:
                     tickets[ticket.op_id] = ticket
             walk = walk.parent
-        return list(tickets.values())
+        return tuple(tickets.values())
 
     # -- stepping ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -399,6 +402,32 @@ class PrefixCache:
         host = self.host
         return PoolPages(self.device.capacity, self.device.num_free, self.device.available,
                          host.capacity if host else 0, host.num_free if host else 0)
+
+    def set_storage(self, storage: Storage | None, timeout_s: float | None = None) -> None:
+        """Attaches `storage` as the storage tier, or with None detaches the one attached, while
+        requests are served (between steps). The tier attached before ends first: its reads in
+        flight end, the pages read so far going into the tree (their requests are admitted on
+        what they have); its planned backups are written until `timeout_s` (None: all), the
+        rest dropped; its threads stop. The pages it stored stay in its backend."""
+        if storage is not None and self.host is None:
+            raise ValueError("a storage tier needs the host tier")
+        self.flush()  # no host copy in flight: no fetch read may overtake one
+        if self.storage is not None:
+            self.fetches.end_all()
+            self.flush()
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._free_host(self.storage.wait_backups(deadline))
+            self._free_host(self.storage.close())
+        self.storage = self.fetches.storage = self._tier(storage)
+
+    def _tier(self, storage: Storage | None) -> StorageTier | None:
+        if storage is None or self.host is None:
+            return None
+        return StorageTier(storage, self.host.lock, self.host.unlock, self._io_threads)
+
+    def _free_host(self, pages: list[int]) -> None:
+        if self.host is not None:
+            self.host.free(pages)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Waits for every copy; with a storage tier, stores every cached page it lacks

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from jhicache.cache.page_keys import ROOT_KEY, chain_keys
+from jhicache.cache.ticket import LoadTicket
 
 
 class Node:
@@ -41,13 +42,16 @@ class Node:
 
 
 class MatchResult(NamedTuple):
-    """Result of `RadixTree.match`; lengths are in tokens and page-aligned."""
+    """Result of `RadixTree.match`; lengths are in tokens and page-aligned. `loading`: the loads
+    in flight into the matched device prefix (the prefix cache fills it): a forward reading it
+    waits on them."""
 
     device_pages: list[int]
     device_len: int
     last_device_node: Node
     host_len: int
     last_node: Node
+    loading: tuple[LoadTicket, ...] = ()
 
 
 class InsertResult(NamedTuple):

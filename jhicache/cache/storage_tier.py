@@ -368,13 +368,23 @@ class StorageTier:
         """Host pages this tier holds: fetches' (being read, or ended and not yet freed)."""
         return [p for f in self._holding for p in _outside(f.host_pages, f.kept)]
 
-    def close(self) -> None:
+    def close(self) -> list[int]:
         """Stops the threads: a backup being written stops within WRITE_CHUNK_PAGES pages,
-        those not started are dropped (call `wait_backups` first to write them)."""
+        those not started are dropped (call `wait_backups` first to write them), their pages
+        unlocked; ends the backend. Returns the host pages its fetches still held (the caller
+        frees them: no thread touches them any more)."""
         self._stopping.set()
         for pool in (self._writer, self._readers):
             pool.shutdown(wait=True, cancel_futures=True)
+        for backup in [*self._planned, *(b for b, _ in self._writing)]:
+            self._unlock_pages(backup.host_pages)
+        self._planned.clear()
+        self._writing.clear()
+        held = self.held_pages()
+        self._holding.clear()
+        self._reads_after.clear()
         self.storage.close()
+        return held
 
 
 def _outside(pages: list[int], kept: tuple[int, int]) -> list[int]:

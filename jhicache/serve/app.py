@@ -17,6 +17,7 @@ from jhicache.serve.errors import install_error_handlers
 from jhicache.serve.native_routes import native_router
 from jhicache.serve.openai_routes import openai_router
 from jhicache.serve.shutdown import Admission, Drain
+from jhicache.serve.storage_routes import storage_router
 from jhicache.warmup import freeze_heap
 
 logger = logging.getLogger("jhicache.serve")
@@ -25,10 +26,12 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # far above any prompt the context holds, a
 
 
 def build_app(ctx: ServerContext, drain: Drain, warmup: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              admin_api_key: str | None = None) -> FastAPI:
     """The app; with `warmup`, the engine compiles its programs once the server listens
     (`/health` answers 503 until then, and generation requests are refused with 503). A
-    request body over `max_request_bytes` is refused with 413 before it is read whole.
+    request body over `max_request_bytes` is refused with 413 before it is read whole. The
+    storage tier's admin routes need `admin_api_key` as a bearer token when one is given.
     `drain` (over `ctx.engine`) counts the requests in flight and refuses new ones once the
     server stops (`DrainingServer`)."""
     @contextlib.asynccontextmanager
@@ -47,6 +50,7 @@ def build_app(ctx: ServerContext, drain: Drain, warmup: bool = False,
     install_error_handlers(app)
     app.include_router(openai_router(ctx))
     app.include_router(native_router(ctx))
+    app.include_router(storage_router(ctx, admin_api_key))
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(Admission, drain=drain)  # the outermost: it sees every request
     return app

@@ -57,7 +57,8 @@ def _parser_type(hint: Any) -> tuple[Callable[[str], Any] | None, list[str] | No
 
 def _storage_field(name: str) -> bool:
     """Whether a field matters only with a storage tier: the storage_ and fetch_ fields but
-    storage_dir itself."""
+    storage_dir itself (storage_backend "mooncake" makes a tier: `parse_args` asks the
+    config)."""
     return name.startswith(("storage_", "fetch_")) and name != "storage_dir"
 
 
@@ -66,7 +67,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     a field that is a dataclass of its own (`transfer_tuning`), one per field of that
     (`--transfer-tuning-load-head-bytes`). EngineConfig itself checks their values
     (`parse_args`); the storage tier's flags record that they were given (`args.given`), for
-    `parse_args` to refuse them without --storage-dir."""
+    `parse_args` to refuse them without a storage tier."""
     parser.set_defaults(given=frozenset())
     group = parser.add_argument_group("engine (EngineConfig fields)")
     hints, docs = typing.get_type_hints(EngineConfig), _field_docs()
@@ -127,6 +128,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                            for sub in dataclasses.fields(nested)})
         else:
             values[field.name] = getattr(args, field.name)
+    text = values.get("storage_backend_config")
+    if isinstance(text, str) and text.startswith("@"):  # as SGLang's extra config: from a file
+        try:
+            values["storage_backend_config"] = Path(text[1:]).read_text()
+        except OSError as e:
+            raise ValueError(f"--storage-backend-config {text}: {e}") from e
     return EngineConfig(**values)
 
 
@@ -151,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the directory's name, or the preset's)")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of a preset's random weights")
+    parser.add_argument("--admin-api-key", metavar="KEY", default=None,
+                        help="the bearer token the storage tier's admin routes "
+                             "(/hicache/storage-backend) need; unset: they are open")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=port_number, default=DEFAULT_PORT,
                         help="port to listen on")
@@ -190,18 +200,20 @@ def port_number(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
-    """The flags and the engine's config; a bad value, or a storage flag without
-    --storage-dir, exits with argparse's usage error (status 2) naming the flag."""
+    """The flags and the engine's config; a bad value, or a storage flag without a storage
+    tier, exits with argparse's usage error (status 2) naming the flag."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    stray = sorted(flag for flag in args.given if _storage_field(flag[2:].replace("-", "_")))
-    if stray and args.storage_dir is None:
-        parser.error(f"{', '.join(stray)}: {'they set' if len(stray) > 1 else 'it sets'} the "
-                     f"storage tier, which is off without --storage-dir")
     try:
-        return args, engine_config(args)
+        config = engine_config(args)
     except ValueError as e:
         parser.error(_flag_names(str(e)))
+    stray = sorted(flag for flag in args.given if _storage_field(flag[2:].replace("-", "_")))
+    if stray and not config.storage_enabled:
+        parser.error(f"{', '.join(stray)}: {'they set' if len(stray) > 1 else 'it sets'} the "
+                     f"storage tier, which is off without --storage-dir (or --storage-backend "
+                     f"mooncake)")
+    return args, config
 
 
 def default_compilation_cache() -> str:
@@ -268,7 +280,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
                 "the warm-up has compiled every program", ctx.model.name, path, args.host,
                 args.port, tokenizer_dir or "none (token-id prompts only)")
     drain = Drain(engine, args.shutdown_timeout)
-    app = build_app(ctx, drain, warmup=True, max_request_bytes=args.max_request_bytes)
+    app = build_app(ctx, drain, warmup=True, max_request_bytes=args.max_request_bytes,
+                    admin_api_key=args.admin_api_key)
     server = DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=CONNECTIONS_GRACE_S), drain)

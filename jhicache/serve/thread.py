@@ -29,7 +29,7 @@ class ServerThread:
 
     def __init__(self, ctx: ServerContext, log_level: str = "warning",
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 shutdown_timeout: float = 30.0) -> None:
+                 shutdown_timeout: float = 30.0, admin_api_key: str | None = None) -> None:
         self.ctx = ctx
         self._sock = free_socket()
         self.port = self._sock.getsockname()[1]
@@ -37,7 +37,8 @@ class ServerThread:
         self.drain = Drain(ctx.engine, shutdown_timeout)
         # log_config=None: a server inside another program leaves that program's logging as it
         # is (uvicorn's own config would close every handler the process has)
-        config = uvicorn.Config(build_app(ctx, self.drain, max_request_bytes=max_request_bytes),
+        config = uvicorn.Config(build_app(ctx, self.drain, max_request_bytes=max_request_bytes,
+                                          admin_api_key=admin_api_key),
                                 log_level=log_level, lifespan="on", log_config=None,
                                 timeout_graceful_shutdown=CONNECTIONS_GRACE_S)
         self.server = DrainingServer(config, self.drain)

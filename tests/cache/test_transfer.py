@@ -384,11 +384,11 @@ def test_a_match_that_splits_a_loading_node_still_finds_its_load() -> None:
     tokens = list(range(100, 108))  # 4 pages, one node
     ticket = _launched_load_of_host_only(cache, tokens)
     shared = cache.match(tokens[:4])  # splits the loading node
-    assert cache.loads_under(shared.last_device_node) == [ticket]
+    assert shared.loading == (ticket,)
     ticket.wait_all()
     assert_device_kv(cache, tokens[:4], shared.device_pages)
     cache.flush()
-    assert cache.loads_under(cache.match(tokens).last_device_node) == []
+    assert cache.match(tokens).loading == ()
 
 
 def test_fences_do_not_pile_up_on_finished_computes() -> None:

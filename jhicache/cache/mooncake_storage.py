@@ -1,0 +1,205 @@
+"""MooncakeStorage: the storage tier in a Mooncake Store that several servers share: pages keyed
+by namespace digest and page key, read into and written from the registered host pool without a
+staging copy; its config from Mooncake's own environment variables and config names."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jhicache.cache.storage import Storage, StorageCounters, StorageNamespace, StorageUsage
+from jhicache.config import STORAGE_BACKEND_KEYS, StorageBackend
+
+logger = logging.getLogger("jhicache.storage")
+
+# A page's bytes as the host pool holds them: (address, size) pieces, in the order a stored
+# page keeps them (the pool is laid out layer first, so a page is one piece per layer's K or V)
+PagePieces = Callable[[int], list[tuple[int, int]]]
+CONFIG_KEYS = STORAGE_BACKEND_KEYS[StorageBackend.MOONCAKE]  # Mooncake's store config names
+# Small defaults for a server that only reads and writes its own registered pages (Mooncake's
+# own are 3.125 GiB contributed and 1 GiB of staging buffer)
+DEFAULT_GLOBAL_SEGMENT_SIZE = 1 << 30
+DEFAULT_LOCAL_BUFFER_SIZE = 64 << 20
+
+
+class MooncakeError(RuntimeError):
+    """The store cannot be used as configured (no master, a setup or registration failed)."""
+
+
+def store_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Mooncake's setup dict: its `MOONCAKE_*` environment variables (as Mooncake's other clients
+    read them, when `MOONCAKE_MASTER` or `MOONCAKE_CONFIG_PATH` is set), then `overrides`, whose
+    keys are Mooncake's config names (`CONFIG_KEYS`); ValueError on any other key, or with no
+    master address from either."""
+    unknown = sorted(set(overrides) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"storage backend config: unknown Mooncake key(s) {unknown}; known: "
+                         f"{list(CONFIG_KEYS)}")
+    from mooncake.mooncake_config import MooncakeConfig
+
+    fields: dict[str, Any] = {
+        "local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": DEFAULT_GLOBAL_SEGMENT_SIZE,
+        "local_buffer_size": DEFAULT_LOCAL_BUFFER_SIZE, "protocol": "tcp", "device_name": "",
+        "master_server_address": ""}
+    try:
+        fields.update(dataclasses.asdict(MooncakeConfig.load_from_env()))
+    except ValueError:  # neither MOONCAKE_MASTER nor MOONCAKE_CONFIG_PATH: no environment
+        pass
+    fields.update(overrides)
+    try:
+        config = MooncakeConfig(**{k: fields[k] for k in CONFIG_KEYS})
+    except ValueError as e:
+        raise ValueError(f"storage backend config: {e} (set it, or MOONCAKE_MASTER)") from e
+    return {"local_hostname": config.local_hostname, "metadata_server": config.metadata_server,
+            "global_segment_size": int(config.global_segment_size),
+            "local_buffer_size": int(config.local_buffer_size), "protocol": config.protocol,
+            "rdma_devices": config.device_name or "",
+            "master_server_addr": config.master_server_address}
+
+
+class MooncakeStorage(Storage):
+    """Pages as objects `<namespace digest>/<key hex>` of a Mooncake Store (one object a page,
+    put from and got into its pieces in the host pool, which is registered with the store at
+    start: zero copies on this side). Objects are written whole or not at all (the store makes
+    one visible only once its put ends), so a server killed mid-write leaves nothing another
+    reads; a page the store evicted, or one of another size, is a miss. While the master is
+    unreachable every read is a miss and every write a failure, logged once until it is back."""
+
+    def __init__(self, namespace: StorageNamespace, pieces: PagePieces,
+                 regions: Sequence[tuple[int, int]], config: Mapping[str, Any]) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.namespace, self._pieces = namespace, pieces
+        self.prefix = f"{namespace.digest}/"
+        self._store = MooncakeDistributedStore()
+        setup = store_config(config)
+        if self._store.setup(setup) != 0:
+            raise MooncakeError(f"Mooncake store setup failed (master "
+                                f"{setup['master_server_addr']}, metadata "
+                                f"{setup['metadata_server']}, protocol {setup['protocol']})")
+        self._regions = list(regions)
+        for address, size in self._regions:
+            if self._store.register_buffer(address, size) != 0:
+                raise MooncakeError(f"Mooncake could not register {size} bytes of host pool")
+        self._lock = threading.Lock()
+        self._known: set[bytes] = set()  # pages this process stored or found stored
+        self._counters = StorageCounters()
+        self._down = False  # the last call found the store unreachable (logged once)
+
+    def _names(self, keys: Sequence[bytes]) -> list[str]:
+        return [self.prefix + key.hex() for key in keys]
+
+    # -- the interface -------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        found = self._call(lambda: self._store.batch_is_exist(self._names(keys)))
+        n = _leading(found or [], lambda r: r == 1)
+        with self._lock:
+            self._known.update(keys[:n])
+        return n
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._known
+
+    def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        pieces = [self._pieces(p) for p in host_pages]
+        start = time.perf_counter()
+        read = self._call(lambda: self._store.batch_get_into_multi_buffers(
+            self._names(keys), [[a for a, _ in p] for p in pieces],
+            [[s for _, s in p] for p in pieces]))
+        page = self.namespace.page_bytes
+        n = _leading(read or [], lambda r: r == page)
+        with self._lock:
+            self._counters.read_pages += n
+            self._counters.read_bytes += n * page
+            self._counters.read_s += time.perf_counter() - start
+            if n < len(keys):
+                self._counters.missing_pages += 1
+                self._known.difference_update(keys[n:])
+        return n
+
+    def set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        pieces = [self._pieces(p) for p in host_pages]
+        start = time.perf_counter()
+        stored = self._call(lambda: self._store.batch_put_from_multi_buffers(
+            self._names(keys), [[a for a, _ in p] for p in pieces],
+            [[s for _, s in p] for p in pieces]))
+        n = _leading(stored or [], lambda r: r == 0)
+        page = self.namespace.page_bytes
+        with self._lock:
+            self._known.update(keys[:n])
+            self._counters.written_pages += n
+            self._counters.written_bytes += n * page
+            self._counters.write_s += time.perf_counter() - start
+            if n < len(keys):
+                self._counters.write_failures_io += 1
+        return n
+
+    def clear(self) -> int:
+        removed = self._call(lambda: self._store.remove_by_regex(f"^{self.prefix}", True))
+        with self._lock:
+            self._known.clear()
+        return max(removed or 0, 0)
+
+    def usage(self) -> StorageUsage:
+        """The pages this process knows stored (written or found): the store is shared and
+        evicts on its own, so this is no count of what it holds."""
+        with self._lock:
+            pages = len(self._known)
+        return StorageUsage(pages, pages * self.namespace.page_bytes, None)
+
+    def counters(self) -> StorageCounters:
+        with self._lock:
+            return dataclasses.replace(self._counters)
+
+    def close(self) -> None:
+        for address, _ in self._regions:
+            self._store.unregister_buffer(address)
+        self._store.close()
+
+    # -- reachability --------------------------------------------------------------------
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """`call`'s answer (None if it raised); after a failed one, asks the store whether its
+        master answers, and logs once when it stops or starts answering."""
+        try:
+            answer = call()
+        except Exception:  # noqa: BLE001 (the store failing is a miss, not a crash)
+            answer = None
+        if answer is None or _any_negative(answer) or self._down:
+            self._note(self._store.health_check() != 0)
+        return answer
+
+    def _note(self, down: bool) -> None:
+        with self._lock:
+            changed, self._down = down != self._down, down
+        if changed and down:
+            logger.warning("Mooncake store's master unreachable: reads are misses and writes "
+                           "fail until it answers again")
+        elif changed:
+            logger.warning("Mooncake store's master answers again")
+
+
+def _leading(results: Sequence[int], ok: Callable[[int], bool]) -> int:
+    """How many of `results`, from the first, are `ok`."""
+    for n, result in enumerate(results):
+        if not ok(result):
+            return n
+    return len(results)
+
+
+def _any_negative(answer: Any) -> bool:
+    """An answer holding an error code (the store's are negative)."""
+    if isinstance(answer, list):
+        return any(isinstance(r, int) and r < 0 for r in answer)
+    return isinstance(answer, int) and answer < 0

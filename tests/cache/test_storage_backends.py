@@ -1,0 +1,126 @@
+"""The contract every storage backend keeps, checked on each (`file`, `mooncake` against a real
+master): batch exists/get/set in prefix order, stopping at the first gap; a key already stored
+is kept; pages round-trip byte for byte between host pages; namespaces never see each other's
+pages; clear deletes its namespace's pages only."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jhicache.cache import HostPool, PoolLayout
+from jhicache.cache.file_storage import FileStorage
+from jhicache.cache.page_keys import chain_keys
+from jhicache.cache.storage import Storage, StorageNamespace
+from tests.mooncake_support import Master, running_master
+
+PAGE, PAGES = 4, 12
+LAYOUT = PoolLayout(3, PAGES, PAGE, 2, 8, jnp.float32)
+
+
+def namespace(dtype: str = "float32") -> StorageNamespace:
+    return StorageNamespace(model="contract", dtype=dtype, page_size=PAGE, layout="test",
+                            page_bytes=LAYOUT.page_bytes)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    with running_master(tmp_path_factory.mktemp("mooncake")) as master:
+        yield master
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
+    """A factory of (backend, host pool) pairs over one shared store or directory."""
+    made: list[tuple[Storage, HostPool]] = []
+
+    def build(ns: StorageNamespace | None = None, shards: int = 1) -> tuple[Storage, HostPool]:
+        pool = HostPool(dataclasses.replace(LAYOUT), shards=shards)
+        ns = ns or namespace()
+        if request.param == "file":
+            storage: Storage = FileStorage(tmp_path, ns, pool.page_views)
+        else:
+            from jhicache.cache.mooncake_storage import MooncakeStorage
+
+            master = request.getfixturevalue("master")
+            storage = MooncakeStorage(ns, pool.page_pieces, pool.regions(), master.config)
+        made.append((storage, pool))
+        return storage, pool
+
+    yield build
+    for storage, pool in made:
+        storage.clear()
+        storage.close()
+        pool.close()
+
+
+def _fill(pool: HostPool, pages: list[int], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for page in pages:
+        for view in pool.page_views(page):
+            view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+        data.append(np.concatenate([v.ravel() for v in pool.page_views(page)]))
+    return data
+
+
+def _page(pool: HostPool, page: int) -> np.ndarray:
+    return np.concatenate([v.ravel() for v in pool.page_views(page)])
+
+
+KEYS = chain_keys(list(range(6 * PAGE)), PAGE)
+
+
+def test_pages_round_trip_between_two_clients(make) -> None:
+    writer, wpool = make()
+    reader, rpool = make()
+    data = _fill(wpool, [3, 7, 1], seed=1)
+    assert writer.set(KEYS[:3], [3, 7, 1]) == 3
+    assert writer.contains(KEYS[0]) and writer.counters().written_pages == 3
+    assert reader.exists(KEYS) == 3
+    assert reader.get(KEYS[:3], [0, 5, 9]) == 3
+    for page, expected in zip([0, 5, 9], data, strict=True):
+        np.testing.assert_array_equal(_page(rpool, page), expected)
+    assert reader.counters().read_pages == 3
+
+
+def test_a_batch_stops_at_its_first_gap(make) -> None:
+    storage, pool = make()
+    _fill(pool, [0, 1, 2], seed=2)
+    assert storage.set([KEYS[0], KEYS[1], KEYS[3]], [0, 1, 2]) == 3
+    assert storage.exists(KEYS[:5]) == 2
+    assert storage.get(KEYS[:5], [4, 5, 6, 7, 8]) == 2
+    assert storage.set(KEYS[:2], [0, 1]) == 2  # stored already: kept, not an error
+
+
+def test_namespaces_never_see_each_others_pages_and_clear_keeps_to_its_own(make) -> None:
+    one, pool = make()
+    other, other_pool = make(namespace("bfloat16"))
+    _fill(pool, [0, 1], seed=3)
+    _fill(other_pool, [0], seed=4)
+    assert one.set(KEYS[:2], [0, 1]) == 2 and other.set(KEYS[:1], [0]) == 1
+    assert other.exists(KEYS[:2]) == 1
+    assert one.clear() >= 1 and one.exists(KEYS[:2]) == 0
+    assert other.exists(KEYS[:1]) == 1
+
+
+def test_a_tensor_parallel_pool_stores_every_shard_of_a_page(make) -> None:
+    writer, wpool = make(shards=2)
+    reader, rpool = make(shards=2)
+    data = _fill(wpool, [2], seed=5)
+    assert writer.set(KEYS[:1], [2]) == 1 and reader.get(KEYS[:1], [6]) == 1
+    np.testing.assert_array_equal(_page(rpool, 6), data[0])
+
+
+def test_page_pieces_are_the_page_views_bytes() -> None:
+    pool = HostPool(LAYOUT, shards=2)
+    views = pool.page_views(5)
+    pieces = pool.page_pieces(5)
+    rows = [(int(row.ctypes.data), row.nbytes) for view in views for row in view]
+    assert pieces == rows
+    pool.close()

@@ -1,0 +1,74 @@
+"""The storage tier's admin routes: shown, attached and detached at run time while a stream
+is served (it ends with the tokens it would have had), cleared; refused without the admin key
+when the server has one; a field this server does not take is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jhicache.serve.thread import ServerThread
+from tests.serve_support import ENGINE_CONFIG, TIMEOUT_S, start_server
+
+httpx = pytest.importorskip("httpx")
+KEY = "secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    config = dataclasses.replace(ENGINE_CONFIG, write_policy="write_through")
+    srv = start_server(None, config=config, process=True, admin_api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def test_attach_and_detach_while_a_stream_is_served(server: ServerThread,
+                                                    tmp_path: Path) -> None:
+    prompt = {"input_ids": list(range(1, 200)), "sampling_params": {"max_new_tokens": 24,
+                                                                    "temperature": 0}}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
+        expected = http.post("/generate", json=prompt).json()["output_ids"]
+        assert http.get("/hicache/storage-backend", headers=AUTH).json()[
+            "hicache_storage_backend"] is None
+        with http.stream("POST", "/generate", json={**prompt, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            attached = http.put("/hicache/storage-backend", headers=AUTH, json={
+                "hicache_storage_backend": "file", "storage_dir": str(tmp_path)})
+            assert attached.status_code == 200, attached.text
+            assert attached.json()["storage_dir"] == str(tmp_path)
+            events = [first, *(line for line in lines if line.startswith("data:"))]
+        last = json.loads(events[-2].removeprefix("data:"))  # before [DONE]
+        assert last["output_ids"] == expected
+        info = http.get("/server_info").json()
+        assert info["storage_dir"] == str(tmp_path) and info["storage_backend"] == "file"
+        http.post("/generate", json={**prompt, "input_ids": list(range(300, 420))})
+        assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
+        assert list(tmp_path.rglob("*.kv"))  # written before the detach returned
+        assert http.get("/server_info").json()["storage_dir"] is None
+        assert http.post("/generate", json=prompt).json()["output_ids"] == expected
+
+
+def test_admin_routes_need_the_key_and_refuse_unknown_fields(server: ServerThread,
+                                                             tmp_path: Path) -> None:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
+        assert http.get("/hicache/storage-backend").status_code == 401
+        body = {"hicache_storage_backend": "file", "storage_dir": str(tmp_path)}
+        assert http.put("/hicache/storage-backend", json=body).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert http.delete("/hicache/storage-backend", headers=wrong).status_code == 401
+        refused = http.put("/hicache/storage-backend", headers=AUTH, json={
+            **body, "hicache_storage_prefetch_policy": "timeout"})
+        assert refused.status_code == 400 and "hicache_storage_prefetch_policy" in refused.text
+        bad = http.put("/hicache/storage-backend", headers=AUTH,
+                       json={"hicache_storage_backend": "file"})  # no directory
+        assert bad.status_code == 400 and "storage_dir" in bad.text
+        assert http.put("/hicache/storage-backend", headers=AUTH, json=body).status_code == 200
+        assert http.post("/hicache/storage-backend/clear", headers=AUTH).json() == {
+            "cleared": True}
+        assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
