@@ -11,8 +11,8 @@ from typing import Any
 import jax
 
 from benchmarks.rows import Target, add_row
+from jhicache.arg_types import positive_int
 from jhicache.bench import cli
-from jhicache.bench.arg_types import positive_int
 from jhicache.bench.command import leave_device_memory, result_header, save_json, timing_note
 
 AddOptions = Callable[[argparse.ArgumentParser, dict[str, Any]], None]

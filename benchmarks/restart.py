@@ -16,9 +16,9 @@ from typing import Any
 
 from benchmarks import cli, tables
 from benchmarks.rows import Rule, Target
+from jhicache.arg_types import positive_int
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import clients
-from jhicache.bench.arg_types import positive_int
 from jhicache.bench.backends import EngineBackend
 from jhicache.bench.command import model_vocab
 from jhicache.bench.compile_counter import CompileCounter

@@ -23,7 +23,7 @@ from benchmarks import cli, mooncake_local, tables
 from benchmarks.cli import sized
 from benchmarks.host_hit import bytes_per_token, stats_delta, ttft_of
 from benchmarks.rows import Rule, Target
-from jhicache.bench.arg_types import positive_int
+from jhicache.arg_types import positive_int
 from jhicache.bench.clients import median_index
 from jhicache.bench.compile_counter import CompileCounter
 from jhicache.bench.engines import as_served, make_engine

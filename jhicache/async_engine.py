@@ -361,9 +361,9 @@ class AsyncEngine:
         too. An engine process is asked to end, then killed after `timeout`."""
         self._link.close(timeout)
 
-    async def aclose(self) -> None:
-        """`close()` without blocking the event loop."""
-        await asyncio.to_thread(self._link.close)
+    async def aclose(self, timeout: float | None = None) -> None:
+        """`close(timeout)` without blocking the event loop."""
+        await asyncio.to_thread(self._link.close, timeout)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

@@ -110,19 +110,19 @@ class Engine:
             gained = self._step()
             return aborted + self._outputs(gained)
 
-    def warmup(self, progress: bool = True, freeze_heap: bool = False) -> WarmupReport:
-        """Compiles every program a step can dispatch (`grid`'s shapes), so that serving
-        compiles nothing; with `progress`, a progress bar on stderr. Only while idle
-        (ValueError otherwise); `stats()` and `occupancy()` answer meanwhile, but do not step
-        until it returns. `freeze_heap`: what is alive then leaves the garbage collector's
-        walks (`warmup.freeze_heap`), for a process that serves this engine to its end."""
+    def warmup(self, progress: bool = True, freeze_heap: bool = False,
+               stop: threading.Event | None = None) -> WarmupReport:
+        """Compiles every program a step can dispatch (`grid`'s shapes): serving compiles
+        nothing; `progress`: a bar on stderr. Only while idle (ValueError otherwise); `stats()`
+        answers meanwhile. `freeze_heap`: `warmup.freeze_heap` after, for a process that serves
+        this engine to its end. Setting `stop` ends it at its next program (`WarmupStopped`)."""
         with self._lock:
             if self._requests:
                 raise ValueError("warmup() needs an idle engine: requests are unfinished")
             self._drain()
         # the lock for its steps only
         report = warm_up(self.executor, self.compiles, self._lock, self.check_invariants,
-                         progress, freeze_heap)
+                         progress, freeze_heap, stop)
         self.startup = dataclasses.replace(self.startup, warmup=report)
         return report
 

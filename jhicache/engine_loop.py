@@ -90,8 +90,8 @@ class EngineLoop:
     runs in a thread of its own, so that the loop answers stats meanwhile; the other commands
     wait for its end. While holds are open (`AsyncEngine.together`) it applies commands but
     takes no step, so that submissions made together start together. `run` returns at
-    `Close` or once orphaned, having aborted what runs and ended the copies in flight; it
-    raises what a step raised."""
+    `Close` or once orphaned, having aborted what runs and ended the copies in flight (a
+    warm-up still running is stopped at its next program); it raises what a step raised."""
 
     def __init__(self, engine: Engine, end: LoopEnd) -> None:
         self.engine, self.end = engine, end
@@ -101,6 +101,7 @@ class EngineLoop:
         self.holds = 0
         self.stepped = False  # a step ran since the last drain
         self.warming: threading.Thread | None = None
+        self.stop_warmup = threading.Event()  # set as the loop ends: the warm-up ends too
         self.warmed: tuple[int, WarmupReport | BaseException] | None = None  # once it ended
         self.deferred: collections.deque[ToLoop] = collections.deque()
         self.close_timeout_s: float | None = None  # the `Close` that ended `run`'s
@@ -119,6 +120,7 @@ class EngineLoop:
             raise
         finally:
             if self.warming is not None:
+                self.stop_warmup.set()
                 self.warming.join()
         self._abort_all()
 
@@ -175,8 +177,8 @@ class EngineLoop:
 
     def _warm(self, message: Warmup) -> None:
         try:
-            self.warmed = (message.call, self.engine.warmup(message.progress,
-                                                            message.freeze_heap))
+            self.warmed = (message.call, self.engine.warmup(
+                message.progress, message.freeze_heap, self.stop_warmup))
         except BaseException as e:  # noqa: BLE001 (raised again on the loop's thread)
             self.warmed = (message.call, e)
 

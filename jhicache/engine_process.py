@@ -8,17 +8,21 @@ interpreter lock with the parent's work, as SGLang's scheduler process and vLLM'
 
 Life cycle: the child builds its engine from an `EngineSpec`, reports `Started` (what the parent
 needs to know of it), and serves until `Close` (requests in flight are aborted, copies end) or
-until its parent is gone (it checks whenever it idles). A failure in the child is reported as
-`Failed` before it exits; the parent notices a child that vanished without a word too.
+until its parent is gone: on Linux the kernel kills it with its parent (the parent-death
+signal), whatever it is doing (compiling, stepping, blocked writing to a pipe nobody reads);
+elsewhere it checks whenever it idles. A failure in the child is reported as `Failed` before
+it exits; the parent notices a child that vanished without a word too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import threading
 import traceback
@@ -134,11 +138,23 @@ class EngineProcess:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = parent_decoder()
         self._closing = False
+        self._killed = False  # by `close`, past its timeout: an end asked for, not a failure
         context = multiprocessing.get_context("spawn")  # JAX does not survive a fork
+        # the parent-death signal comes when the thread that started the child ends: only the
+        # main thread's end is the process's
+        main = threading.current_thread() is threading.main_thread()
         self.process = context.Process(target=_child_main, name="jhicache-engine", daemon=True,
-                                       args=(spec, self._dir, os.getpid()))
+                                       args=(spec, self._dir, os.getpid(), main))
         self.process.start()
-        self.info = self._wait_started(start_timeout)
+        try:
+            self.info = self._wait_started(start_timeout)
+        except EngineProcessError:  # it has cleaned up
+            raise
+        except BaseException:  # a Ctrl-C while the child starts: no child, no socket left
+            self.process.kill()
+            self.process.join()
+            self._shutdown()
+            raise
         self.thread = threading.Thread(target=self._receive, name="jhicache-engine-receiver",
                                        daemon=True)
         self.thread.start()
@@ -175,7 +191,7 @@ class EngineProcess:
     def close(self, timeout: float | None = None) -> None:
         """Asks the child to end (it aborts what runs, then closes its engine: a storage tier
         stores the cache, for up to `timeout` less EXIT_S) and waits for it and the receiver;
-        kills it after `timeout`."""
+        kills it after `timeout` (an end asked for: not reported as a failure)."""
         self._closing = True
         if self.process.is_alive():
             try:  # the child's exit after its engine's close takes a moment of its own
@@ -184,6 +200,7 @@ class EngineProcess:
                 pass
         self.process.join(timeout)
         if self.process.is_alive():
+            self._killed = True
             self.process.kill()
             self.process.join()
         if threading.current_thread() is not self.thread:
@@ -204,7 +221,7 @@ class EngineProcess:
                     if not isinstance(message, Started):
                         self._on_message(message)
                 elif not self.process.is_alive():
-                    if not self._closing or self.process.exitcode:
+                    if not self._closing or (self.process.exitcode and not self._killed):
                         reason = EngineProcessError("the engine process exited (exit code "
                                                     f"{self.process.exitcode})")
                     break
@@ -257,8 +274,31 @@ class _ZmqEnd:
         return os.getppid() != self.parent_pid
 
 
-def _child_main(spec: EngineSpec, directory: str, parent_pid: int) -> None:
-    """The engine process: Ctrl-C is the parent's to handle (it sends `Close`)."""
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """On Linux, has the kernel SIGKILL this process when its parent ends (prctl's
+    PR_SET_PDEATHSIG), and exits now if that already happened; False where it cannot (another
+    system: the loop's orphan check is left)."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # it ended before the call: no signal will come
+        os._exit(0)
+    return True
+
+
+def _child_main(spec: EngineSpec, directory: str, parent_pid: int, main_thread: bool) -> None:
+    """The engine process: Ctrl-C is the parent's to handle (it sends `Close`); it dies with its
+    parent (`die_with_parent`) when the parent's main thread started it."""
+    if main_thread:
+        die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     down, up = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -21,6 +21,8 @@ Two passes over the engine's `ShapeGrid`, both through the one list of a step's 
    serially: it should compile nothing (`WarmupReport.late_compiles` counts what it did, a
    program the first pass typed differently from a real call). Every row of a padding step is
    padding: it writes only the reserved padding page.
+A warm-up given a `stop` event that is set (an engine closed while it warms up) ends at the next
+program, raising `WarmupStopped`: a program's compile cannot be cut short, the ones queued can.
 A server's warm-up then freezes the objects alive out of the garbage collector's walks
 (`freeze_heap`), as vLLM does after its warm-up and SGLang offers (`freeze_gc`), and makes its
 young collections rarer.
@@ -46,6 +48,15 @@ from jhicache.executor import StepExecutor
 from jhicache.grid import StepShape
 
 logger = logging.getLogger("jhicache.warmup")
+
+
+class WarmupStopped(Exception):
+    """The warm-up's `stop` event was set: it ended before compiling every program."""
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise WarmupStopped("the warm-up was stopped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +140,16 @@ def _ahead_tasks(executor: StepExecutor) -> tuple[list[Task], list[Task]]:
     return alone, parallel
 
 
-def _compile_ahead(executor: StepExecutor, watch: CompileWatch, bar: tqdm) -> int:
+def _compile_ahead(executor: StepExecutor, watch: CompileWatch, bar: tqdm,
+                   stop: threading.Event | None) -> int:
     """Pass 1: runs the tasks of `_ahead_tasks` on a thread pool, those that time kernels one
-    at a time first; returns how many ran one at a time."""
+    at a time first; returns how many ran one at a time. Once `stop` is set, the tasks not
+    started yet raise `WarmupStopped` instead of compiling."""
     alone, parallel = _ahead_tasks(executor)
     serial, free = threading.Lock(), contextlib.nullcontext()
 
     def run(task: Task, lock: contextlib.AbstractContextManager) -> str:
+        _check(stop)
         with watch.watch(CompilePhase.WARMUP):
             task[1](lock)
         return task[0]
@@ -160,27 +174,28 @@ def _compile_ahead(executor: StepExecutor, watch: CompileWatch, bar: tqdm) -> in
 
 
 def warm_up(executor: StepExecutor, watch: CompileWatch, lock: contextlib.AbstractContextManager,
-            check: Callable[[], None], progress: bool = True,
-            freeze: bool = False) -> WarmupReport:
+            check: Callable[[], None], progress: bool = True, freeze: bool = False,
+            stop: threading.Event | None = None) -> WarmupReport:
     """Compiles every program of `executor`'s grid (see the module docstring), counting them
     with `watch`, then runs `check` (the engine's invariant check: its device reads compile);
     with `freeze`, then `freeze_heap`. The first pass touches no engine state (the pages only
     by their types), so it runs without `lock`, and the engine answers `stats()` meanwhile;
-    the padding steps and `check` run under it."""
+    the padding steps and `check` run under it. Raises `WarmupStopped` once `stop` is set."""
     shapes = executor.grid.shapes()
     before, hits = watch.counts[CompilePhase.WARMUP], watch.cache_hits[CompilePhase.WARMUP]
     tasks = sum(map(len, _ahead_tasks(executor)))
     bar = tqdm(total=tasks + len(shapes), desc="warm-up", unit="program", disable=not progress)
     start = time.perf_counter()
-    alone = _compile_ahead(executor, watch, bar)
-    ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
-    with lock, watch.watch(CompilePhase.WARMUP):
-        for shape in shapes:
-            executor.pad(shape)
-            bar.update()
-        total = watch.counts[CompilePhase.WARMUP]
-        check()  # its device reads compile (a check, not a step)
-    bar.close()
+    with bar:  # closed however it ends: a stopped warm-up's line ends, not left half drawn
+        alone = _compile_ahead(executor, watch, bar, stop)
+        ahead, compiled_ahead = time.perf_counter(), watch.counts[CompilePhase.WARMUP]
+        with lock, watch.watch(CompilePhase.WARMUP):
+            for shape in shapes:
+                _check(stop)
+                executor.pad(shape)
+                bar.update()
+            total = watch.counts[CompilePhase.WARMUP]
+            check()  # its device reads compile (a check, not a step)
     report = WarmupReport(shapes=len(shapes), ahead_tasks=tasks, alone_tasks=alone,
                           compiles=watch.counts[CompilePhase.WARMUP] - before,
                           cache_hits=watch.cache_hits[CompilePhase.WARMUP] - hits,

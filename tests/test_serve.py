@@ -24,6 +24,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from jhicache import Engine, SamplingParams
+from jhicache.serve.shutdown import Phase
 from jhicache.serve.tokenizer import Tokenizer
 from tests.serve_support import (
     ENGINE_CONFIG,
@@ -540,15 +541,64 @@ def test_text_is_tokenized_off_the_event_loop(server: ServerThread,
     threads: list[threading.Thread] = []
     encode = tokenizer.encode
 
-    def recorded(text: str, add_special_tokens: bool = True) -> list[int]:
+    def recorded(text: str, add_special_tokens: bool = True,
+                 limit: int | None = None) -> list[int]:
         threads.append(threading.current_thread())
-        return encode(text, add_special_tokens)
+        return encode(text, add_special_tokens, limit)
 
     monkeypatch.setattr(tokenizer, "encode", recorded)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1},
                    timeout=60)
     assert r.status_code == 200 and threads
     assert all(t is not server.thread for t in threads)  # the event loop runs on server.thread
+
+
+def test_a_stop_lets_the_requests_in_flight_finish_and_refuses_new_ones(checkpoint: Path):
+    """A stop (Ctrl-C's) with time enough: the requests in flight, streamed and not, run to
+    their end; a request sent meanwhile, /health included, gets a JSON 503 naming the
+    shutdown."""
+    srv = start_server(checkpoint, shutdown_timeout=120)
+    body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    ends: list[str | None] = []
+    streaming = threading.Event()
+
+    def one(stream: bool) -> None:
+        if not stream:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+            ends.append(r.json()["choices"][0]["finish_reason"] if r.status_code == 200
+                        else r.text)
+            return
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=TIMEOUT_S,
+                          json={**body, "stream": True}) as r:
+            events = []
+            for event in sse_events(r):
+                events.append(event)
+                streaming.set()
+        ends.append(json.loads(events[-2])["choices"][0]["finish_reason"]
+                    if events[-1] == "[DONE]" else str(events))
+
+    clients = [threading.Thread(target=one, args=(i % 2 == 0,)) for i in range(6)]
+    stopper = threading.Thread(target=srv.stop)
+    try:
+        for t in clients:
+            t.start()
+        assert streaming.wait(TIMEOUT_S)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while srv.drain.phase is Phase.SERVING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = [httpx.post(srv.url + "/v1/completions", json=body, timeout=TIMEOUT_S),
+                   httpx.get(srv.url + "/health", timeout=TIMEOUT_S)]
+        for t in clients:
+            t.join(TIMEOUT_S)
+    finally:
+        if stopper.ident is None:  # failed before the stop
+            srv.stop()
+        else:
+            stopper.join(TIMEOUT_S)
+    assert ends == ["length"] * 6
+    for r in refused:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
 
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_read(checkpoint: Path) -> None:

@@ -18,6 +18,7 @@ from jhicache import EngineConfig
 from jhicache.config import TransferTuning
 from jhicache.serve import cli
 from jhicache.serve.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from jhicache.serve.long_texts import LONG_TEXT_CHARS, TokenCountError
 from jhicache.serve.stop_strings import StopStrings
 from jhicache.serve.tokenizer import ChatTemplateError, Tokenizer
 from tests.serve_support import train_tokenizer
@@ -100,6 +101,26 @@ def test_chat_template_and_eos(tokenizer: Tokenizer):
                                                              add_special_tokens=False))
 
 
+def test_a_long_text_is_tokenized_in_a_process_of_its_own_to_the_same_ids(tmp_path: Path):
+    backend = train_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    text = "hello world, naïve cafe tea 🙂 " * (LONG_TEXT_CHARS // 20)
+    assert len(text) > LONG_TEXT_CHARS
+    want = backend.encode(text).ids
+    try:
+        assert tokenizer.encode(text) == want
+        with pytest.raises(TokenCountError) as over:
+            tokenizer.encode(text, limit=len(want) - 1)
+        assert over.value.tokens == len(want)
+        assert tokenizer.encode(text, limit=len(want)) == want
+        short = "hello world"  # tokenized here, the limit as for a long one
+        assert tokenizer.encode(short) == backend.encode(short).ids
+        with pytest.raises(TokenCountError):
+            tokenizer.encode(short, limit=1)
+    finally:
+        tokenizer.close()
+
+
 def test_chat_template_raise_exception(tmp_path: Path):
     train_tokenizer(tmp_path)
     config = (tmp_path / "tokenizer_config.json")
@@ -129,6 +150,37 @@ def test_engine_flags_mirror_engine_config():
         assert flag in help_text and words in " ".join(help_text.split())
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--cache-mode", "sometimes"])
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: '0'"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: '-1'"),
+    (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: 'nan'"),
+    (["--port", "70000"], "argument --port: '70000'"),
+    (["--seed", "-3"], "argument --seed: '-3'"),
+    (["--page-size", "0"], "--page-size=0: expected an int >= 1"),
+    (["--page-size", "16", "--device-kv-tokens", "100"],
+     "--device-kv-tokens=100 is not a multiple of --page-size=16"),
+    (["--host-to-device-ratio", "nan"], "--host-to-device-ratio=nan"),
+    (["--transfer-tuning-load-head-bytes", "0"], "--transfer-tuning-load-head-bytes=0"),
+    (["--storage-capacity-bytes", "1000"], "--storage-capacity-bytes: it sets the storage "
+                                           "tier, which is off without --storage-dir"),
+    (["--fetch-policy", "split", "--storage-io-threads", "2"],
+     "--fetch-policy, --storage-io-threads: they set the storage tier"),
+])
+def test_bad_flags_are_refused_as_parsed_naming_the_flag(capsys: pytest.CaptureFixture[str],
+                                                         flags: list[str], named: str):
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(["--preset", "tiny", *flags])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_storage_flags_with_a_storage_dir_are_taken(tmp_path: Path):
+    args, config = cli.parse_args(["--preset", "tiny", "--storage-dir", str(tmp_path),
+                                   "--storage-capacity-bytes", "1000", "--fetch-threshold", "0"])
+    assert (config.storage_dir, config.storage_capacity_bytes) == (str(tmp_path), 1000)
+    assert config.fetch_threshold == 0 and args.shutdown_timeout == 30.0
 
 
 def test_help_lists_every_preset_and_the_readme_too():

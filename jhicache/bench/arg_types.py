@@ -1,57 +1,18 @@
-"""The argparse types and actions of `python -m jhicache.bench`: each checks one value."""
+"""The argparse types of `python -m jhicache.bench`: each checks one value (those that the
+server's command shares are `jhicache.arg_types`')."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import urllib.parse
 from pathlib import Path
 
+from jhicache.arg_types import parsed_number
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
 
 # unbounded: the device cache holding the whole working set
 MODES = ("off", "device", "hierarchical", "unbounded")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(_parsed(int, text))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(_parsed(int, text))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = _parsed(float, text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    value = _parsed(float, text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
-    return value
-
-
-def penalty(text: str) -> float:
-    """argparse type: a presence or frequency penalty, a number in [-2, 2] (OpenAI's range)."""
-    value = _parsed(float, text)
-    if not -2.0 <= value <= 2.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [-2, 2]")
-    return value
 
 
 def storage_directory(text: str) -> str:
@@ -66,7 +27,7 @@ def storage_directory(text: str) -> str:
 
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
-    value = _parsed(float, text)
+    value = parsed_number(float, text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
@@ -74,18 +35,10 @@ def fraction(text: str) -> float:
 
 def request_rate(text: str) -> float:
     """argparse type: requests/s, a number > 0 or `inf` (every ready request at once)."""
-    value = _parsed(float, text)
+    value = parsed_number(float, text)
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0, or inf")
     return value
-
-
-def _parsed(kind: type[int] | type[float], text: str) -> int | float:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
 def preset_name(text: str) -> str:
@@ -130,16 +83,6 @@ def server_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected the server's base URL, "
                                          "http://HOST:PORT, with no path")
     return f"{parts.scheme}://{parts.netloc}"
-
-
-class Given(argparse.Action):
-    """argparse's "store", which also adds the option to `given`: a default cannot tell
-    whether the user asked for a value."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.given = namespace.given | {self.option_strings[0]}
 
 
 def mode_list(text: str) -> tuple[str, ...]:

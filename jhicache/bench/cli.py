@@ -10,19 +10,21 @@ from typing import Any
 
 import jax
 
-from jhicache.bench import clients
-from jhicache.bench.arg_types import (
-    MODES,
+from jhicache.arg_types import (
     Given,
-    checkpoint_dir,
-    fraction,
-    mode_list,
     non_negative_float,
     non_negative_int,
-    output_file,
     penalty,
     positive_float,
     positive_int,
+)
+from jhicache.bench import clients
+from jhicache.bench.arg_types import (
+    MODES,
+    checkpoint_dir,
+    fraction,
+    mode_list,
+    output_file,
     preset_name,
     request_rate,
     server_url,

@@ -12,6 +12,7 @@ from jhicache.async_engine import AsyncEngine
 from jhicache.sampling import SamplingParams
 from jhicache.serve.errors import ApiError
 from jhicache.serve.generation import Generation, GenerationInput
+from jhicache.serve.long_texts import TokenCountError, TokenizerProcessError
 from jhicache.serve.metrics import ServerMetrics
 from jhicache.serve.tokenizer import Tokenizer
 
@@ -87,7 +88,8 @@ class ServerContext:
         return self.tokenizer
 
     async def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        """Token ids of a text (special tokens added, as Hugging Face's encode does) or as given."""
+        """Token ids of a text (special tokens added, as Hugging Face's encode does) or as given;
+        400 for an empty prompt (a text whose tokens leave no room to generate too: `encode`)."""
         if isinstance(prompt, str):
             ids = await self.encode(self.require_tokenizer("a text prompt", param), prompt, param)
         else:
@@ -96,25 +98,33 @@ class ServerContext:
             raise ApiError(400, "the prompt is empty", param)
         return ids
 
-    @staticmethod
-    async def encode(tokenizer: Tokenizer, text: str, param: str,
+    async def encode(self, tokenizer: Tokenizer, text: str, param: str,
                      add_special_tokens: bool = True) -> list[int]:
         """`tokenizer.encode` off the event loop (a long text takes seconds, and every other
-        request would wait); 400 for text it cannot take."""
+        request would wait); 400 for text it cannot take, or whose tokens leave no room to
+        generate (their list is not even built)."""
         try:
-            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens,
+                                           self.model.max_total_tokens - 1)
+        except TokenCountError as e:
+            raise self._no_room(e.tokens, param) from None
         except ValueError as e:
             raise ApiError(400, str(e), param) from None
+        except TokenizerProcessError as e:  # it died with this text: a retry may be served
+            raise ApiError(503, f"the tokenizer is unavailable: {e}", param) from None
 
-    def room(self, prompt_len: int) -> int:
+    def room(self, prompt_len: int, param: str = "messages") -> int:
         """New tokens a prompt leaves room for (context and device pool); 400 if none."""
         room = self.model.max_total_tokens - prompt_len
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room to "
-                                f"generate in {self.model.max_total_tokens} tokens (the context "
-                                f"limit: the least of the model's context, the device pool and "
-                                f"--max-context-len)", "messages", "context_length_exceeded")
+            raise self._no_room(prompt_len, param)
         return room
+
+    def _no_room(self, prompt_len: int, param: str) -> ApiError:
+        return ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room to "
+                             f"generate in {self.model.max_total_tokens} tokens (the context "
+                             f"limit: the least of the model's context, the device pool and "
+                             f"--max-context-len)", param, "context_length_exceeded")
 
     def require_ready(self) -> None:
         """503 while the engine warms up: clients wait for /health to answer 200."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,9 +24,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param, self.code)
+
     def response(self) -> JsonResponse:
-        return JsonResponse(error_body(self.message, self.status, self.param, self.code),
-                            status_code=self.status)
+        return JsonResponse(self.body(), status_code=self.status)
+
+
+def ended_by_shutdown() -> ApiError:
+    """What a request still running when the server's drain ends gets (the engine closed)."""
+    return ApiError(503, "the server shut down before this request finished", None,
+                    "shutting_down")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -65,14 +74,18 @@ async def _on_http_error(_: Request, exc: Exception) -> JsonResponse:
     return ApiError(exc.status_code, str(exc.detail)).response()
 
 
-async def _on_engine_stopped(_: Request, exc: Exception) -> JsonResponse:
+async def _on_engine_failed(_: Request, exc: Exception) -> JsonResponse:
     logger.error("engine unavailable: %s", exc)
     return ApiError(503, f"engine unavailable: {exc}").response()
+
+
+async def _on_engine_closed(_: Request, exc: Exception) -> JsonResponse:
+    return ended_by_shutdown().response()  # the drain logs how many it ended
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
-    app.add_exception_handler(EngineDeadError, _on_engine_stopped)
-    app.add_exception_handler(EngineClosedError, _on_engine_stopped)
+    app.add_exception_handler(EngineDeadError, _on_engine_failed)
+    app.add_exception_handler(EngineClosedError, _on_engine_closed)

@@ -3,6 +3,7 @@ GET /v1/models, in the shapes the official `openai` client reads."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -133,7 +134,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         prompt = _single_prompt(body.prompt)
         prompt_ids = await ctx.prompt_ids(prompt, "prompt")
         fields = _completion_fields(body)
-        echoed = _prompt_text(ctx, prompt, prompt_ids) if body.echo else ""
+        echoed = await _prompt_text(ctx, prompt, prompt_ids) if body.echo else ""
         gen = ctx.generation(prompt_ids, fields)
         reply = _Reply("cmpl", "text_completion", ctx.model.name)
         texts = token_texts(ctx.tokenizer)
@@ -231,11 +232,13 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     return router
 
 
-def _prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> str:
-    """The prompt as `echo` repeats it: its text, or its token ids decoded."""
+async def _prompt_text(ctx: ServerContext, prompt: str | list[int], ids: list[int]) -> str:
+    """The prompt as `echo` repeats it: its text, or its token ids decoded (off the event loop:
+    the engine refuses a prompt longer than its context only later)."""
     if isinstance(prompt, str):
         return prompt
-    return ctx.require_tokenizer("echo of a token-id prompt", "echo").decode(ids)
+    tokenizer = ctx.require_tokenizer("echo of a token-id prompt", "echo")
+    return await asyncio.to_thread(tokenizer.decode, ids)
 
 
 def _usage_chunk(body: Any, reply: _Reply) -> Callable[[Update], Iterator[bytes]]:

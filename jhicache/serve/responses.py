@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from jhicache.async_engine import EngineClosedError, EngineDeadError
-from jhicache.serve.errors import ApiError
+from jhicache.serve.errors import ApiError, ended_by_shutdown
 from jhicache.serve.generation import Update
 from jhicache.serve.protocol import SSE_DONE, error_body, sse
 
@@ -55,7 +55,9 @@ def event_stream(first: Update, updates: AsyncGenerator[Update, None], chunks: E
                     yield chunk
             for chunk in end(update):
                 yield chunk
-        except (EngineDeadError, EngineClosedError) as e:  # headers are sent: report in-stream
+        except EngineClosedError:  # the server's drain ended it: headers are sent, say it here
+            yield sse(ended_by_shutdown().body())
+        except EngineDeadError as e:
             logger.error("stream ended by the engine: %s", e)
             yield sse(error_body(f"engine unavailable: {e}", 503))
         finally:

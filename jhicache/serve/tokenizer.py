@@ -1,5 +1,7 @@
 """Tokenizer: a checkpoint's tokenizer.json (through `tokenizers`) and its chat template
-(tokenizer_config.json or chat_template.jinja, rendered with jinja2)."""
+(tokenizer_config.json or chat_template.jinja, rendered with jinja2). Its calls on a request's
+text release the interpreter lock while they work (`tokenizers`' batch calls do, the single
+ones do not), and long texts go to a process of their own (`LongTexts`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
+
+from jhicache.serve.long_texts import LONG_TEXT_CHARS, LongTexts, TokenCountError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -49,6 +53,7 @@ class Tokenizer:
         # prompt looks up thousands of random ids, which a list finds at an offset where a
         # dict of the whole vocabulary probes a table too large for the CPU's caches
         self._vocabulary: list[str] = []
+        self._long_texts = LongTexts(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -73,18 +78,30 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; ValueError for text that is not Unicode a tokenizer can take
-        (a lone surrogate, which JSON's escapes can carry)."""
+    def encode(self, text: str, add_special_tokens: bool = True,
+               limit: int | None = None) -> list[int]:
+        """Token ids of `text` (blocking: call it off the event loop); ValueError for text that
+        is not Unicode a tokenizer can take (a lone surrogate, which JSON's escapes can carry),
+        `TokenCountError` (a ValueError) for more than `limit` tokens. Texts over
+        `LONG_TEXT_CHARS` characters are tokenized by `LongTexts`' process."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"the text is not valid Unicode: {e.reason} at character "
                              f"{e.start}") from None
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > LONG_TEXT_CHARS:
+            return self._long_texts.encode(text, add_special_tokens, limit)
+        encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:
+            raise TokenCountError(len(encoding), limit)
+        return encoding.ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    def close(self) -> None:
+        """Ends the process of long texts, if one runs (the next long text starts another)."""
+        self._long_texts.close()
 
     def token_text(self, token: int) -> str:
         """One token's own decoding, special tokens kept (how log probabilities name tokens).
