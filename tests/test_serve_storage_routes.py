@@ -72,3 +72,17 @@ def test_admin_routes_need_the_key_and_refuse_unknown_fields(server: ServerThrea
         assert http.post("/hicache/storage-backend/clear", headers=AUTH).json() == {
             "cleared": True}
         assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
+
+
+def test_a_server_with_its_engine_in_process_stores_the_cache_when_stopped(tmp_path: Path) -> None:
+    """As an engine process does at its end: the pages that never left the device (the default
+    write policy) are in storage once the server has stopped."""
+    config = dataclasses.replace(ENGINE_CONFIG, storage_dir=str(tmp_path))
+    srv = start_server(None, config=config, process=False)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+            http.post("/generate", json={"input_ids": list(range(1, 100)),
+                                         "sampling_params": {"max_new_tokens": 2}})
+    finally:
+        srv.stop()
+    assert len(list(tmp_path.rglob("*.kv"))) >= 6  # the prompt's six whole pages
