@@ -8,12 +8,7 @@ serving compile."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,12 +19,11 @@ for _module in ("fastapi", "uvicorn", "httpx", "tokenizers", "sglang_router"):
 
 import httpx  # noqa: E402
 
-from jhicache.serve.thread import free_socket  # noqa: E402
+from benchmarks.fleet import Processes  # noqa: E402
 from tests.mooncake_support import Master, running_master  # noqa: E402
 from tests.serve_support import metric, write_checkpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-STARTUP_S = 300.0  # three servers warming up on a loaded 2-core CI box
+STARTUP_S = 600.0  # a server warming up on a loaded 2-core CI box
 TIMEOUT_S = 120.0
 MAX_TOKENS = 8
 # 4 pages of prompt, then the answer: the prefix B reads is whole pages A wrote
@@ -37,94 +31,33 @@ FIRST_TURN = [(7 * i + 3) % 300 + 5 for i in range(64)]
 NEXT_USER = [(11 * i + 1) % 300 + 5 for i in range(20)]
 
 
-def _port() -> int:
-    sock = free_socket()
-    port = int(sock.getsockname()[1])
-    sock.close()  # the server binds it again (SO_REUSEADDR); the window is short
-    return port
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    started = time.monotonic()
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() - started < STARTUP_S, f"{url} did not come up: {log.read_text()}"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Fleet:
-    """The processes this module starts (servers, router), each stopped at the end."""
+    """Servers of the tiny checkpoint on one store, and a router, started by `procs` (the
+    fleet bench's: each ended at the end, with its engine process)."""
 
-    def __init__(self, tmp: Path, checkpoint: Path, master: Master) -> None:
-        self.tmp, self.checkpoint, self.master = tmp, checkpoint, master
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn(self, name: str, cmd: Sequence[str]) -> tuple[subprocess.Popen[bytes], Path]:
-        log = self.tmp / f"{name}.log"
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(list(cmd), env=env, cwd=ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc, log
+    def __init__(self, procs: Processes, checkpoint: Path, master: Master, tmp: Path) -> None:
+        self.procs, self.checkpoint, self.master, self.tmp = procs, checkpoint, master, tmp
 
     def servers(self, *extras: Sequence[str]) -> list[str]:
-        """Servers on the store (each with `extras` flags), started together; their URLs."""
-        started = []
-        for i, extra in enumerate(extras):
-            port = _port()
-            cmd = [sys.executable, "-m", "jhicache.serve", "--model", str(self.checkpoint),
-                   "--port", str(port), "--page-size", "16", "--device-kv-tokens", "512",
-                   "--host-kv-tokens", "1024", "--dtype", "float32",
-                   "--chunked-prefill-tokens", "128", "--max-running-requests", "4",
-                   "--write-policy", "write_through", "--fetch-threshold", "16",
-                   "--fetch-policy", "wait_complete", "--check-invariants-every-step",
-                   "--fail-on-compile", "--compilation-cache", str(self.tmp / "xla"),
-                   "--storage-backend", "mooncake",
-                   "--storage-backend-config", json.dumps(self.master.config), *extra]
-            proc, log = self.spawn(f"server{len(self.procs)}-{i}", cmd)
-            started.append((f"http://127.0.0.1:{port}", proc, log))
-        for url, proc, log in started:
-            _wait_healthy(url, proc, log)
-        return [url for url, _, _ in started]
-
-    def router(self, workers: Sequence[str]) -> str:
-        port = _port()
-        proc, log = self.spawn("router", [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
-            "--prometheus-port", str(_port()), "--log-level", "warn"])
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc, log)
-        return url
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            _stop(proc)
+        """Servers on the store, each with its `extras` flags; their URLs, once warmed up."""
+        flags = [["--model", str(self.checkpoint), "--page-size", "16",
+                  "--device-kv-tokens", "512", "--host-kv-tokens", "1024", "--dtype", "float32",
+                  "--chunked-prefill-tokens", "128", "--max-running-requests", "4",
+                  "--write-policy", "write_through", "--fetch-threshold", "16",
+                  "--fetch-policy", "wait_complete", "--check-invariants-every-step",
+                  "--fail-on-compile", "--compilation-cache", str(self.tmp / "xla"),
+                  "--storage-backend", "mooncake",
+                  "--storage-backend-config", json.dumps(self.master.config), *extra]
+                 for extra in extras]
+        return self.procs.servers(flags)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
-    with running_master(tmp) as master:
-        fleet = Fleet(tmp, write_checkpoint(tmp / "ckpt"), master)
-        try:
-            yield fleet
-        finally:
-            fleet.stop()
+    checkpoint = write_checkpoint(tmp / "ckpt")
+    with running_master(tmp) as master, Processes(tmp, STARTUP_S) as procs:
+        yield Fleet(procs, checkpoint, master, tmp)
 
 
 def _generate(url: str, ids: list[int]) -> dict:
@@ -138,7 +71,7 @@ def _generate(url: str, ids: list[int]) -> dict:
 @pytest.mark.slow
 def test_a_fleet_behind_the_router_shares_one_store(fleet: Fleet) -> None:
     a, b = fleet.servers((), ())
-    router = fleet.router([a, b])
+    router = fleet.procs.router([a, b])
 
     # the three routes, through the router, unchanged
     native = httpx.post(router + "/generate", timeout=TIMEOUT_S, json={
