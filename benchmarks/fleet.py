@@ -83,23 +83,30 @@ class Processes:
     def __init__(self, logs: Path, start_s: float = START_S) -> None:
         self.logs, self.start_s = logs, start_s
         self.procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.by_url: dict[str, subprocess.Popen[bytes]] = {}
 
     def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc: object) -> None:
         for proc, _ in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=STOP_S)
-                except subprocess.TimeoutExpired:  # (a server still warming up, say)
-                    pass
-            # the whole group: a server's engine process too, should the server not have
-            # ended it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            self._end(proc)
+
+    def end(self, url: str) -> int:
+        """Stops the server at `url` as a supervisor does (SIGTERM); its exit status."""
+        return self._end(self.by_url[url])
+
+    def _end(self, proc: subprocess.Popen[bytes]) -> int:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:  # (a server still warming up, say)
+                pass
+        # the whole group: a server's engine process too, should the server not have ended it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
     def spawn(self, name: str, cmd: Sequence[str]) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.logs / f"{len(self.procs)}-{name}.log"
@@ -151,6 +158,7 @@ class Processes:
             proc, log = self.spawn("server", [sys.executable, "-m", "jhicache.serve",
                                               "--port", str(port), *extra])
             started.append((url, proc, log))
+            self.by_url[url] = proc
         for url, proc, log in started:
             self.wait(proc, log, lambda u=url: _healthy(u))
         return [url for url, _, _ in started]

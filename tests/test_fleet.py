@@ -2,13 +2,16 @@
 `mooncake_master`), `sglang-router --policy cache_aware` in front of them. Through the router
 the three generation routes answer; a conversation server A served continues on server B with
 its prefix read from the store and the tokens of a server that computes it all; a server of
-another namespace never reads those pages. Every server checks its page accounting at each step
-(--check-invariants-every-step: a violation fails the request), and its /metrics show no
-serving compile."""
+another namespace never reads those pages. With a store process of its own holding the memory,
+the pages outlive the server that wrote them (drained), for a server started after. Every
+server checks its page accounting at each step (--check-invariants-every-step: a violation
+fails the request), and its /metrics show no serving compile."""
 
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -19,7 +22,7 @@ for _module in ("fastapi", "uvicorn", "httpx", "tokenizers", "sglang_router"):
 
 import httpx  # noqa: E402
 
-from benchmarks.fleet import Processes  # noqa: E402
+from benchmarks.fleet import Processes, free_port  # noqa: E402
 from tests.mooncake_support import Master, running_master  # noqa: E402
 from tests.serve_support import metric, write_checkpoint  # noqa: E402
 
@@ -38,8 +41,9 @@ class Fleet:
     def __init__(self, procs: Processes, checkpoint: Path, master: Master, tmp: Path) -> None:
         self.procs, self.checkpoint, self.master, self.tmp = procs, checkpoint, master, tmp
 
-    def servers(self, *extras: Sequence[str]) -> list[str]:
-        """Servers on the store, each with its `extras` flags; their URLs, once warmed up."""
+    def servers(self, *extras: Sequence[str], store: dict | None = None) -> list[str]:
+        """Servers on the store (the module's master, or `store`'s config), each with its
+        `extras` flags; their URLs, once warmed up."""
         flags = [["--model", str(self.checkpoint), "--page-size", "16",
                   "--device-kv-tokens", "512", "--host-kv-tokens", "1024", "--dtype", "float32",
                   "--chunked-prefill-tokens", "128", "--max-running-requests", "4",
@@ -47,7 +51,7 @@ class Fleet:
                   "--fetch-policy", "wait_complete", "--check-invariants-every-step",
                   "--fail-on-compile", "--compilation-cache", str(self.tmp / "xla"),
                   "--storage-backend", "mooncake",
-                  "--storage-backend-config", json.dumps(self.master.config), *extra]
+                  "--storage-backend-config", json.dumps(store or self.master.config), *extra]
                  for extra in extras]
         return self.procs.servers(flags)
 
@@ -116,3 +120,43 @@ def test_a_fleet_behind_the_router_shares_one_store(fleet: Fleet) -> None:
         with httpx.Client(base_url=url, timeout=10) as http:
             assert metric(http, "jhicache:compiles_total", phase="serving") == 0
             assert metric(http, "jhicache:storage_write_failures_total", 0.0, reason="io") == 0
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_pages_outlive_a_drained_server_in_a_store_process(fleet: Fleet, tmp_path: Path) -> None:
+    """A store of its own: a `mooncake_client` process contributes the memory, the servers
+    none (global_segment_size 0). A conversation whose server was stopped (drained) continues
+    on a server started after (added), its prefix read from the store, with the tokens that
+    server computes with nothing cached."""
+    with running_master(tmp_path) as master:
+        port = free_port()
+        holder, log = fleet.procs.spawn("holder", [
+            str(Path(sys.executable).with_name("mooncake_client")),
+            f"--master_server_address={master.config['master_server_address']}",
+            f"--metadata_server={master.config['metadata_server']}", "--host=127.0.0.1",
+            "--protocol=tcp", "--global_segment_size=64MB", f"--port={port}"])
+        try:
+            fleet.procs.wait(holder, log, lambda: _accepts(port))
+            store = {**master.config, "global_segment_size": 0}
+            (a,) = fleet.servers((), store=store)
+            first = _generate(a, FIRST_TURN)
+            assert httpx.post(a + "/flush_cache", timeout=TIMEOUT_S).status_code == 200
+            fleet.procs.end(a)  # its clean stop; its process and engine process gone
+            (b,) = fleet.servers((), store=store)
+            second_turn = FIRST_TURN + first["output_ids"] + NEXT_USER
+            on_b = _generate(b, second_turn)
+            assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= len(FIRST_TURN)
+            for route in ("/flush_cache", "/clear_hicache_storage_backend"):  # nothing cached
+                assert httpx.post(b + route, timeout=TIMEOUT_S).status_code == 200
+            computed = _generate(b, second_turn)
+            assert computed["meta_info"]["cached_tokens"] == 0
+            assert on_b["output_ids"] == computed["output_ids"]
+            fleet.procs.end(b)  # before its store goes
+        finally:
+            holder.terminate()
+            holder.wait(timeout=60)
