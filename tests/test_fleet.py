@@ -9,12 +9,14 @@ fails the request), and its /metrics show no serving compile."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import json
 import os
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,12 @@ for _module in ("fastapi", "uvicorn", "httpx", "tokenizers", "sglang_router"):
 
 import httpx  # noqa: E402
 
-from benchmarks.fleet import Processes, free_port  # noqa: E402
+from benchmarks.fleet import MovingBackend, Processes, free_port  # noqa: E402
+from jhicache.bench import clients  # noqa: E402
+from jhicache.bench.backends import Chunk  # noqa: E402
+from jhicache.bench.multiturn import turn_params  # noqa: E402
+from jhicache.bench.workload import MultiTurnSpec, user_turns  # noqa: E402
+from jhicache.sampling import SamplingParams  # noqa: E402
 from tests.mooncake_support import Master, running_master  # noqa: E402
 from tests.serve_support import metric, write_checkpoint  # noqa: E402
 
@@ -127,6 +134,32 @@ def test_a_fleet_behind_the_router_shares_one_store(fleet: Fleet) -> None:
         with httpx.Client(base_url=url, timeout=10) as http:
             assert metric(http, "jhicache:compiles_total", phase="serving") == 0
             assert metric(http, "jhicache:storage_write_failures_total", 0.0, reason="io") == 0
+
+
+class _Recording:
+    """A backend that answers every turn with one token at once, noting the turns it got."""
+
+    def __init__(self) -> None:
+        self.turns: list[str] = []
+
+    def together(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def stream(self, prompt: Sequence[int], params: SamplingParams,
+                     request_id: str) -> AsyncIterator[Chunk]:
+        self.turns.append(request_id)
+        yield Chunk((1,), (1,), True, len(prompt), 0, 0, None)
+
+
+def test_the_bench_moves_each_turn_to_the_next_server() -> None:
+    """The fleet bench's clients: turn r of conversation c on server (c + r) mod n, so no turn
+    after the first finds its conversation's last turn on its server."""
+    servers = [_Recording() for _ in range(3)]
+    spec = MultiTurnSpec(num_clients=4, num_rounds=3, request_length=4, output_length=1)
+    asyncio.run(clients.run_clients(MovingBackend(servers), user_turns(spec),
+                                    turn_params(spec), clients.ClientsConfig()))
+    got = {turn: i for i, server in enumerate(servers) for turn in server.turns}
+    assert got == {f"c{c}-r{r}": (c + r) % 3 for c in range(4) for r in range(3)}
 
 
 def _accepts(port: int) -> bool:
