@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -351,7 +352,8 @@ def bench_fleet(args: argparse.Namespace, vocab: int, save: Any) -> dict:
     args._device_tokens = multiturn.device_tokens_for(args, spec)
     result: dict[str, Any] = {"spec": dataclasses.asdict(spec), "how": HOW, "legs": {}}
     root = Path(tempfile.mkdtemp(prefix="jhicache-fleet-", dir=args.storage_dir))
-    print(f"fleet: logs and file tiers in {root}", file=sys.stderr, flush=True)
+    print(f"fleet: logs and file tiers in {root} (removed after a run that ends well)",
+          file=sys.stderr, flush=True)
     with Processes(root) as procs:
         config = procs.master()
         servers = procs.servers([server_flags(args, spec, _mooncake(config, args))] * 2)
@@ -371,6 +373,7 @@ def bench_fleet(args: argparse.Namespace, vocab: int, save: Any) -> dict:
         servers = procs.servers([server_flags(args, spec, ["--storage-dir",
                                                            str(root / "files-one")])])
         result["legs"]["single"] = _leg(servers, servers, spec, args)
+    shutil.rmtree(root, ignore_errors=True)
     legs = result["legs"]
     answers = [leg.pop("answers") for leg in legs.values()]
     result["same_answers"] = all(a == answers[0] for a in answers)
