@@ -2,7 +2,8 @@
 Mooncake store, sglang-router in front; multi-turn conversations that move to the other server
 every turn, against the same two servers each with its own file tier (nothing shared) and
 against one server; hit rate by tier, TTFT p50/p99, and the store's own put/get rate in the
-same run (the ceiling of a server's reads)."""
+same run (the ceiling of a server's reads). The master comes from `benchmarks.mooncake_local`;
+its `Processes` start servers and a router (tests/test_fleet.py's too)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import cli
+from benchmarks import cli, mooncake_local
 from benchmarks.cli import sized
 from jhicache.bench import clients, multiturn, remote
 from jhicache.bench.backends import Chunk
@@ -50,17 +50,6 @@ STOP_S = 60.0  # a process's clean stop, after SIGTERM
 ROOT = Path(__file__).resolve().parent.parent
 TIERS = ("device", "host", "storage")
 TURN_ID = re.compile(r"^c(\d+)-r(\d+)$")  # the clients' name for a turn (clients._turn)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _healthy(url: str) -> bool:
@@ -129,21 +118,6 @@ class Processes:
                 raise RuntimeError(f"{log.name} did not start:\n{log.read_text()[-4000:]}")
             time.sleep(0.2)
 
-    def master(self) -> dict[str, Any]:
-        """A mooncake_master with its HTTP metadata server, on free ports; the storage backend
-        config of its clients (without the segment sizes)."""
-        rpc, http = free_port(), free_port()
-        binary = Path(sys.executable).with_name("mooncake_master")
-        proc, log = self.spawn("mooncake_master", [
-            str(binary) if binary.exists() else "mooncake_master", f"--rpc_port={rpc}",
-            "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-            f"--metrics_port={free_port()}"])
-        self.wait(proc, log, lambda: _accepts(rpc) and _accepts(http))
-        return {"master_server_address": f"127.0.0.1:{rpc}",
-                "metadata_server": f"http://127.0.0.1:{http}/metadata",
-                "local_hostname": "127.0.0.1", "protocol": "tcp"}
-
     def servers(self, flags: Sequence[Sequence[str]]) -> list[str]:
         """`python -m jhicache.serve` with each of `flags`; their URLs once every one answers
         /health (warmed up). The first starts alone, the rest together once it is up: they
@@ -154,7 +128,7 @@ class Processes:
     def _servers(self, flags: Sequence[Sequence[str]]) -> list[str]:
         started = []
         for extra in flags:
-            port = free_port()
+            port = mooncake_local.free_port()
             url = f"http://127.0.0.1:{port}"
             proc, log = self.spawn("server", [sys.executable, "-m", "jhicache.serve",
                                               "--port", str(port), *extra])
@@ -166,12 +140,12 @@ class Processes:
 
     def router(self, workers: Sequence[str]) -> str:
         """sglang-router's cache-aware policy in front of `workers`."""
-        port = free_port()
+        port = mooncake_local.free_port()
         url = f"http://127.0.0.1:{port}"
         proc, log = self.spawn("router", [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
-            "--prometheus-port", str(free_port()), "--log-level", "warn"])
+            "--prometheus-port", str(mooncake_local.free_port()), "--log-level", "warn"])
         self.wait(proc, log, lambda: _healthy(url))
         return url
 
@@ -230,10 +204,9 @@ def server_flags(args: argparse.Namespace, spec: MultiTurnSpec,
     return flags
 
 
-def _mooncake(config: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    full = {**config, "global_segment_size": args.segment_mib << 20,
-            "local_buffer_size": 16 << 20}
-    return ["--storage-backend", "mooncake", "--storage-backend-config", json.dumps(full)]
+def _mooncake(master: mooncake_local.Master) -> list[str]:
+    return ["--storage-backend", "mooncake", "--storage-backend-config",
+            json.dumps(master.config)]
 
 
 def page_bytes(args: argparse.Namespace) -> int:
@@ -250,49 +223,14 @@ def page_bytes(args: argparse.Namespace) -> int:
             * config.head_dim * itemsize)
 
 
-def store_ceiling(config: dict[str, Any], page: int, pages: int, trials: int) -> dict:
-    """The store's own rate for `pages` objects of `page` bytes: batch_put_from and
-    batch_get_into between one registered buffer and the store, the best of `trials` (the bytes
-    read back checked equal); the objects removed after."""
-    from mooncake.store import MooncakeDistributedStore
-
-    from jhicache.cache.mooncake_storage import store_config
-
-    store = MooncakeDistributedStore()
-    if store.setup(store_config({**config, "global_segment_size": 0,
-                                 "local_buffer_size": 16 << 20})) != 0:
-        raise RuntimeError("the ceiling's Mooncake client could not set up")
-    source = np.random.default_rng(0).integers(0, 256, pages * page, dtype=np.uint8)
-    target = np.zeros_like(source)
-    for buffer in (source, target):
-        if store.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
-            raise RuntimeError("the ceiling's buffer could not be registered")
-    sizes = [page] * pages
-    put_s, get_s = [], []
-    try:
-        for trial in range(trials):
-            keys = [f"fleet-ceiling/{trial}/{i}" for i in range(pages)]
-            start = time.perf_counter()
-            stored = store.batch_put_from(keys, [source.ctypes.data + i * page
-                                                 for i in range(pages)], sizes)
-            put_s.append(time.perf_counter() - start)
-            target[:] = 0
-            start = time.perf_counter()
-            read = store.batch_get_into(keys, [target.ctypes.data + i * page
-                                               for i in range(pages)], sizes)
-            get_s.append(time.perf_counter() - start)
-            if any(r != 0 for r in stored) or any(r != page for r in read):
-                raise RuntimeError(f"the ceiling's put/get failed: {stored[:4]} {read[:4]}")
-            if not np.array_equal(source, target):
-                raise RuntimeError("the ceiling read back other bytes than it put")
-    finally:
-        store.remove_by_regex("^fleet-ceiling/", True)
-        for buffer in (source, target):
-            store.unregister_buffer(buffer.ctypes.data)
-        store.close()
-    total = pages * page
+def store_ceiling(master: mooncake_local.Master, page: int, pages: int, trials: int) -> dict:
+    """The store's own put/get rate for `pages` objects of `page` bytes (`store_rates`: a
+    client of its own, no segment of its own: its objects in the servers' segments, read over
+    TCP as one server reads another's), the best of `trials`."""
+    rates = [mooncake_local.store_rates(master, page, pages) for _ in range(trials)]
     return {"page_bytes": page, "pages": pages, "trials": trials,
-            "put_gb_per_s": total / min(put_s) / 1e9, "get_gb_per_s": total / min(get_s) / 1e9}
+            "put_gb_per_s": max(r["store_put_bps"] for r in rates) / 1e9,
+            "get_gb_per_s": max(r["store_get_bps"] for r in rates) / 1e9}
 
 
 def hits(turns: Sequence[clients.Turn]) -> dict:
@@ -354,16 +292,20 @@ def bench_fleet(args: argparse.Namespace, vocab: int, save: Any) -> dict:
     root = Path(tempfile.mkdtemp(prefix="jhicache-fleet-", dir=args.storage_dir))
     print(f"fleet: logs and file tiers in {root} (removed after a run that ends well)",
           file=sys.stderr, flush=True)
-    with Processes(root) as procs:
-        config = procs.master()
-        servers = procs.servers([server_flags(args, spec, _mooncake(config, args))] * 2)
-        router = procs.router(servers)
-        result["legs"]["shared"] = _leg(servers, servers, spec, args)
-        save(result)
-        result["ceiling"] = store_ceiling(config, page_bytes(args), args.ceiling_pages, 3)
-        _empty(servers)
-        result["legs"]["router"] = _leg([router], servers, spec, args)
-        save(result)
+    master = mooncake_local.Master(root / "mooncake_master.log", args.segment_mib << 20)
+    master.start()
+    try:
+        with Processes(root) as procs:
+            servers = procs.servers([server_flags(args, spec, _mooncake(master))] * 2)
+            router = procs.router(servers)
+            result["legs"]["shared"] = _leg(servers, servers, spec, args)
+            save(result)
+            result["ceiling"] = store_ceiling(master, page_bytes(args), args.ceiling_pages, 3)
+            _empty(servers)
+            result["legs"]["router"] = _leg([router], servers, spec, args)
+            save(result)
+    finally:
+        master.stop()
     with Processes(root) as procs:
         servers = procs.servers([server_flags(args, spec, ["--storage-dir", str(root / name)])
                                  for name in ("files-a", "files-b")])

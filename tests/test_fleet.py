@@ -14,8 +14,6 @@ import contextlib
 import importlib
 import json
 import os
-import socket
-import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
@@ -30,13 +28,20 @@ for _module in ("fastapi", "uvicorn", "httpx", "tokenizers", "sglang_router"):
         pytest.importorskip(_module)
 
 import httpx  # noqa: E402
+import pydantic  # noqa: E402
 
-from benchmarks.fleet import MovingBackend, Processes, free_port  # noqa: E402
+from benchmarks.fleet import MovingBackend, Processes  # noqa: E402
+from benchmarks.mooncake_local import StoreService  # noqa: E402
 from jhicache.bench import clients  # noqa: E402
 from jhicache.bench.backends import Chunk  # noqa: E402
 from jhicache.bench.multiturn import turn_params  # noqa: E402
 from jhicache.bench.workload import MultiTurnSpec, user_turns  # noqa: E402
 from jhicache.sampling import SamplingParams  # noqa: E402
+from jhicache.serve.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from tests.mooncake_support import Master, running_master  # noqa: E402
 from tests.serve_support import metric, write_checkpoint  # noqa: E402
 
@@ -151,6 +156,32 @@ class _Recording:
         yield Chunk((1,), (1,), True, len(prompt), 0, 0, None)
 
 
+# What sglang-router 0.3.2 forwards for a plain request to each route (captured from it)
+ROUTER_BODIES = {
+    GenerateRequest: {"model": None, "input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 2}, "return_text_in_logprobs": False, "stream": False,
+        "log_metrics": True, "return_hidden_states": False, "background": False,
+        "no_logs": False, "return_bytes": False, "return_entropy": False},
+    CompletionRequest: {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.0,
+                        "stream": False, "echo": False, "no_stop_trim": False,
+                        "ignore_eos": False, "skip_special_tokens": True,
+                        "return_hidden_states": False},
+    ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}], "model": "m",
+                            "logprobs": False, "max_completion_tokens": 2, "stream": False,
+                            "no_stop_trim": False, "ignore_eos": False,
+                            "continue_final_message": False, "skip_special_tokens": True,
+                            "separate_reasoning": True, "stream_reasoning": True,
+                            "return_hidden_states": False}}
+
+
+@pytest.mark.parametrize("request_type", list(ROUTER_BODIES), ids=lambda t: t.__name__)
+def test_the_routers_fields_are_taken_at_their_defaults_only(request_type: type) -> None:
+    body = ROUTER_BODIES[request_type]
+    request_type.model_validate(body)
+    with pytest.raises(pydantic.ValidationError, match="return_hidden_states"):
+        request_type.model_validate({**body, "return_hidden_states": True})
+
+
 def test_the_bench_moves_each_turn_to_the_next_server() -> None:
     """The fleet bench's clients: turn r of conversation c on server (c + r) mod n, so no turn
     after the first finds its conversation's last turn on its server."""
@@ -162,26 +193,16 @@ def test_the_bench_moves_each_turn_to_the_next_server() -> None:
     assert got == {f"c{c}-r{r}": (c + r) % 3 for c in range(4) for r in range(3)}
 
 
-def _accepts(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.mark.slow
 def test_pages_outlive_a_drained_server_in_a_store_process(fleet: Fleet, tmp_path: Path) -> None:
-    """A store of its own: a `mooncake_client` process contributes the memory, the servers
-    none (global_segment_size 0). A conversation whose server was stopped (drained) continues
+    """A store of its own: Mooncake's store service contributes the memory, the servers none
+    (global_segment_size 0). A conversation whose server was stopped (drained) continues
     on a server started after (added), its prefix read from the store, with the tokens that
     server computes with nothing cached."""
     with running_master(tmp_path) as master:
-        port = free_port()
-        holder, log = fleet.procs.spawn("holder", [
-            str(Path(sys.executable).with_name("mooncake_client")),
-            f"--master_server_address={master.config['master_server_address']}",
-            f"--metadata_server={master.config['metadata_server']}", "--host=127.0.0.1",
-            "--protocol=tcp", "--global_segment_size=64MB", f"--port={port}"])
+        service = StoreService(master, 64 << 20, tmp_path)
+        service.start()
         try:
-            fleet.procs.wait(holder, log, lambda: _accepts(port))
             store = {**master.config, "global_segment_size": 0}
             (a,) = fleet.servers((), store=store)
             first = _generate(a, FIRST_TURN)
@@ -198,5 +219,4 @@ def test_pages_outlive_a_drained_server_in_a_store_process(fleet: Fleet, tmp_pat
             assert on_b["output_ids"] == computed["output_ids"]
             fleet.procs.end(b)  # before its store goes
         finally:
-            holder.terminate()
-            holder.wait(timeout=60)
+            service.stop()
