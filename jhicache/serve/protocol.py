@@ -59,6 +59,11 @@ class _OpenAISampling(_Penalties):
     # refused when set (400 naming the field), not ignored: a client relying on them would
     # get other results than it asked for
     logit_bias: dict[str, float] | None = None
+    # SGLang's, which sglang-router writes into every request it forwards: accepted at the
+    # value that asks for what this server does anyway, refused (400 naming it) otherwise
+    no_stop_trim: Literal[False] = False
+    skip_special_tokens: Literal[True] = True
+    return_hidden_states: Literal[False] = False
 
 
 class CompletionRequest(_OpenAISampling):
@@ -101,6 +106,11 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # SGLang's, as sglang-router forwards them (see _OpenAISampling); with no reasoning parser
+    # here, either value of the reasoning pair asks for the same text
+    continue_final_message: Literal[False] = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class NativeSampling(_Penalties):
@@ -135,6 +145,15 @@ class GenerateRequest(_Body):
     token_ids_logprob: TokenIds | list[TokenIds] | None = None
     return_text_in_logprobs: bool = False
     lora_path: str | None = None  # SGLang's: refused unless empty (this server has no adapter)
+    # SGLang's, which sglang-router writes into every /generate it forwards (`model` null):
+    # accepted at the value that asks for what this server does anyway, refused otherwise
+    model: str | None = None
+    log_metrics: Literal[True] = True
+    return_hidden_states: Literal[False] = False
+    background: Literal[False] = False
+    no_logs: Literal[False] = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
 
 
 def error_body(message: str, status: int, param: str | None = None,
