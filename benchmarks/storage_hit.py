@@ -235,8 +235,8 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
 def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
     """A long prefix (32768 tokens or more) aims at a third of recompute's TTFT and 0.8x of the
     disk's read rate; a shorter one, whose recompute is quick, only at beating recompute."""
-    if args.storage_backend == "mooncake":
-        return "storage_hit_mooncake", Target(
+    if getattr(args, "storage_backend", "file") == "mooncake":
+        return "storage_hit", Target(
             "faster than recompute; read >= 0.8x the store's get rate",
             (Rule("storage_hit_over_recompute", "TTFT", at_most=1.0),
              Rule("fetch_read_over_disk", "read", at_least=0.8)))

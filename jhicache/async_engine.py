@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import multiprocessing.process
 import threading
 import uuid
@@ -39,6 +40,7 @@ from jhicache.wire import (
     Warmup,
 )
 
+logger = logging.getLogger("jhicache.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; raised (from the original exception) to every waiting caller and
@@ -107,9 +109,11 @@ class AsyncEngine:
     `EngineClosedError` (a `RuntimeError`, "AsyncEngine closed").
     """
 
-    def __init__(self, engine: Engine | EngineSpec) -> None:
+    def __init__(self, engine: Engine | EngineSpec, owns_engine: bool = False) -> None:
         """Over an `Engine` (its loop in a thread of this process), or over an `EngineSpec`
-        (the engine built and stepped in a child process: `jhicache.engine_process`)."""
+        (the engine built and stepped in a child process: `jhicache.engine_process`). With
+        `owns_engine`, `close()` closes an `Engine` given here too (its storage tier stores the
+        cache), as an engine process closes its own."""
         # Under _lock: the state the callers' threads and the message thread share. Messages
         # from the loop arrive on one thread (the loop's, or the receiver of the process's).
         self._lock = threading.Lock()
@@ -122,6 +126,7 @@ class AsyncEngine:
         self._ready = threading.Event()  # cleared while a warm-up runs
         self._ready.set()
         self._engine = engine if isinstance(engine, Engine) else None
+        self._owns_engine = owns_engine
         self._link: LoopThread | EngineProcess = (
             LoopThread(engine, self._on_message, self._on_exit) if isinstance(engine, Engine)
             else EngineProcess(engine, self._on_message, self._on_exit))
@@ -133,7 +138,7 @@ class AsyncEngine:
         `process` in a child process that steps it."""
         if process:
             return cls(EngineSpec(config, path=path))
-        return cls(Engine.from_pretrained(path, config))
+        return cls(Engine.from_pretrained(path, config), owns_engine=True)
 
     @classmethod
     def from_preset(cls, name: str, config: EngineConfig = EngineConfig(), seed: int = 0,
@@ -141,7 +146,7 @@ class AsyncEngine:
         """Over `Engine.from_preset(name, config, seed)`, here or (`process`) in a child."""
         if process:
             return cls(EngineSpec(config, preset=name, seed=seed))
-        return cls(Engine.from_preset(name, config, seed))
+        return cls(Engine.from_preset(name, config, seed), owns_engine=True)
 
     @property
     def engine(self) -> Engine:
@@ -358,12 +363,18 @@ class AsyncEngine:
     def close(self, timeout: float | None = None) -> None:
         """Stops the loop (waiting for the step that runs to end), aborting the requests still
         in flight: their callers get `EngineClosedError`. Idempotent; works after a failure
-        too. An engine process is asked to end, then killed after `timeout`."""
+        too. An engine process is asked to end, then killed after `timeout`; an engine this
+        object owns is closed (`Engine.close(timeout)`) once its loop has stopped."""
         self._link.close(timeout)
+        if self._owns_engine and self._engine is not None and self._error is None:
+            try:
+                self._engine.close(timeout)
+            except ValueError as e:  # a request the loop did not end: nothing is lost but time
+                logger.warning("the engine was not closed: %s", e)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """`close(timeout)` without blocking the event loop."""
-        await asyncio.to_thread(self._link.close, timeout)
+        await asyncio.to_thread(self.close, timeout)
 
     async def __aenter__(self) -> AsyncEngine:
         return self

@@ -155,11 +155,12 @@ def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
                 continue
             module, key = BENCHES[row["kind"]]
             args = argparse.Namespace(preset=data["preset"], weights=None,
-                                      storage_hit_prefix=data[key].get("prefix_tokens"))
+                                      storage_hit_prefix=data[key].get("prefix_tokens"),
+                                      storage_backend=data[key].get("storage_backend", "file"))
             kind, target = module.page_row(args, data[key])
             assert rows.page_row(kind, [data], {}, target) == row, (path.name, name)
             checked += 1
-    assert checked == 11
+    assert checked == 12
 
 
 def test_the_command_line_writes_a_comparison_row_as_the_page_shows_it(tmp_path):

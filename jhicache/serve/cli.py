@@ -263,7 +263,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
                       seed=args.seed, compilation_cache=cache_dir, log_level=args.log_level)
     # the engine (and JAX's compilation cache) set up in a child process, or here
     try:
-        engine = AsyncEngine(spec if args.engine_process else spec.build())
+        engine = (AsyncEngine(spec) if args.engine_process
+              else AsyncEngine(spec.build(), owns_engine=True))
     except EngineProcessError as e:
         logger.error("%s", e)
         sys.exit(1)

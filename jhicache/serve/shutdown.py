@@ -98,13 +98,7 @@ class Drain:
         left = 0.0
         if self._deadline is not None and self.asks < 2:
             left = self._deadline - loop.time()
-        budget = WARMUP_STOP_S if warming else max(left, CLOSE_GRACE_S)
-        await self.engine.aclose(budget)
-        if self.engine.in_process and not warming:  # an engine process closes its own engine
-            try:  # a storage tier stores the cache, as an engine process's close does
-                await asyncio.to_thread(self.engine.engine.close, budget)
-            except (ValueError, RuntimeError) as e:  # a request left, or the loop failed
-                logger.warning("the engine was not closed cleanly: %s", e)
+        await self.engine.aclose(WARMUP_STOP_S if warming else max(left, CLOSE_GRACE_S))
 
 
 class Admission:
