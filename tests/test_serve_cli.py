@@ -24,6 +24,7 @@ import httpx  # noqa: E402
 
 from jhicache.serve.thread import free_socket
 from tests.serve_support import train_tokenizer
+from tests.test_engine_process import _alive
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_S = 90.0  # the bare start takes seconds; a loaded 2-core CI box gets slack
@@ -209,14 +210,6 @@ def _wait_for(outcomes: list[str], count: int) -> None:
     while len(outcomes) < count and time.monotonic() < deadline:
         time.sleep(0.1)
 
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, reaped by no one since its parent died, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _health_while_tokenizing(url: str) -> list[float]:

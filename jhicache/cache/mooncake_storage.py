@@ -111,17 +111,13 @@ class MooncakeStorage(Storage):
     def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        pieces = [self._pieces(p) for p in host_pages]
-        start = time.perf_counter()
-        read = self._call(lambda: self._store.batch_get_into_multi_buffers(
-            self._names(keys), [[a for a, _ in p] for p in pieces],
-            [[s for _, s in p] for p in pieces]))
+        read, seconds = self._move(self._store.batch_get_into_multi_buffers, keys, host_pages)
         page = self.namespace.page_bytes
-        n = _leading(read or [], lambda r: r == page)
+        n = _leading(read, lambda r: r == page)
         with self._lock:
             self._counters.read_pages += n
             self._counters.read_bytes += n * page
-            self._counters.read_s += time.perf_counter() - start
+            self._counters.read_s += seconds
             if n < len(keys):
                 self._counters.missing_pages += 1
                 self._known.difference_update(keys[n:])
@@ -130,21 +126,27 @@ class MooncakeStorage(Storage):
     def set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        pieces = [self._pieces(p) for p in host_pages]
-        start = time.perf_counter()
-        stored = self._call(lambda: self._store.batch_put_from_multi_buffers(
-            self._names(keys), [[a for a, _ in p] for p in pieces],
-            [[s for _, s in p] for p in pieces]))
-        n = _leading(stored or [], lambda r: r == 0)
+        stored, seconds = self._move(self._store.batch_put_from_multi_buffers, keys, host_pages)
+        n = _leading(stored, lambda r: r == 0)
         page = self.namespace.page_bytes
         with self._lock:
             self._known.update(keys[:n])
             self._counters.written_pages += n
             self._counters.written_bytes += n * page
-            self._counters.write_s += time.perf_counter() - start
+            self._counters.write_s += seconds
             if n < len(keys):
                 self._counters.write_failures_io += 1
         return n
+
+    def _move(self, batch: Callable[..., Any], keys: Sequence[bytes],
+              host_pages: Sequence[int]) -> tuple[list[int], float]:
+        """One batch call over the pages' pieces in the host pool: its per-key answers (none
+        when the store failed) and its seconds."""
+        pieces = [self._pieces(p) for p in host_pages]
+        start = time.perf_counter()
+        answer = self._call(lambda: batch(self._names(keys), [[a for a, _ in p] for p in pieces],
+                                          [[s for _, s in p] for p in pieces]))
+        return answer or [], time.perf_counter() - start
 
     def clear(self) -> int:
         removed = self._call(lambda: self._store.remove_by_regex(f"^{self.prefix}", True))
