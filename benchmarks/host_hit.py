@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jhicache.models import Qwen2Config
 
 from benchmarks import cli, tables
 from benchmarks.cli import sized
@@ -203,8 +204,12 @@ def pcie_copy_seconds(nbytes: int, reps: int = 5, to_host: bool = False) -> floa
 
 def bytes_per_token(engine: Engine) -> int:
     """KV bytes of one token over all layers, K and V, as the pools store it."""
-    cfg = engine.model_config
-    itemsize = jnp.dtype(KVDtype(engine.config.dtype).value).itemsize
+    return token_bytes(engine.model_config, KVDtype(engine.config.dtype))
+
+
+def token_bytes(cfg: Qwen2Config, dtype: KVDtype | str) -> int:
+    """KV bytes of one token of a model with `cfg`'s shape over all layers, K and V."""
+    itemsize = jnp.dtype(KVDtype(dtype).value).itemsize
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks import cli, mooncake_local, tables
 from benchmarks.cli import sized
-from benchmarks.host_hit import bytes_per_token, stats_delta, ttft_of
+from benchmarks.host_hit import bytes_per_token, stats_delta, token_bytes, ttft_of
 from benchmarks.rows import Rule, Target
 from jhicache.arg_types import positive_int
 from jhicache.bench.clients import median_index
@@ -211,8 +211,7 @@ def _token_bytes(args: argparse.Namespace) -> int:
     from jhicache.models.qwen2_weights import read_config
 
     config = read_config(args.weights) if args.weights else preset_config(args.preset)
-    itemsize = 4 if args.dtype == "float32" else 2
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+    return token_bytes(config, args.dtype)
 
 
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
