@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -56,6 +57,17 @@ def penalty(text: str) -> float:
     if not -2.0 <= value <= 2.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [-2, 2]")
     return value
+
+
+def text_or_file(text: str) -> str:
+    """`text`, or with a leading "@" the text of the file it names (as SGLang's extra config
+    flags read theirs); ValueError naming the file when it cannot be read."""
+    if not text.startswith("@"):
+        return text
+    try:
+        return Path(text[1:]).read_text()
+    except OSError as e:
+        raise ValueError(f"{text}: {e}") from e
 
 
 def parsed_number(kind: type[int] | type[float], text: str) -> int | float:

@@ -26,7 +26,7 @@ from jhicache.bench import (
 )
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.sampling import SamplingParams
-from tests.mooncake_support import mooncake_or_skip
+from tests.mooncake_support import mooncake_or_skip, running_master
 
 # A small step grid (3 shapes: 64 tokens x 1 or 4 requests, decode 4): each mode's warm-up
 # compiles every shape of its grid, and the CPU defaults' grid is 8 shapes.
@@ -142,6 +142,23 @@ def test_multiturn_with_a_storage_dir_backs_pages_up_and_removes_them_after(tmp_
     stats = json.loads(out.read_text())["modes"]["hierarchical"]["stats"]
     assert stats["storage_backup_pages"] > 0 and stats["storage_written_bytes"] > 0
     assert list(store.iterdir()) == []
+
+
+def test_multiturn_with_a_mooncake_store_backs_pages_up_there(tmp_path) -> None:
+    out, config = tmp_path / "mt.json", tmp_path / "store.json"
+    with running_master(tmp_path) as master:
+        config.write_text(json.dumps(master.config))
+        assert command.main(["multiturn", *TINY, "--modes", "hierarchical", "--mooncake-config",
+                             f"@{config}", "--out", str(out)]) == 0
+    stats = json.loads(out.read_text())["modes"]["hierarchical"]["stats"]
+    assert stats["storage_backup_pages"] > 0 and stats["storage_written_bytes"] > 0
+
+
+def test_a_mooncake_config_that_is_not_a_json_object_is_a_clear_error(tmp_path, capsys) -> None:
+    for text in ("[1]", "{", f"@{tmp_path / 'missing.json'}"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["multiturn", *TINY, "--mooncake-config", text])
+        assert "--mooncake-config" in capsys.readouterr().err
 
 
 def test_as_served_warms_up_freezes_the_heap_and_gives_the_collector_back() -> None:

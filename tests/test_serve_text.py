@@ -3,6 +3,7 @@ split over tokens), stop strings, the tokenizer's chat template and EOS ids, and
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -150,6 +151,17 @@ def test_engine_flags_mirror_engine_config():
         assert flag in help_text and words in " ".join(help_text.split())
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--cache-mode", "sometimes"])
+
+
+def test_the_storage_backend_config_is_read_from_a_file_after_an_at(tmp_path):
+    parser = cli.build_parser()
+    config_file = tmp_path / "store.json"
+    config_file.write_text('{"protocol": "tcp"}')
+    flags = ["--preset", "tiny", "--storage-backend", "mooncake", "--storage-backend-config"]
+    config = cli.engine_config(parser.parse_args([*flags, f"@{config_file}"]))
+    assert json.loads(config.storage_backend_config or "") == {"protocol": "tcp"}
+    with pytest.raises(ValueError, match=r"--storage-backend-config @.*missing\.json"):
+        cli.engine_config(parser.parse_args([*flags, f"@{tmp_path / 'missing.json'}"]))
 
 
 @pytest.mark.parametrize(("flags", "named"), [

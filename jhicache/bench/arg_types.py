@@ -4,10 +4,11 @@ server's command shares are `jhicache.arg_types`')."""
 from __future__ import annotations
 
 import argparse
+import json
 import urllib.parse
 from pathlib import Path
 
-from jhicache.arg_types import parsed_number
+from jhicache.arg_types import parsed_number, text_or_file
 from jhicache.models.config import PRESETS, preset_config
 from jhicache.models.qwen2_weights import CONFIG_FILE
 
@@ -23,6 +24,19 @@ def storage_directory(text: str) -> str:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot make this directory ({e})") from e
     return text
+
+
+def store_config(text: str) -> str:
+    """argparse type: a Mooncake Store client config, a JSON object or "@FILE" holding one; its
+    keys are checked where the engine's config is made."""
+    try:
+        body = text_or_file(text)
+        value = json.loads(body)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+    return body
 
 
 def fraction(text: str) -> float:

@@ -29,6 +29,7 @@ from jhicache.bench.arg_types import (
     request_rate,
     server_url,
     storage_directory,
+    store_config,
 )
 from jhicache.bench.engines import engine_config
 from jhicache.config import EngineConfig, FetchPolicy, KVDtype, WritePolicy
@@ -124,6 +125,10 @@ def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         "(unset: the system's temporary directory); multiturn: a storage tier "
                         "under the hierarchical mode, there (a temporary directory in it, "
                         "removed after; made if missing)")
+    p.add_argument("--mooncake-config", type=store_config, metavar="JSON", default=None,
+                   help="multiturn: a Mooncake Store tier under the hierarchical mode (instead "
+                        "of --storage-dir's files), a client config as the server's "
+                        "--storage-backend-config takes (JSON, or @FILE)")
     p.add_argument("--logprobs", type=non_negative_int, metavar="N", default=None,
                    help="multiturn (in process): every request asks for its tokens' log "
                         "probabilities, N alternatives each (at most 20)")

@@ -68,11 +68,23 @@ def mode_overrides(args: argparse.Namespace, spec: MultiTurnSpec, mode: str) -> 
     longest = -(-spec.final_context_tokens // args.page_size) * args.page_size
     overrides = {"cache_mode": cache_mode, "device_kv_tokens": device_tokens,
                  "max_context_len": longest}
-    if cache_mode == "hierarchical" and getattr(args, "storage_dir", None):
-        overrides["storage_dir"] = tempfile.mkdtemp(prefix="jhicache-bench-", dir=args.storage_dir)
-        if getattr(args, "fetch_policy", None):
-            overrides["fetch_policy"] = args.fetch_policy
+    if cache_mode == "hierarchical":
+        overrides.update(storage_overrides(args))
     return overrides
+
+
+def storage_overrides(args: argparse.Namespace) -> dict:
+    """The storage tier's settings: a Mooncake Store (`--mooncake-config`), a temporary
+    directory in `--storage-dir`, or none (empty)."""
+    if getattr(args, "mooncake_config", None):
+        tier = {"storage_backend": "mooncake", "storage_backend_config": args.mooncake_config}
+    elif getattr(args, "storage_dir", None):
+        tier = {"storage_dir": tempfile.mkdtemp(prefix="jhicache-bench-", dir=args.storage_dir)}
+    else:
+        return {}
+    if getattr(args, "fetch_policy", None):
+        tier["fetch_policy"] = args.fetch_policy
+    return tier
 
 
 def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
@@ -86,8 +98,9 @@ def measured_run(args: argparse.Namespace, spec: MultiTurnSpec, mode: str,
         run = drive_in_process(engine, run_spec, clients_config(args, args.seed), progress,
                                turn_sampling(args))
     engine.check_invariants()
+    if engine.config.storage_enabled:  # the run's pages are all written, its threads end
+        engine.close()
     if "storage_dir" in overrides:  # the storage tier's pages are this run's alone
-        engine.close()  # the run's pages are all written, then the storage threads end
         shutil.rmtree(overrides["storage_dir"])
     return MeasuredRun(run, engine, overrides["device_kv_tokens"], compiles.count, compiles.seconds,
                        tuple(compiles.programs))

@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jhicache.arg_types import Given, non_negative_float, non_negative_int, positive_int
+from jhicache.arg_types import (
+    Given,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    text_or_file,
+)
 from jhicache.config import EngineConfig
 
 DEFAULT_PORT = 30000  # SGLang's
@@ -129,11 +135,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         else:
             values[field.name] = getattr(args, field.name)
     text = values.get("storage_backend_config")
-    if isinstance(text, str) and text.startswith("@"):  # as SGLang's extra config: from a file
+    if isinstance(text, str):
         try:
-            values["storage_backend_config"] = Path(text[1:]).read_text()
-        except OSError as e:
-            raise ValueError(f"--storage-backend-config {text}: {e}") from e
+            values["storage_backend_config"] = text_or_file(text)
+        except ValueError as e:
+            raise ValueError(f"--storage-backend-config {e}") from e
     return EngineConfig(**values)
 
 
