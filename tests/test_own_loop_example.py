@@ -1,6 +1,6 @@
 """examples/own_loop.py: the cache driven by a loop of its own (its model call, greedy sampling
-and scheduling) gives our Engine's tokens on the same chats, with host hits, and leaves every
-page accounted for."""
+and scheduling) gives our Engine's tokens on the same chats, with host hits, even where copies
+land as late as they may, and leaves every page accounted for."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
+import jhicache.cache.cache_tiers as cache_tiers_module
 from jhicache import Engine, EngineConfig, SamplingParams
+from tests.cache._helpers import DeferredCopier
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
 
@@ -23,12 +27,20 @@ def _example() -> ModuleType:
     return module
 
 
-def test_the_example_s_loop_gives_the_engine_s_tokens_with_host_hits(tmp_path: Path) -> None:
+def test_the_example_s_loop_gives_the_engine_s_tokens_with_host_hits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With copies that run only when waited for (on the CPU the load gate lands a step's
+    loads before its forward): a loop whose forward ran before it started its loads, or a
+    load that overtook a write-back, would fail here."""
+    copier = DeferredCopier()
+    monkeypatch.setattr(cache_tiers_module, "make_copier",
+                        lambda platform, ordinals=(0,): (copier, []))
     example = _example()
     path = example.random_checkpoint(str(tmp_path))
     loop, histories = example.run(path)  # (it flushes and checks the page accounting)
 
     stats = loop.cache.stats()
+    assert copier.copies > 0
     assert loop.host_hit_tokens > 0  # turns were loaded back from the host tier ...
     assert stats["write_back_ops"] > 0 and stats["load_back_ops"] > 0  # ... by the cache
     page_bytes = loop.tiers.device_pool.layout.page_bytes
