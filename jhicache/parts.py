@@ -1,6 +1,7 @@
 """EngineParts: an engine's construction in one place: the model's layout over its devices, the
-pools sized from the config and free memory, the copier, the storage tier's namespace, and the
-cache, scheduler, runner, step grid and step executor built over them."""
+tiers' sizes from the config and free memory (`CacheTiers.build` makes the pools, the copier and
+the cache), the storage tier's namespace, and the scheduler, runner, step grid and step
+executor built over them."""
 
 from __future__ import annotations
 

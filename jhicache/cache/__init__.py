@@ -1,4 +1,5 @@
-"""jhicache.cache: the two-tier (device + pinned host) radix KV cache and its page transfers."""
+"""jhicache.cache: the two-tier (device + pinned host) radix KV cache and its page transfers;
+`CacheTiers.build` makes them, for our engine or one with its own model and loop."""
 
 from jhicache.cache.cache_tiers import CacheTiers
 from jhicache.cache.copier import Copier, CudaCopier, HostCopier, make_copier
