@@ -33,8 +33,9 @@ typecheck: $(STAMP)
 	@ln -s $(CURDIR)/models $(VIEW)/jhicache/models
 	@ln -s $(CURDIR)/pallas_kernels $(VIEW)/jhicache/pallas_kernels
 	@ln -s $(CURDIR)/benchmarks $(VIEW)/benchmarks
+	@ln -s $(CURDIR)/examples $(VIEW)/examples
 	cd $(VIEW) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml jhicache \
-		benchmarks --exclude '$(UNTYPED_PROBES)'
+		benchmarks examples --exclude '$(UNTYPED_PROBES)'
 
 # Probes kept as they were run, reaching into the engine's parts: not type-checked.
 UNTYPED_PROBES := benchmarks/(forward_floor|step_vs_forward|head_rows_probe|weight_layout_probe)\.py

@@ -1,6 +1,7 @@
 """EngineParts: an engine's construction in one place: the model's layout over its devices, the
-pools sized from the config and free memory, the copier, the storage tier's namespace, and the
-cache, scheduler, runner, step grid and step executor built over them."""
+tiers' sizes from the config and free memory (`CacheTiers.build` makes the pools, the copier and
+the cache), the storage tier's namespace, and the scheduler, runner, step grid and step
+executor built over them."""
 
 from __future__ import annotations
 
@@ -14,15 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jhicache.cache import (
-    RESERVED_PAGES,
-    DevicePool,
-    HostPool,
-    PoolLayout,
-    PrefixCache,
-    Transfers,
-    make_copier,
-)
+from jhicache.cache import RESERVED_PAGES, CacheTiers, DevicePool, HostPool, PoolLayout, PrefixCache
 from jhicache.cache.fetches import FetchRule
 from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.host_memory import available_bytes
@@ -70,22 +63,19 @@ class EngineParts:
                                jax.sharding.SingleDeviceSharding(jax.devices()[0]) if tp is None
                                else tp.sharding(jax.sharding.PartitionSpec()))
         layout = _device_layout(model.config, config, tp)
-        device_pool = DevicePool(layout, sharding=None if tp is None else tp.kv_pages_sharding)
-        host_pool, transfers = None, None
-        if config.cache_mode is CacheMode.HIERARCHICAL:
-            host_tokens = _host_tokens(layout, config)
-            host_layout = dataclasses.replace(layout, num_pages=host_tokens // config.page_size)
-            # One host block and one copier per device shard, in the pool's shard order
-            devices = device_pool.shard_devices
-            copier, drivers = make_copier(devices[0].platform, [_ordinal(d) for d in devices])
-            host_pool = HostPool(host_layout, drivers, shards=len(devices))  # pinned once, whole
-            transfers = Transfers(device_pool, host_pool, copier, config.transfer_tuning)
-        storage = (_storage(model.config, config, host_pool)
-                   if host_pool is not None and config.storage_enabled else None)
-        cache = PrefixCache(config.page_size, device_pool, host_pool, config.write_policy,
-                            config.load_back_threshold, config.write_through_threshold, transfers,
-                            storage, config.storage_io_threads, config.storage_write_policy,
-                            _fetch_rule(config))
+        hierarchical = config.cache_mode is CacheMode.HIERARCHICAL
+        tiers = CacheTiers.build(
+            layout, _host_tokens(layout, config) // config.page_size if hierarchical else 0,
+            sharding=None if tp is None else tp.kv_pages_sharding, policy=config.write_policy,
+            load_back_threshold=config.load_back_threshold,
+            write_through_threshold=config.write_through_threshold,
+            tuning=config.transfer_tuning,
+            storage=(functools.partial(_storage, model.config, config)
+                     if hierarchical and config.storage_enabled else None),
+            storage_io_threads=config.storage_io_threads,
+            storage_policy=config.storage_write_policy, fetch_rule=_fetch_rule(config))
+        device_pool, host_pool, transfers, cache = (tiers.device_pool, tiers.host_pool,
+                                                    tiers.transfers, tiers.cache)
         runner = ModelRunner(model, device_pool, tp)
         grid = ShapeGrid.create(
             chunked_prefill_tokens=config.chunked_prefill_tokens,
@@ -202,12 +192,6 @@ def _namespace(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) ->
 def _fetch_rule(config: EngineConfig) -> FetchRule:
     return FetchRule(FetchPolicy(config.fetch_policy), config.fetch_threshold,
                      config.fetch_timeout_s, config.fetch_timeout_per_ki_token_s)
-
-
-def _ordinal(device: jax.Device) -> int:
-    """The device's index among the process's visible devices (its CUDA ordinal on a GPU)."""
-    hardware = getattr(device, "local_hardware_id", None)
-    return device.id if hardware is None else hardware
 
 
 def _default_device_tokens(token_bytes: int, fraction: float) -> int:

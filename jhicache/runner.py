@@ -36,11 +36,9 @@ class ModelRunner:
         """Dispatches the forward's first program (its first `first_layers` layers); returns
         its hidden state for `finish`. The caller queues the later layers' loads between the
         two, so that the GPU starts before the host has queued them all."""
-        split = self.programs.first_layers
         hidden, new_k, new_v = self.programs.forward_first(tuple(self.pool.k), tuple(self.pool.v),
                                                            tokens, meta)
-        for layer in range(split):
-            self.pool.set_layer(layer, new_k[layer], new_v[layer])
+        self.pool.update(0, new_k, new_v)
         return hidden
 
     def finish(self, hidden: jax.Array, meta: AttentionMetadata,
@@ -51,9 +49,7 @@ class ModelRunner:
         split = self.programs.first_layers
         logits, new_k, new_v, rows = self.programs.forward_rest(
             tuple(self.pool.k), tuple(self.pool.v), hidden, meta, last_index)
-        for i, layer in enumerate(range(split, self.num_layers)):
-            self.pool.set_layer(layer, new_k[i], new_v[i])
-        self.pool.last_compute = logits  # pages freed from now on are fenced on this forward
+        self.pool.update(split, new_k, new_v, compute=logits)  # frees fence on this forward
         return logits, rows
 
     def run(self, tokens: jax.Array, meta: AttentionMetadata, last_index: jax.Array) -> jax.Array:

@@ -220,12 +220,12 @@ def check_hierarchical_replicated_kv_heads() -> None:
 def _deferred_copiers(tp: int) -> Iterator[list]:
     """Engines built inside get one DeferredCopier per device (copies run only when waited
     for); yields the list they are in. The checks share a process: the patch ends with it."""
-    import jhicache.parts as parts_module
+    import jhicache.cache.cache_tiers as cache_tiers_module
     from jhicache.cache.copier import ShardedCopier
     from tests.cache._helpers import DeferredCopier
 
     copiers = [DeferredCopier() for _ in range(tp)]
-    with mock.patch.object(parts_module, "make_copier",
+    with mock.patch.object(cache_tiers_module, "make_copier",
                            lambda platform, ordinals: (ShardedCopier(copiers), [])):
         yield copiers
 

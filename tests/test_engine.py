@@ -9,7 +9,7 @@ import functools
 import pytest
 from jhicache.models import init_random, preset_config
 
-import jhicache.parts as parts_module
+import jhicache.cache.cache_tiers as cache_tiers_module
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.bench.workload import MultiTurnChats, MultiTurnSpec
 from jhicache.config import TransferTuning
@@ -81,7 +81,8 @@ def test_the_config_s_transfer_tuning_reaches_the_transfers() -> None:
 def deferred_copies(monkeypatch: pytest.MonkeyPatch) -> DeferredCopier:
     """Engines built from now on copy between the tiers as late as they may (tests/cache)."""
     copier = DeferredCopier()
-    monkeypatch.setattr(parts_module, "make_copier", lambda platform, ordinals=(0,): (copier, []))
+    monkeypatch.setattr(cache_tiers_module, "make_copier",
+                        lambda platform, ordinals=(0,): (copier, []))
     return copier
 
 

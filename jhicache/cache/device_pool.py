@@ -9,6 +9,7 @@ put them back with `set_layer`, so the pool always holds the newest version of e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -90,6 +91,20 @@ class PagePool:
             raise ValueError(f"layer {layer}: shape {k.shape}/{v.shape} != "
                              f"{self.layout.page_shape}")
         self.k[layer], self.v[layer] = k, v
+
+    def update(self, first_layer: int, k: Sequence[jax.Array], v: Sequence[jax.Array],
+               compute: jax.Array | None = None) -> None:
+        """Stores a program's new K/V arrays of layers `first_layer`.. (it took the pool's
+        donated: the pool must hold the newest, which the transfers copy into and out of).
+        `compute`: an output of the program (never donated) once it wrote its last layer:
+        device pages freed from now on are fenced on it (`last_compute`), so that no load
+        copies into a page the program may still write."""
+        if len(k) != len(v):
+            raise ValueError(f"{len(k)} K arrays but {len(v)} V arrays")
+        for layer, (k_layer, v_layer) in enumerate(zip(k, v), first_layer):
+            self.set_layer(layer, k_layer, v_layer)
+        if compute is not None:
+            self.last_compute = compute
 
     @property
     def num_shards(self) -> int:

@@ -1,6 +1,8 @@
 """PrefixCache: the radix tree over the device and host tiers: match, lock, insert, eviction and
 load-back decisions, and the transfer step; the only object the engine talks to for prefix
-caching.
+caching. Ours (`jhicache.scheduler`) and another engine's loop (`examples/own_loop.py`) make the
+same calls, in the order `jhicache.cache.cache_tiers` gives: match, lock, load_back,
+alloc_device, the step's `start_loads` gate for the forward, then insert, free_device, unlock.
 
 Page regions of the device tier (page 0 is the reserved padding sink and belongs to none):
 | region     | owner                         | leaves it by                                  |
