@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 _FULL_ATTENTION = "full_attention"
 
@@ -144,7 +144,7 @@ class DecoderConfig:
         return Rope(self.rope_theta)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> Any:
+    def from_hf_dict(cls, d: dict[str, Any]) -> Self:
         """Builds a config from a parsed config.json; rejects other architectures and unsupported
         features, naming the field.
 

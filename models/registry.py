@@ -34,8 +34,7 @@ def family_of(d: Any) -> Family:
 
 def config_from_hf_dict(d: Any) -> DecoderConfig:
     """A parsed config.json as its family's validated config."""
-    config: DecoderConfig = family_of(d).config_class.from_hf_dict(d)
-    return config
+    return family_of(d).config_class.from_hf_dict(d)
 
 
 def family_of_config(config: DecoderConfig) -> Family:
