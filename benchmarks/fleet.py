@@ -211,13 +211,9 @@ def _mooncake(master: mooncake_local.Master) -> list[str]:
 
 def page_bytes(args: argparse.Namespace) -> int:
     """One page's K and V over every layer, as the servers' pools hold it."""
-    from jhicache.models import Qwen2Config, preset_config
+    from jhicache.models import preset_config, read_config
 
-    if args.weights:
-        config = Qwen2Config.from_hf_dict(json.loads((Path(args.weights) / "config.json")
-                                                     .read_text()))
-    else:
-        config = preset_config(args.preset)
+    config = read_config(args.weights) if args.weights else preset_config(args.preset)
     itemsize = np.dtype("float32").itemsize if args.dtype == "float32" else 2
     return (2 * config.num_hidden_layers * args.page_size * config.num_key_value_heads
             * config.head_dim * itemsize)

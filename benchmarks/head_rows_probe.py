@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jhicache.models.config import PRESETS
+from jhicache.models.presets import PRESETS
 from jhicache.pallas_kernels.backend import use_interpreter
 
 from benchmarks.kernels.timing import timeit

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jhicache.models import Qwen2Config
+from jhicache.models import DecoderConfig
 
 from benchmarks import cli, tables
 from benchmarks.cli import sized
@@ -207,7 +207,7 @@ def bytes_per_token(engine: Engine) -> int:
     return token_bytes(engine.model_config, KVDtype(engine.config.dtype))
 
 
-def token_bytes(cfg: Qwen2Config, dtype: KVDtype | str) -> int:
+def token_bytes(cfg: DecoderConfig, dtype: KVDtype | str) -> int:
     """KV bytes of one token of a model with `cfg`'s shape over all layers, K and V."""
     itemsize = jnp.dtype(KVDtype(dtype).value).itemsize
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize

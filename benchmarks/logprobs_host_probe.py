@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
-from jhicache.models.config import PRESETS
+from jhicache.models.presets import PRESETS
 
 from benchmarks.scoring import word_tokenizer
 from jhicache.bench.command import save_json

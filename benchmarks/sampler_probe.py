@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jhicache.models.config import PRESETS
+from jhicache.models.presets import PRESETS
 
 from jhicache.bench.command import save_json
 from jhicache.penalties import PenaltyRows, count_sampled, penalize

@@ -208,7 +208,7 @@ def _local_store(args: argparse.Namespace,
 def _token_bytes(args: argparse.Namespace) -> int:
     """A token's KV bytes for the bench's model (before any engine is built)."""
     from jhicache.models import preset_config
-    from jhicache.models.qwen2_weights import read_config
+    from jhicache.models.weights import read_config
 
     config = read_config(args.weights) if args.weights else preset_config(args.preset)
     return token_bytes(config, args.dtype)

@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jhicache.models.config import PRESETS
+from jhicache.models.presets import PRESETS
 
 from benchmarks.kernels.timing import dispatch_us
 from jhicache.bench.command import save_json

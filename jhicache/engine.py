@@ -16,7 +16,7 @@ import numpy as np
 from jhicache import inputs
 from jhicache.compiles import CompilePhase, CompileWatch
 from jhicache.config import EngineConfig, StorageBackend
-from jhicache.models import Qwen2Config, Qwen2ForCausalLM
+from jhicache.models import CausalLM, DecoderConfig
 from jhicache.parts import EngineParts, preset_model, pretrained_model
 from jhicache.request import Request, RequestOutput
 from jhicache.sampling import SEED_LIMIT, SamplingParams
@@ -30,9 +30,9 @@ logger = logging.getLogger("jhicache.engine")
 class Engine:
     """Serves token-id prompts with continuous batching over a two-tier prefix cache."""
 
-    def __init__(self, model: Qwen2ForCausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
         built = time.perf_counter()
-        self.model_config: Qwen2Config = model.config
+        self.model_config: DecoderConfig = model.config
         self.config = config
         parts = EngineParts.create(model, config)
         self.tp, self.device_pool, self.cache = parts.tp, parts.device_pool, parts.cache
@@ -56,8 +56,9 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
-        """An engine over a Hugging Face Qwen2 checkpoint directory (read straight into the
-        sharded layout with tensor parallelism)."""
+        """An engine over a Hugging Face checkpoint directory of any family
+        (`jhicache.models.FAMILIES`; read straight into the sharded layout with tensor
+        parallelism)."""
         return cls._built(lambda: pretrained_model(path, config))
 
     @classmethod
@@ -66,7 +67,7 @@ class Engine:
         return cls._built(lambda: preset_model(name, config, seed))
 
     @classmethod
-    def _built(cls, load: Callable[[], tuple[Qwen2ForCausalLM, EngineConfig]]) -> Engine:
+    def _built(cls, load: Callable[[], tuple[CausalLM, EngineConfig]]) -> Engine:
         """An engine over the model `load` reads or draws, the seconds that took logged."""
         start = time.perf_counter()
         model, config = load()

@@ -25,13 +25,13 @@ from jhicache.executor import StepExecutor
 from jhicache.grid import ShapeGrid
 from jhicache.inputs import Limits
 from jhicache.models import (
-    Qwen2Config,
-    Qwen2ForCausalLM,
+    CausalLM,
+    DecoderConfig,
     init_random,
     load_pretrained,
     preset_config,
+    read_config,
 )
-from jhicache.models.qwen2_weights import read_config
 from jhicache.models.sharding import TensorParallel
 from jhicache.penalties import TokenHistory
 from jhicache.runner import ModelRunner
@@ -55,7 +55,7 @@ class EngineParts:
     storage_for: Callable[[EngineConfig], Storage]  # a storage backend for a config's settings
 
     @classmethod
-    def create(cls, model: Qwen2ForCausalLM, config: EngineConfig) -> EngineParts:
+    def create(cls, model: CausalLM, config: EngineConfig) -> EngineParts:
         tp = tensor_parallel(model.config, config)
         # before the pool, whose default size is a share of the device memory left: replicated
         # over a mesh, as the logits it penalises are
@@ -91,9 +91,9 @@ class EngineParts:
                    functools.partial(_storage, model.config, host_pool=host_pool))
 
 
-def pretrained_model(path: str, config: EngineConfig) -> tuple[Qwen2ForCausalLM, EngineConfig]:
-    """A Hugging Face Qwen2 checkpoint's model, read straight into the sharded layout, and the
-    config naming it for the storage tier."""
+def pretrained_model(path: str, config: EngineConfig) -> tuple[CausalLM, EngineConfig]:
+    """A Hugging Face checkpoint's model (of a family `jhicache.models.FAMILIES` holds), read
+    straight into the sharded layout, and the config naming it for the storage tier."""
     tp = tensor_parallel(read_config(path), config)
     model = load_pretrained(path, dtype=_jnp_dtype(config.dtype), tp=tp)
     if config.storage_model_name is None:
@@ -102,7 +102,7 @@ def pretrained_model(path: str, config: EngineConfig) -> tuple[Qwen2ForCausalLM,
 
 
 def preset_model(name: str, config: EngineConfig,
-                 seed: int) -> tuple[Qwen2ForCausalLM, EngineConfig]:
+                 seed: int) -> tuple[CausalLM, EngineConfig]:
     """Seeded random weights of a preset shape, and the config naming them for the storage
     tier."""
     model_config = preset_config(name)
@@ -113,7 +113,7 @@ def preset_model(name: str, config: EngineConfig,
     return model, config
 
 
-def tensor_parallel(model: Qwen2Config, config: EngineConfig) -> TensorParallel | None:
+def tensor_parallel(model: DecoderConfig, config: EngineConfig) -> TensorParallel | None:
     """The model's layout over `config.tensor_parallel_size` devices; None for one device, whose
     programs then run without a mesh or shard_map."""
     if config.tensor_parallel_size == 1:
@@ -126,7 +126,7 @@ def _jnp_dtype(dtype: KVDtype | str) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16 if KVDtype(dtype) is KVDtype.BFLOAT16 else jnp.float32)
 
 
-def _device_layout(model: Qwen2Config, config: EngineConfig,
+def _device_layout(model: DecoderConfig, config: EngineConfig,
                    tp: TensorParallel | None) -> PoolLayout:
     dtype = _jnp_dtype(config.dtype)
     heads = model.num_key_value_heads if tp is None else tp.storage_kv_heads
@@ -141,7 +141,7 @@ def _device_layout(model: Qwen2Config, config: EngineConfig,
                       num_kv_heads=heads, head_dim=model.head_dim, dtype=dtype)
 
 
-def _context_len(model: Qwen2Config, config: EngineConfig, layout: PoolLayout) -> int:
+def _context_len(model: DecoderConfig, config: EngineConfig, layout: PoolLayout) -> int:
     """The longest request (prompt and output): the model's context, capped by the device
     pool (a request's pages must fit in it) and by `max_context_len`."""
     pool = (layout.num_pages - RESERVED_PAGES) * config.page_size
@@ -160,7 +160,7 @@ def _host_tokens(layout: PoolLayout, config: EngineConfig) -> int:
     return config.host_tokens_for(device_tokens)
 
 
-def _storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool | None) -> Storage:
+def _storage(model: DecoderConfig, config: EngineConfig, host_pool: HostPool | None) -> Storage:
     """The storage tier's backend, a directory or a Mooncake Store, under a namespace that names
     the model (its given or derived name and its config's hash), the dtype, the page size and
     the host layout."""
@@ -177,7 +177,7 @@ def _storage(model: Qwen2Config, config: EngineConfig, host_pool: HostPool | Non
                        config.storage_capacity_bytes)
 
 
-def _namespace(model: Qwen2Config, config: EngineConfig, host_pool: HostPool) -> StorageNamespace:
+def _namespace(model: DecoderConfig, config: EngineConfig, host_pool: HostPool) -> StorageNamespace:
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(model), sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     layout = host_pool.layout

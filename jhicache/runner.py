@@ -14,14 +14,14 @@ from __future__ import annotations
 import jax
 
 from jhicache.cache import DevicePool
-from jhicache.models import AttentionMetadata, ModelPrograms, Qwen2ForCausalLM
+from jhicache.models import AttentionMetadata, CausalLM, ModelPrograms
 from jhicache.models.sharding import TensorParallel
 
 
 class ModelRunner:
     """Owns the model's jitted programs and drives them over a DevicePool's per-layer K/V arrays."""
 
-    def __init__(self, model: Qwen2ForCausalLM, device_pool: DevicePool,
+    def __init__(self, model: CausalLM, device_pool: DevicePool,
                  tp: TensorParallel | None = None) -> None:
         self.programs = ModelPrograms(model, tp)  # with tp, the pool's pages are sharded as tp says
         self.pool = device_pool

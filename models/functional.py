@@ -1,4 +1,4 @@
-"""ModelPrograms: the jitted programs of a Qwen2 forward a runner calls, over flat weights.
+"""ModelPrograms: the jitted programs of a model's forward a runner calls, over flat weights.
 
     programs = ModelPrograms(model)
     logits, k, v = programs.forward(k, v, tokens, meta, rows)
@@ -28,8 +28,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import PyTreeDef
+from jhicache.models.decoder import CausalLM, KVPages
 from jhicache.models.metadata import AttentionMetadata
-from jhicache.models.qwen2 import KVPages, Qwen2ForCausalLM
 from jhicache.models.sharding import KV_PAGES_SPEC, LOCAL, Collectives, TensorParallel
 
 Leaves = list[jax.Array]
@@ -171,7 +171,7 @@ class ModelPrograms:
     caller's K/V pages must then be sharded on their heads (`tp.kv_pages_sharding`).
     """
 
-    def __init__(self, model: Qwen2ForCausalLM, tp: TensorParallel | None = None) -> None:
+    def __init__(self, model: CausalLM, tp: TensorParallel | None = None) -> None:
         embed_def, embed_state = nnx.split(model.embed_tokens)
         splits = [nnx.split(layer) for layer in model.layers]
         layer_def = splits[0][0]

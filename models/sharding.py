@@ -1,4 +1,4 @@
-"""TensorParallel: Qwen2's Megatron layout over a 1-D device mesh (partition specs, KV-head
+"""TensorParallel: a decoder's Megatron layout over a 1-D device mesh (partition specs, KV-head
 replication, placement) and the collectives the per-device programs run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jhicache.models.config import Qwen2Config
+from jhicache.models.config import DecoderConfig
 
 AXIS = "tp"
 
@@ -97,7 +97,7 @@ class Part:
     kv: bool = False
 
 
-def column_parts(config: Qwen2Config, names: tuple[str, ...]) -> tuple[Part, ...]:
+def column_parts(config: DecoderConfig, names: tuple[str, ...]) -> tuple[Part, ...]:
     """The parts of a merged projection's parameter at attribute path `names`, in the model's
     layout ([q | k | v], [gate | up]); none for any other parameter."""
     module = names[-2] if len(names) > 1 else None
@@ -121,10 +121,10 @@ class TensorParallel:
     """
 
     mesh: Mesh
-    config: Qwen2Config
+    config: DecoderConfig
 
     @classmethod
-    def create(cls, size: int, config: Qwen2Config, devices: Sequence[jax.Device] | None = None,
+    def create(cls, size: int, config: DecoderConfig, devices: Sequence[jax.Device] | None = None,
                field: str = "tensor_parallel_size") -> TensorParallel:
         """The layout over the first `size` devices; a ValueError naming `field` when `size`
         does not fit the devices or the model's shape."""
@@ -257,7 +257,7 @@ class TensorParallel:
         return jax.jit(lambda x: self.to_storage(names, x), out_shardings=target)(leaf)
 
 
-def _misfits(size: int, devices: int, config: Qwen2Config) -> list[str]:
+def _misfits(size: int, devices: int, config: DecoderConfig) -> list[str]:
     """Why a tp of `size` cannot serve `config` on `devices` devices; empty when it can."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         return ["expected an int >= 1"]

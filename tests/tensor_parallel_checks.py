@@ -421,6 +421,22 @@ def check_dry_run_72b() -> None:
     assert weight_bytes / 2 <= per_device < weight_bytes / 2 * 1.01, (per_device, weight_bytes)
 
 
+def check_hf_families() -> None:
+    """Qwen3 and Llama 3 checkpoints made with transformers, read straight into the sharded
+    layout, give transformers' greedy tokens: Qwen3 at tp 2 with host hits, Llama 3 (scaled
+    RoPE) at tp 4, each of its 2 KV heads stored on two devices."""
+    from tests.models import hf_references as hf
+
+    for name, tp, mode in (("qwen3", 2, hf.HOST), ("llama3", 4, dict(cache_mode="device"))):
+        config = EngineConfig(**{**hf.ENGINE, **mode, "tensor_parallel_size": tp})
+        eng = Engine.from_pretrained(str(hf.ROOT / name), config)
+        assert eng.tp is not None and eng.tp.size == tp
+        assert hf.replay(eng, name) == hf.reference(name)["replies"], name
+        if tp == 2:
+            assert eng.stats().host_hit_tokens > 0
+        eng.close()
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")
 }
@@ -430,7 +446,7 @@ CHECKS: dict[str, Callable[[], None]] = {
 # set costs about half the CPU time of one process per check, on a cold compilation cache).
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("bad_sizes_rejected", "checkpoint_loads_sharded", "dry_run_72b", "engine_tokens",
-              "gated_forward_matches_ungated", "logprobs_equal_one_device",
+              "gated_forward_matches_ungated", "hf_families", "logprobs_equal_one_device",
               "penalties_equal_one_device", "sharded_random_init"),
     "tiers": ("deferred_copies_wait_on_every_shard", "hierarchical_replicated_kv_heads",
               "hierarchical_write_back", "hierarchical_write_through",

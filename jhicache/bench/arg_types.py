@@ -9,8 +9,8 @@ import urllib.parse
 from pathlib import Path
 
 from jhicache.arg_types import parsed_number, text_or_file
-from jhicache.models.config import PRESETS, preset_config
-from jhicache.models.qwen2_weights import CONFIG_FILE
+from jhicache.models.presets import PRESETS, preset_config
+from jhicache.models.weights import CONFIG_FILE
 
 # unbounded: the device cache holding the whole working set
 MODES = ("off", "device", "hierarchical", "unbounded")

@@ -34,7 +34,7 @@ from jhicache.bench.arg_types import (
 from jhicache.bench.engines import engine_config
 from jhicache.config import EngineConfig, FetchPolicy, KVDtype, WritePolicy
 from jhicache.logprobs import MAX_LOGPROBS
-from jhicache.models.config import PRESETS
+from jhicache.models.presets import PRESETS
 
 DESCRIPTION = """\
 `python -m jhicache.bench`: model throughput and the multi-turn cache benchmark.
@@ -78,7 +78,8 @@ def common_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--preset", type=preset_name, default="tiny", choices=tuple(PRESETS),
                    help="model shape, with seeded random weights")
     p.add_argument("--weights", action=Given, type=checkpoint_dir, metavar="DIR", default=None,
-                   help="Hugging Face Qwen2 checkpoint directory (overrides --preset)")
+                   help="Hugging Face checkpoint directory of Qwen2, Qwen3 or Llama 3 "
+                        "(overrides --preset)")
     p.add_argument("--dtype", action=Given, default="bfloat16" if gpu else "float32",
                    choices=_values(KVDtype), help="weights and KV pages dtype")
     count: dict[str, Any] = {"type": positive_int, "metavar": "N"}

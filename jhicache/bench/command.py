@@ -17,7 +17,7 @@ from jhicache.bench.engines import make_engine
 from jhicache.bench.model import bench_model
 from jhicache.bench.multiturn import bench_multiturn
 from jhicache.bench.remote_run import bench_remote
-from jhicache.models.config import preset_config
+from jhicache.models.presets import preset_config
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -20,7 +20,7 @@ from jhicache.bench.multiturn import (
     turn_sampling,
 )
 from jhicache.bench.workload import MultiTurnSpec, user_turns
-from jhicache.models.config import preset_config
+from jhicache.models.presets import preset_config
 
 REMOTE_NOTE = ("--url: one measured run against the server as it was started (warmed up by "
                "itself): its own cache mode, pools and weights (--modes does not apply); "

@@ -28,7 +28,8 @@ from jhicache.config import EngineConfig
 
 DEFAULT_PORT = 30000  # SGLang's
 # jhicache.models.PRESETS' names, spelt out: importing the models loads JAX, which --help avoids
-PRESET_NAMES = ("tiny", "tiny-tp", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b")
+PRESET_NAMES = ("tiny", "tiny-tp", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b",
+                "tiny-qwen3", "qwen3-0.6b", "qwen3-8b", "tiny-llama3", "llama3-8b")
 logger = logging.getLogger("jhicache.serve")
 
 
@@ -151,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "/health and /get_model_info, and Prometheus' /metrics.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="DIR",
-                        help="a Hugging Face Qwen2 checkpoint directory (config.json and "
-                             "safetensors); its tokenizer.json is used when there is one")
+                        help="a Hugging Face checkpoint directory of Qwen2, Qwen3 or Llama 3 "
+                             "(config.json and safetensors); its tokenizer.json is used when "
+                             "there is one")
     source.add_argument("--preset", metavar="NAME",
                         help=f"random weights of a preset shape ({', '.join(PRESET_NAMES)}); "
                              "token-id prompts only, unless --tokenizer is given")

@@ -145,7 +145,7 @@ def test_bfloat16_few_rows_take_o_proj_through_the_skinny_kernel(checkpoint, mon
     """A 16-bit batch of a few rows projects o_proj by `skinny_matmul` (once a layer), and the
     layers' output matches the one through XLA's matmul within bf16 tolerance. Eager layers,
     so each run traces its own calls."""
-    from jhicache.models import qwen2 as qwen2_module
+    from jhicache.models import decoder as decoder_module
 
     model = load_pretrained(checkpoint[0], dtype=jnp.bfloat16)
     meta = build_metadata([0], [6], [[0, 1]], page_size=PAGE_SIZE, num_tokens=8, num_reqs=1,
@@ -159,12 +159,12 @@ def test_bfloat16_few_rows_take_o_proj_through_the_skinny_kernel(checkpoint, mon
             hidden, _, _ = model.layer(i, hidden, k, v, meta)
         return np.asarray(hidden[:6], np.float32)
 
-    calls, real = [], qwen2_module.skinny_matmul
-    monkeypatch.setattr(qwen2_module, "skinny_matmul",
+    calls, real = [], decoder_module.skinny_matmul
+    monkeypatch.setattr(decoder_module, "skinny_matmul",
                         lambda x, w: calls.append(x.shape) or real(x, w))
     skinny = layers()
     assert calls == [(8, 64)] * model.config.num_hidden_layers
-    monkeypatch.setattr(qwen2_module, "skinny_applies", lambda x, w: False)
+    monkeypatch.setattr(decoder_module, "skinny_applies", lambda x, w: False)
     xla = layers()
     assert len(calls) == model.config.num_hidden_layers
     np.testing.assert_allclose(skinny, xla, atol=0.02 * np.abs(xla).max())
@@ -257,7 +257,7 @@ def test_gpu_long_batch_with_new_tokens_apart_matches_one_kernel(monkeypatch) ->
     import dataclasses
 
     from jhicache.models import Qwen2ForCausalLM, init_random, preset_config
-    from jhicache.models import qwen2 as qwen2_module
+    from jhicache.models import decoder as decoder_module
     from jhicache.pallas_kernels import fresh_attention
 
     if not fresh_attention.cudnn_available():
@@ -278,7 +278,7 @@ def test_gpu_long_batch_with_new_tokens_apart_matches_one_kernel(monkeypatch) ->
     meta = build_metadata([300, 0], [1100, 200], pages, page_size=page, num_tokens=1408)
 
     def logits(apart: bool) -> np.ndarray:
-        monkeypatch.setattr(qwen2_module, "attend_fresh_apart", lambda *_: apart)
+        monkeypatch.setattr(decoder_module, "attend_fresh_apart", lambda *_: apart)
         h = model.embed(pack_tokens([new, fresh], meta.num_tokens))
         for i, (k, v) in enumerate(cached):
             h, _, _ = model.layer(i, h, jnp.copy(k), jnp.copy(v), meta)

@@ -102,8 +102,8 @@ def _break(directory: Path, case: str) -> str:
     if case == "architecture":
         cfg = json.loads((directory / "config.json").read_text())
         (directory / "config.json").write_text(
-            json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
-        return "LlamaForCausalLM"
+            json.dumps({**cfg, "architectures": ["GemmaForCausalLM"]}))
+        return "GemmaForCausalLM"
     if case == "missing_shard":
         (directory / "model-00002-of-00002.safetensors").unlink()
         return "model-00002-of-00002.safetensors"

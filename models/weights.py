@@ -1,5 +1,5 @@
-"""Qwen2 weights: Hugging Face safetensors checkpoints in and out, and seeded random init for
-presets."""
+"""Every family's weights: Hugging Face safetensors checkpoints in and out (single or sharded,
+straight into a tensor-parallel layout), the weight table, and seeded random init for presets."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jhicache.models.config import Qwen2Config
-from jhicache.models.qwen2 import Qwen2ForCausalLM
+from jhicache.models.config import DecoderConfig
+from jhicache.models.decoder import CausalLM
+from jhicache.models.registry import config_from_hf_dict, family_of_config
 from jhicache.models.sharding import TensorParallel, column_parts, param_names
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -44,7 +45,6 @@ _LM_HEAD: Entry = (("lm_head.weight",), ("head_module", "kernel"), True)
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LAYER_TABLE: tuple[Entry, ...] = (
     (tuple(f"{p}.weight" for p in _QKV), ("self_attn", "qkv_proj", "kernel"), True),
-    (tuple(f"{p}.bias" for p in _QKV), ("self_attn", "qkv_proj", "bias"), False),
     (("self_attn.o_proj.weight",), ("self_attn", "o_proj", "kernel"), True),
     (("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp", "gate_up_proj", "kernel"), True),
     (("mlp.down_proj.weight",), ("mlp", "down_proj", "kernel"), True),
@@ -53,18 +53,31 @@ _LAYER_TABLE: tuple[Entry, ...] = (
 )
 
 
-def weight_table(config: Qwen2Config) -> list[Entry]:
+# A family's layer features add these (`DecoderConfig.QKV_BIAS`, `QK_NORM`)
+_QKV_BIAS: Entry = (tuple(f"{p}.bias" for p in _QKV), ("self_attn", "qkv_proj", "bias"), False)
+_QK_NORM: tuple[Entry, ...] = (
+    (("self_attn.q_norm.weight",), ("self_attn", "q_norm", "weight"), False),
+    (("self_attn.k_norm.weight",), ("self_attn", "k_norm", "weight"), False),
+)
+
+
+def _layer_table(config: DecoderConfig) -> tuple[Entry, ...]:
+    return (_LAYER_TABLE + ((_QKV_BIAS,) if config.QKV_BIAS else ())
+            + (_QK_NORM if config.QK_NORM else ()))
+
+
+def weight_table(config: DecoderConfig) -> list[Entry]:
     """Every parameter of a model of this config with the checkpoint tensors it is made of."""
     table = list(_TOP_TABLE)
     for i in range(config.num_hidden_layers):
         table += [(tuple(f"model.layers.{i}.{n}" for n in names), ("layers", i, *path), t)
-                  for names, path, t in _LAYER_TABLE]
+                  for names, path, t in _layer_table(config)]
     if not config.tie_word_embeddings:
         table.append(_LM_HEAD)
     return table
 
 
-def _part_shapes(config: Qwen2Config, var_path: tuple[Any, ...],
+def _part_shapes(config: DecoderConfig, var_path: tuple[Any, ...],
                  shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The model-layout shape of each tensor a parameter of model shape `shape` is made of."""
     parts = column_parts(config, param_names(var_path))
@@ -99,16 +112,18 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def read_config(ckpt_dir: str | Path) -> Qwen2Config:
-    """Parses `config.json` of a checkpoint directory; FileNotFoundError names the missing file,
-    and every ValueError (bad JSON, a missing or ill-typed field) starts with the file's path."""
+def read_config(ckpt_dir: str | Path) -> DecoderConfig:
+    """Parses `config.json` of a checkpoint directory into its family's config (chosen by its
+    `architectures` / `model_type`); FileNotFoundError names the missing file, and every
+    ValueError (bad JSON, a missing or ill-typed field, an unsupported family or feature) starts
+    with the file's path."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {Path(ckpt_dir)}: "
                                 f"{path} is missing")
     data = _read_json(path)
     try:
-        return Qwen2Config.from_hf_dict(data)
+        return config_from_hf_dict(data)
     except ValueError as e:  # same type (UnsupportedConfigError stays one), now naming the file
         raise type(e)(f"{path}: {e}") from e
 
@@ -155,8 +170,9 @@ def tensor_files(ckpt_dir: str | Path) -> dict[str, Path]:
 
 
 def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32,
-                    tp: TensorParallel | None = None) -> Qwen2ForCausalLM:
-    """Loads a HF Qwen2 checkpoint directory into a model whose parameters are `dtype`.
+                    tp: TensorParallel | None = None) -> CausalLM:
+    """Loads a HF checkpoint directory of any family (`registry.FAMILIES`) into its family's
+    model, whose parameters are `dtype`.
 
     The model is built abstractly (no random init) and each parameter is set straight from its
     tensors (a merged projection's side by side), so peak memory is one copy of the weights plus
@@ -172,7 +188,8 @@ def load_pretrained(ckpt_dir: str | Path, dtype: jnp.dtype = jnp.float32,
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {Path(ckpt_dir)} lacks tensor(s) {missing[:5]}{more}")
-    model = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    model_class = family_of_config(config).model_class
+    model = nnx.eval_shape(lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(0)))
     with contextlib.ExitStack() as stack:
         source = _opened(stack, files)
         for names, var_path, transpose in table:
@@ -269,7 +286,7 @@ def _read_sharded(sources: list[Source], shapes: list[tuple[int, ...]],
     return jax.make_array_from_callback(tp.storage_shape(names, shape), sharding, block)
 
 
-def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's tensors of a model in the model's layout (not `TensorParallel`'s)."""
     for names, var_path, transpose in weight_table(model.config):
         value = np.asarray(_variable(model, var_path)[...])
@@ -279,7 +296,7 @@ def _hf_tensors(model: Qwen2ForCausalLM) -> Iterator[tuple[str, np.ndarray]]:
             yield name, np.ascontiguousarray(part.T) if transpose else part
 
 
-def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str | Path, *,
+def save_checkpoint(model: CausalLM, config: DecoderConfig, ckpt_dir: str | Path, *,
                     shards: int = 1) -> Path:
     """Writes `model` as a HF checkpoint (config.json + safetensors; sharded with an index when
     shards > 1). The model must hold its weights in the model's layout: one not placed by
@@ -310,15 +327,16 @@ def save_checkpoint(model: Qwen2ForCausalLM, config: Qwen2Config, ckpt_dir: str 
     return ckpt_dir
 
 
-def init_random(config: Qwen2Config, seed: int = 0, dtype: jnp.dtype = jnp.float32,
-                tp: TensorParallel | None = None) -> Qwen2ForCausalLM:
+def init_random(config: DecoderConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32,
+                tp: TensorParallel | None = None) -> CausalLM:
     """A model with seeded random weights (normal, std 0.02; norms at 1), e.g. for presets without
     weights.
 
     With `tp`, the weights are drawn sharded: one jitted init whose outputs are in `tp`'s layout,
     so each device computes its own shard (a 72B preset never exists whole on one device).
     """
-    build = lambda: Qwen2ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))  # noqa: E731
+    model_class = family_of_config(config).model_class
+    build = lambda: model_class(config, dtype=dtype, rngs=nnx.Rngs(seed))  # noqa: E731
     if tp is None:
         return build()
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
