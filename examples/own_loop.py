@@ -1,7 +1,7 @@
 """The cache in your own loop: multi-turn chats served by a model call, greedy sampling and a
 scheduler of this file's own, over jhicache's two-tier prefix cache (`CacheTiers`).
 
-    python examples/own_loop.py [CHECKPOINT]  # a Qwen2 checkpoint directory; none: a tiny
+    python examples/own_loop.py [CHECKPOINT]  # Qwen2, Qwen3 or Llama 3; none: a tiny
                                               # random one (jhicache installed, or PYTHONPATH=.)
 
 Two chats take turns on a device pool that holds about one of them, so a later turn finds its
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 from jhicache.models import (
+    CausalLM,
     ModelPrograms,
-    Qwen2ForCausalLM,
     build_metadata,
     init_random,
     load_pretrained,
@@ -56,7 +56,7 @@ class Running:
 class OwnLoop:
     """A model, its greedy sampling and a one-request-at-a-time scheduler over the cache."""
 
-    def __init__(self, model: Qwen2ForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         config = model.config
         layout = PoolLayout(num_layers=config.num_hidden_layers,
                             num_pages=DEVICE_TOKENS // PAGE + 1,  # + the reserved page 0
