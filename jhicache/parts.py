@@ -170,8 +170,7 @@ def _storage(model: DecoderConfig, config: EngineConfig, host_pool: HostPool | N
     if config.storage_backend is StorageBackend.MOONCAKE:
         from jhicache.cache.mooncake_storage import MooncakeStorage  # an optional extra
 
-        return MooncakeStorage(namespace, host_pool.page_pieces, host_pool.regions(),
-                               config.storage_settings())
+        return MooncakeStorage(namespace, host_pool.page_views, config.storage_settings())
     assert config.storage_dir is not None
     return FileStorage(config.storage_dir, namespace, host_pool.page_views,
                        config.storage_capacity_bytes)

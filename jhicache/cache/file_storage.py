@@ -19,16 +19,19 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from jhicache.cache.storage import (
+    PageViews,
     Storage,
     StorageCounters,
     StorageNamespace,
     StorageUsage,
+    gather_page,
+    scatter_page,
     write_failure_reason,
 )
 
@@ -48,7 +51,6 @@ _MAGIC = b"JHKV"
 HIGH_WATERMARK = 0.95  # a write that takes the directory past this share of its cap ...
 LOW_WATERMARK = 0.85  # ... starts eviction down to this share, least recently used first
 
-PageViews = Callable[[int], list[np.ndarray]]
 
 
 class StorageDirError(RuntimeError):
@@ -237,7 +239,7 @@ class FileStorage(Storage):
             return "corrupt"
         if zlib.crc32(buffer.data) != crc:
             return "corrupt"
-        _scatter(buffer, self._views(page))
+        scatter_page(buffer, self._views(page))
         return None
 
     def _buffer(self) -> np.ndarray:
@@ -290,7 +292,7 @@ class FileStorage(Storage):
 
     def _write(self, key: bytes, page: int) -> None:
         buffer = self._buffer()
-        _gather(self._views(page), buffer)
+        gather_page(self._views(page), buffer)
         header = _HEADER.pack(_MAGIC, self.namespace.format_version,
                               self.namespace.page_bytes, zlib.crc32(buffer.data), key)
         final = self._path(key)
@@ -463,29 +465,6 @@ def _key_of(name: str) -> bytes | None:
     except ValueError:
         return None
     return key if len(key) == 32 else None
-
-
-def _gather(views: Sequence[np.ndarray], buffer: np.ndarray) -> None:
-    """Copies `views`, in order, into `buffer`."""
-    for view, start in zip(views, _offsets(views, buffer)):
-        np.copyto(buffer[start:start + view.size].reshape(view.shape), view)
-
-
-def _scatter(buffer: np.ndarray, views: Sequence[np.ndarray]) -> None:
-    """Copies `buffer` into `views`, in order."""
-    for view, start in zip(views, _offsets(views, buffer)):
-        np.copyto(view, buffer[start:start + view.size].reshape(view.shape))
-
-
-def _offsets(views: Sequence[np.ndarray], buffer: np.ndarray) -> list[int]:
-    """Where each view starts in a page's bytes; ValueError unless they fill `buffer`."""
-    starts, end = [], 0
-    for view in views:
-        starts.append(end)
-        end += view.size
-    if end != buffer.size:
-        raise ValueError(f"a page's views hold {end} bytes, not {buffer.size}")
-    return starts
 
 
 def _touch(fd: int) -> None:

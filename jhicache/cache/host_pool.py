@@ -85,21 +85,6 @@ class HostPool:
         rows = 2 * self.num_layers
         return [b.array.reshape(rows, self.layout.num_pages, -1)[:, page] for b in self.blocks]
 
-    def page_pieces(self, page: int) -> list[tuple[int, int]]:
-        """One page's bytes as (address, size) pieces, in `page_views`' order: a backend that
-        moves memory by address (a store with the pool registered) reads and writes a page
-        in place, one piece per layer's K or V of each shard."""
-        if not 0 <= page < self.layout.num_pages:
-            raise ValueError(f"host page {page} out of range [0, {self.layout.num_pages})")
-        rows = np.arange(2 * self.num_layers, dtype=np.uint64)
-        offsets = [int(o) for o in self._offsets(rows, np.asarray(page, np.uint64))]
-        return [(int(block.address) + o, self.layer_page_bytes)
-                for block in self.blocks for o in offsets]
-
-    def regions(self) -> list[tuple[int, int]]:
-        """The pool's memory as (address, size) blocks, to register with a backend."""
-        return [(int(block.address), block.nbytes) for block in self.blocks]
-
     def read_pages(self, layer: int, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Copies of `pages` of one layer's K and V (only meaningful once their writes are done)."""
         idx = np.asarray(pages, dtype=np.int64)

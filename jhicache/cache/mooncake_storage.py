@@ -1,6 +1,6 @@
 """MooncakeStorage: the storage tier in a Mooncake Store that several servers share: pages keyed
-by namespace digest and page key, read into and written from the registered host pool without a
-staging copy; its config from Mooncake's own environment variables and config names."""
+by namespace digest and page key, each one contiguous object moved through a registered buffer
+of the calling thread; its config from Mooncake's own environment variables and config names."""
 
 from __future__ import annotations
 
@@ -11,14 +11,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jhicache.cache.storage import Storage, StorageCounters, StorageNamespace, StorageUsage
+import numpy as np
+
+from jhicache.cache.storage import (
+    PageViews,
+    Storage,
+    StorageCounters,
+    StorageNamespace,
+    StorageUsage,
+    gather_page,
+    scatter_page,
+)
 from jhicache.config import STORAGE_BACKEND_KEYS, StorageBackend
 
 logger = logging.getLogger("jhicache.storage")
 
-# A page's bytes as the host pool holds them: (address, size) pieces, in the order a stored
-# page keeps them (the pool is laid out layer first, so a page is one piece per layer's K or V)
-PagePieces = Callable[[int], list[tuple[int, int]]]
+# Pages a thread's buffer holds: a call moves at most this many (the storage tier's read and
+# write tasks take 8). Why a buffer and not the host pool itself: the pool is laid out layer
+# first, so a page there is 2 x layers pieces, and a put or get of many pieces a call runs at a
+# third of a contiguous object's rate on Mooncake's TCP transport, or fails (-800) with 7B's
+# pages; copying a page into or out of a buffer costs far less (BENCHMARKS.md's log).
+BUFFER_PAGES = 8
 CONFIG_KEYS = STORAGE_BACKEND_KEYS[StorageBackend.MOONCAKE]  # Mooncake's store config names
 # Small defaults for a server that only reads and writes its own registered pages (Mooncake's
 # own are 3.125 GiB contributed and 1 GiB of staging buffer)
@@ -63,18 +76,19 @@ def store_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MooncakeStorage(Storage):
-    """Pages as objects `<namespace digest>/<key hex>` of a Mooncake Store (one object a page,
-    put from and got into its pieces in the host pool, which is registered with the store at
-    start: zero copies on this side). Objects are written whole or not at all (the store makes
-    one visible only once its put ends), so a server killed mid-write leaves nothing another
-    reads; a page the store evicted, or one of another size, is a miss. While the master is
-    unreachable every read is a miss and every write a failure, logged once until it is back."""
+    """Pages as objects `<namespace digest>/<key hex>` of a Mooncake Store, one contiguous object
+    a page in the host pool's byte order (`views`), put from and got into a buffer of the calling
+    thread's that is registered with the store (`BUFFER_PAGES` pages, made on the thread's first
+    call). Objects are written whole or not at all (the store makes one visible only once its put
+    ends), so a server killed mid-write leaves nothing another reads; a page the store evicted,
+    or one of another size, is a miss. While the master is unreachable every read is a miss and
+    every write a failure, logged once until it is back."""
 
-    def __init__(self, namespace: StorageNamespace, pieces: PagePieces,
-                 regions: Sequence[tuple[int, int]], config: Mapping[str, Any]) -> None:
+    def __init__(self, namespace: StorageNamespace, views: PageViews,
+                 config: Mapping[str, Any]) -> None:
         from mooncake.store import MooncakeDistributedStore
 
-        self.namespace, self._pieces = namespace, pieces
+        self.namespace, self._views = namespace, views
         self.prefix = f"{namespace.digest}/"
         self._store = MooncakeDistributedStore()
         setup = store_config(config)
@@ -82,10 +96,8 @@ class MooncakeStorage(Storage):
             raise MooncakeError(f"Mooncake store setup failed (master "
                                 f"{setup['master_server_addr']}, metadata "
                                 f"{setup['metadata_server']}, protocol {setup['protocol']})")
-        self._regions = list(regions)
-        for address, size in self._regions:
-            if self._store.register_buffer(address, size) != 0:
-                raise MooncakeError(f"Mooncake could not register {size} bytes of host pool")
+        self._local = threading.local()  # each thread's registered buffer
+        self._buffers: list[np.ndarray] = []  # every thread's, unregistered at close
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # pages this process stored or found stored
         self._counters = StorageCounters()
@@ -109,11 +121,28 @@ class MooncakeStorage(Storage):
             return key in self._known
 
     def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        """Reads the pages `BUFFER_PAGES` a call, up to the first one missing."""
+        n = 0
+        for at in range(0, len(keys), BUFFER_PAGES):
+            got = self._get(keys[at:at + BUFFER_PAGES], host_pages[at:at + BUFFER_PAGES])
+            n += got
+            if got < len(keys[at:at + BUFFER_PAGES]):
+                break
+        return n
+
+    def _get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        read, seconds = self._move(self._store.batch_get_into_multi_buffers, keys, host_pages)
-        page = self.namespace.page_bytes
-        n = _leading(read, lambda r: r == page)
+        buffer, page = self._buffer(), self.namespace.page_bytes
+        start = time.perf_counter()
+        n = 0
+        if buffer is not None:
+            read = self._call(lambda: self._store.batch_get_into(
+                self._names(keys), _addresses(buffer, page, len(keys)), [page] * len(keys)))
+            n = _leading(read or [], lambda r: r == page)
+            for i in range(n):
+                scatter_page(buffer[i * page:(i + 1) * page], self._views(host_pages[i]))
+        seconds = time.perf_counter() - start
         with self._lock:
             self._counters.read_pages += n
             self._counters.read_bytes += n * page
@@ -124,11 +153,28 @@ class MooncakeStorage(Storage):
         return n
 
     def set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        """Writes the pages `BUFFER_PAGES` a call, up to the first one that fails."""
+        n = 0
+        for at in range(0, len(keys), BUFFER_PAGES):
+            put = self._set(keys[at:at + BUFFER_PAGES], host_pages[at:at + BUFFER_PAGES])
+            n += put
+            if put < len(keys[at:at + BUFFER_PAGES]):
+                break
+        return n
+
+    def _set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        stored, seconds = self._move(self._store.batch_put_from_multi_buffers, keys, host_pages)
-        n = _leading(stored, lambda r: r == 0)
-        page = self.namespace.page_bytes
+        buffer, page = self._buffer(), self.namespace.page_bytes
+        start = time.perf_counter()
+        stored = None
+        if buffer is not None:
+            for i, host_page in enumerate(host_pages):
+                gather_page(self._views(host_page), buffer[i * page:(i + 1) * page])
+            stored = self._call(lambda: self._store.batch_put_from(
+                self._names(keys), _addresses(buffer, page, len(keys)), [page] * len(keys)))
+        seconds = time.perf_counter() - start
+        n = _leading(stored or [], lambda r: r == 0)
         with self._lock:
             self._known.update(keys[:n])
             self._counters.written_pages += n
@@ -138,15 +184,21 @@ class MooncakeStorage(Storage):
                 self._counters.write_failures_io += 1
         return n
 
-    def _move(self, batch: Callable[..., Any], keys: Sequence[bytes],
-              host_pages: Sequence[int]) -> tuple[list[int], float]:
-        """One batch call over the pages' pieces in the host pool: its per-key answers (none
-        when the store failed) and its seconds."""
-        pieces = [self._pieces(p) for p in host_pages]
-        start = time.perf_counter()
-        answer = self._call(lambda: batch(self._names(keys), [[a for a, _ in p] for p in pieces],
-                                          [[s for _, s in p] for p in pieces]))
-        return answer or [], time.perf_counter() - start
+    def _buffer(self) -> np.ndarray | None:
+        """This thread's buffer of `BUFFER_PAGES` pages, registered with the store (None, and a
+        log line, when the store refuses to register it: the call is then a miss or a failed
+        write, as with the store down)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = np.empty(BUFFER_PAGES * self.namespace.page_bytes, np.uint8)
+            if self._call(lambda: self._store.register_buffer(buffer.ctypes.data,
+                                                              buffer.nbytes)) != 0:
+                logger.warning("Mooncake could not register a %d-byte buffer", buffer.nbytes)
+                return None
+            self._local.buffer = buffer
+            with self._lock:
+                self._buffers.append(buffer)
+        return buffer
 
     def clear(self) -> int:
         removed = self._call(lambda: self._store.remove_by_regex(f"^{self.prefix}", True))
@@ -166,8 +218,10 @@ class MooncakeStorage(Storage):
             return dataclasses.replace(self._counters)
 
     def close(self) -> None:
-        for address, _ in self._regions:
-            self._store.unregister_buffer(address)
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for buffer in buffers:
+            self._store.unregister_buffer(buffer.ctypes.data)
         self._store.close()
 
     # -- reachability --------------------------------------------------------------------
@@ -190,6 +244,11 @@ class MooncakeStorage(Storage):
                            "fail until it answers again")
         elif changed:
             logger.warning("Mooncake store's master answers again")
+
+
+def _addresses(buffer: np.ndarray, page: int, n: int) -> list[int]:
+    """The addresses of the first `n` pages of `buffer`."""
+    return [buffer.ctypes.data + i * page for i in range(n)]
 
 
 def _leading(results: Sequence[int], ok: Callable[[int], bool]) -> int:

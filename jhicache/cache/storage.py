@@ -8,8 +8,10 @@ import dataclasses
 import errno
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 FORMAT_VERSION = 1
 # why a page could not be written: the file system is full (or over a quota), it refuses
@@ -17,6 +19,9 @@ FORMAT_VERSION = 1
 WRITE_FAILURE_REASONS = ("no_space", "permission", "io")
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
+# A host page's bytes as writable views, in the order a stored page keeps them (a backend copies
+# a page between them and one contiguous buffer: `gather_page`, `scatter_page`)
+PageViews = Callable[[int], list[np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,3 +125,27 @@ class Storage(abc.ABC):
 
     def close(self) -> None:
         """Stops background work; the pages stay."""
+
+
+def gather_page(views: Sequence[np.ndarray], buffer: np.ndarray) -> None:
+    """Copies a page's `views`, in order, into `buffer` (one numpy call a view: each lets go of
+    the interpreter lock while it copies)."""
+    for view, start in zip(views, _starts(views, buffer)):
+        np.copyto(buffer[start:start + view.size].reshape(view.shape), view)
+
+
+def scatter_page(buffer: np.ndarray, views: Sequence[np.ndarray]) -> None:
+    """Copies `buffer` into a page's `views`, in order."""
+    for view, start in zip(views, _starts(views, buffer)):
+        np.copyto(view, buffer[start:start + view.size].reshape(view.shape))
+
+
+def _starts(views: Sequence[np.ndarray], buffer: np.ndarray) -> list[int]:
+    """Where each view starts in a page's bytes; ValueError unless they fill `buffer`."""
+    starts, end = [], 0
+    for view in views:
+        starts.append(end)
+        end += view.size
+    if end != buffer.size:
+        raise ValueError(f"a page's views hold {end} bytes, not {buffer.size}")
+    return starts
