@@ -170,7 +170,9 @@ def _storage(model: DecoderConfig, config: EngineConfig, host_pool: HostPool | N
     if config.storage_backend is StorageBackend.MOONCAKE:
         from jhicache.cache.mooncake_storage import MooncakeStorage  # an optional extra
 
-        return MooncakeStorage(namespace, host_pool.page_views, config.storage_settings())
+        # its callers at once: the tier's readers and its writer
+        return MooncakeStorage(namespace, host_pool.page_views, config.storage_settings(),
+                               callers=config.storage_io_threads + 1)
     assert config.storage_dir is not None
     return FileStorage(config.storage_dir, namespace, host_pool.page_views,
                        config.storage_capacity_bytes)

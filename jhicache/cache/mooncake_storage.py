@@ -4,11 +4,13 @@ of the calling thread; its config from Mooncake's own environment variables and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,15 +79,15 @@ def store_config(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 class MooncakeStorage(Storage):
     """Pages as objects `<namespace digest>/<key hex>` of a Mooncake Store, one contiguous object
-    a page in the host pool's byte order (`views`), put from and got into a buffer of the calling
-    thread's that is registered with the store (`BUFFER_PAGES` pages, made on the thread's first
-    call). Objects are written whole or not at all (the store makes one visible only once its put
-    ends), so a server killed mid-write leaves nothing another reads; a page the store evicted,
-    or one of another size, is a miss. While the master is unreachable every read is a miss and
-    every write a failure, logged once until it is back."""
+    a page in the host pool's byte order (`views`), put from and got into a registered buffer of
+    `BUFFER_PAGES` pages, one for each of `callers` threads calling at once (another waits for
+    one to be free). Objects are written whole or not at all (the store makes one visible only
+    once its put ends), so a server killed mid-write leaves nothing another reads; a page the
+    store evicted, or one of another size, is a miss. While the master is unreachable every
+    read is a miss and every write a failure, logged once until it is back."""
 
     def __init__(self, namespace: StorageNamespace, views: PageViews,
-                 config: Mapping[str, Any]) -> None:
+                 config: Mapping[str, Any], callers: int = 1) -> None:
         from mooncake.store import MooncakeDistributedStore
 
         self.namespace, self._views = namespace, views
@@ -96,8 +98,16 @@ class MooncakeStorage(Storage):
             raise MooncakeError(f"Mooncake store setup failed (master "
                                 f"{setup['master_server_addr']}, metadata "
                                 f"{setup['metadata_server']}, protocol {setup['protocol']})")
-        self._local = threading.local()  # each thread's registered buffer
-        self._buffers: list[np.ndarray] = []  # every thread's, unregistered at close
+        # one registered block, a slot of `BUFFER_PAGES` pages for each caller at once (a
+        # registration takes long: made here, not in a storage hit's first read)
+        slot = BUFFER_PAGES * namespace.page_bytes
+        self._block = np.empty(callers * slot, np.uint8)
+        if self._store.register_buffer(self._block.ctypes.data, self._block.nbytes) != 0:
+            raise MooncakeError(f"Mooncake could not register {self._block.nbytes} bytes of "
+                                f"buffers")
+        self._slots: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for i in range(callers):
+            self._slots.put(self._block[i * slot:(i + 1) * slot])
         self._lock = threading.Lock()
         self._known: set[bytes] = set()  # pages this process stored or found stored
         self._counters = StorageCounters()
@@ -133,10 +143,9 @@ class MooncakeStorage(Storage):
     def _get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        buffer, page = self._buffer(), self.namespace.page_bytes
+        page = self.namespace.page_bytes
         start = time.perf_counter()
-        n = 0
-        if buffer is not None:
+        with self._slot() as buffer:
             read = self._call(lambda: self._store.batch_get_into(
                 self._names(keys), _addresses(buffer, page, len(keys)), [page] * len(keys)))
             n = _leading(read or [], lambda r: r == page)
@@ -165,10 +174,9 @@ class MooncakeStorage(Storage):
     def _set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        buffer, page = self._buffer(), self.namespace.page_bytes
+        page = self.namespace.page_bytes
         start = time.perf_counter()
-        stored = None
-        if buffer is not None:
+        with self._slot() as buffer:
             for i, host_page in enumerate(host_pages):
                 gather_page(self._views(host_page), buffer[i * page:(i + 1) * page])
             stored = self._call(lambda: self._store.batch_put_from(
@@ -184,21 +192,14 @@ class MooncakeStorage(Storage):
                 self._counters.write_failures_io += 1
         return n
 
-    def _buffer(self) -> np.ndarray | None:
-        """This thread's buffer of `BUFFER_PAGES` pages, registered with the store (None, and a
-        log line, when the store refuses to register it: the call is then a miss or a failed
-        write, as with the store down)."""
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None:
-            buffer = np.empty(BUFFER_PAGES * self.namespace.page_bytes, np.uint8)
-            if self._call(lambda: self._store.register_buffer(buffer.ctypes.data,
-                                                              buffer.nbytes)) != 0:
-                logger.warning("Mooncake could not register a %d-byte buffer", buffer.nbytes)
-                return None
-            self._local.buffer = buffer
-            with self._lock:
-                self._buffers.append(buffer)
-        return buffer
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[np.ndarray]:
+        """A free slot of the registered block, for one call."""
+        slot = self._slots.get()
+        try:
+            yield slot
+        finally:
+            self._slots.put(slot)
 
     def clear(self) -> int:
         removed = self._call(lambda: self._store.remove_by_regex(f"^{self.prefix}", True))
@@ -218,10 +219,7 @@ class MooncakeStorage(Storage):
             return dataclasses.replace(self._counters)
 
     def close(self) -> None:
-        with self._lock:
-            buffers, self._buffers = self._buffers, []
-        for buffer in buffers:
-            self._store.unregister_buffer(buffer.ctypes.data)
+        self._store.unregister_buffer(self._block.ctypes.data)
         self._store.close()
 
     # -- reachability --------------------------------------------------------------------

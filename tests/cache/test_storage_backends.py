@@ -50,7 +50,7 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator:
             from jhicache.cache.mooncake_storage import MooncakeStorage
 
             master = request.getfixturevalue("master")
-            storage = MooncakeStorage(ns, pool.page_views, master.config)
+            storage = MooncakeStorage(ns, pool.page_views, master.config, callers=2)
         made.append((storage, pool))
         return storage, pool
 
