@@ -6,6 +6,7 @@ import getpass
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `--compilation-cache` of the servers the tests start as subprocesses: the suite's
+    JAX cache, so that a server reads back the programs any earlier one compiled, in either
+    pytest-xdist worker and in any module (each compiled them cold in a directory of its test
+    module's before); a directory of the session's own when that cache is off."""
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return Path(directory) if directory else tmp_path_factory.mktemp("xla")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -449,9 +450,10 @@ def main(argv: list[str]) -> None:
     names = [n for arg in argv for n in GROUPS.get(arg, (arg,))]
     failed = []
     for name in names:
+        started = time.perf_counter()
         try:
             CHECKS[name]()
-            print(f"check {name}: passed", flush=True)
+            print(f"check {name}: passed ({time.perf_counter() - started:.1f} s)", flush=True)
         except Exception:
             traceback.print_exc()
             failed.append(name)
