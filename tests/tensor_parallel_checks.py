@@ -426,9 +426,11 @@ CHECKS: dict[str, Callable[[], None]] = {
     name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")
 }
 
-# The checks run in two subprocesses, one per pytest-xdist worker, rather than one each: a
-# process's start and its compiled programs are shared by the checks in it (in one process the
-# set costs about half the CPU time of one process per check, on a cold compilation cache).
+# The checks run in two subprocesses, one after the other (pytest-xdist gives the module to one
+# worker), rather than one each: a process's start and its compiled programs are shared by the
+# checks in it (in one process the set costs about half the CPU time of one process per check,
+# on a cold compilation cache), and `tiers` reads back from the compilation cache the programs
+# `model` compiled (the one-device references among them).
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("bad_sizes_rejected", "checkpoint_loads_sharded", "dry_run_72b", "engine_tokens",
               "gated_forward_matches_ungated", "logprobs_equal_one_device",
