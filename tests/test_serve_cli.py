@@ -254,8 +254,8 @@ def test_sigterm_under_load_answers_every_request_within_the_shutdown_timeout(
     stopped_in: list[float] = []
     tokenizer = train_tokenizer(tmp_path / "tokenizer")  # 320 tokens: the preset embeds 512
     assert tokenizer.get_vocab_size() <= 512
-    _serve(tmp_path, compilation_cache, check, ("--shutdown-timeout", "2",
-                                       "--tokenizer", str(tmp_path / "tokenizer")),
+    _serve(tmp_path, compilation_cache, check,
+           ("--shutdown-timeout", "2", "--tokenizer", str(tmp_path / "tokenizer")),
            signal.SIGTERM, stopped_in=stopped_in)
     # The 100 ms, with slack for a loaded 2-core box (on 2026-12-07, at load 3.5-6: the
     # longest of 500-600 polls 0.10 s, once 0.38 s); tokenized holding the interpreter lock,
