@@ -19,10 +19,14 @@ bench: $(STAMP)
 install: $(STAMP)
 
 # One pytest worker per core (pytest-xdist): the suite is mostly XLA compiles, one core each.
+# Each worker takes whole test modules (loadfile), those with slow tests first (tests/conftest.py;
+# not reordered by their count of tests): a module's tests share its fixtures (engines, servers)
+# and compiled programs; split over both workers, a module compiled its programs in both at
+# once, and a tensor-parallel group could not read back the other's.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(MAKE) --no-print-directory typecheck
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder tests
 
 # mypy over the package as an install lays it out (models/ and pallas_kernels/ inside jhicache/,
 # as pyproject's package-dir maps them): a tree of links under build/, so that the calls from

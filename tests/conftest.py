@@ -6,20 +6,34 @@ import getpass
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-# XLA:CPU compiles without its costly LLVM passes: the suite is mostly compiles of programs
-# over tiny models, which then run for milliseconds (about a quarter less time for the engine
-# tests on a cold compilation cache). The checks compare results computed the same way, and
-# the GPU tests keep the default. `JHICACHE_TEST_XLA_FAST_COMPILE=0` compiles as usual.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU compiles without its costly LLVM passes (about a quarter less time for the engine
+# tests on a cold compilation cache) and with its older fusion emitters (the newer ones took
+# twice as long to compile: 11.4 s against 5.9 s for two test engines' programs, and 32 s
+# against 17 s of CPU for the kernel and model tests' interpret-mode Pallas programs, on
+# 2026-12-07): the suite is mostly compiles of programs over tiny models, which then run for
+# milliseconds. The checks compare results computed the same way, and the GPU tests keep the
+# default. `JHICACHE_TEST_XLA_FAST_COMPILE=0` compiles as usual.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                      " --xla_cpu_use_fusion_emitters=false")
+
+
+def _compile_fast() -> None:
+    """Adds the flags before JAX starts its backend; subprocesses (servers, tensor parallelism)
+    inherit them, and pytest-xdist's workers, which inherit them too, do not add them twice
+    (the flags are part of the compilation cache's key)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FAST_COMPILE_FLAGS not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
+
 
 if os.environ.get("JHICACHE_GPU_TESTS") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if os.environ.get("JHICACHE_TEST_XLA_FAST_COMPILE", "1") != "0":
-        # before JAX starts its backend; subprocesses (servers, tensor parallelism) inherit it
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}"
+        _compile_fast()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,11 +54,22 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `--compilation-cache` of the servers the tests start as subprocesses: the suite's
+    JAX cache, so that a server reads back the programs any earlier one compiled, in either
+    pytest-xdist worker and in any module (each compiled them cold in a directory of its test
+    module's before); a directory of the session's own when that cache is off."""
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return Path(directory) if directory else tmp_path_factory.mktemp("xla")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Runs the `slow`-marked tests first (each takes tens of seconds on a cold compilation
-    cache: started last, one would keep a pytest-xdist worker busy after the other ran out of
-    tests), and skips GPU-marked tests when JAX has no GPU, so `-m gpu` on a CPU box reports
-    skips, not errors."""
+    """Runs the `slow`-marked tests first, and so their modules (pytest-xdist's loadfile with
+    --no-loadscope-reorder takes modules in the order of their first test): each takes tens of
+    seconds on a cold compilation cache, and started last, one would keep a pytest-xdist worker
+    busy after the other ran out of modules. Skips GPU-marked tests when JAX has no GPU, so
+    `-m gpu` on a CPU box reports skips, not errors."""
     import jax
 
     items.sort(key=lambda item: "slow" not in item.keywords)  # stable: the rest keep their order

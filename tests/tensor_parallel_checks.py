@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -441,9 +442,11 @@ CHECKS: dict[str, Callable[[], None]] = {
     name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")
 }
 
-# The checks run in two subprocesses, one per pytest-xdist worker, rather than one each: a
-# process's start and its compiled programs are shared by the checks in it (in one process the
-# set costs about half the CPU time of one process per check, on a cold compilation cache).
+# The checks run in two subprocesses, one after the other (pytest-xdist gives the module to one
+# worker), rather than one each: a process's start and its compiled programs are shared by the
+# checks in it (in one process the set costs about half the CPU time of one process per check,
+# on a cold compilation cache), and `tiers` reads back from the compilation cache the programs
+# `model` compiled (the one-device references among them).
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("bad_sizes_rejected", "checkpoint_loads_sharded", "dry_run_72b", "engine_tokens",
               "gated_forward_matches_ungated", "hf_families", "logprobs_equal_one_device",
@@ -465,9 +468,10 @@ def main(argv: list[str]) -> None:
     names = [n for arg in argv for n in GROUPS.get(arg, (arg,))]
     failed = []
     for name in names:
+        started = time.perf_counter()
         try:
             CHECKS[name]()
-            print(f"check {name}: passed", flush=True)
+            print(f"check {name}: passed ({time.perf_counter() - started:.1f} s)", flush=True)
         except Exception:
             traceback.print_exc()
             failed.append(name)

@@ -57,8 +57,8 @@ class Fleet:
     """Servers of the tiny checkpoint on one store, and a router, started by `procs` (the
     fleet bench's: each ended at the end, with its engine process)."""
 
-    def __init__(self, procs: Processes, checkpoint: Path, master: Master, tmp: Path) -> None:
-        self.procs, self.checkpoint, self.master, self.tmp = procs, checkpoint, master, tmp
+    def __init__(self, procs: Processes, checkpoint: Path, master: Master, cache: Path) -> None:
+        self.procs, self.checkpoint, self.master, self.cache = procs, checkpoint, master, cache
 
     def servers(self, *extras: Sequence[str], store: dict | None = None) -> list[str]:
         """Servers on the store (the module's master, or `store`'s config), each with its
@@ -68,7 +68,7 @@ class Fleet:
                   "--chunked-prefill-tokens", "128", "--max-running-requests", "4",
                   "--write-policy", "write_through", "--fetch-threshold", "16",
                   "--fetch-policy", "wait_complete", "--check-invariants-every-step",
-                  "--fail-on-compile", "--compilation-cache", str(self.tmp / "xla"),
+                  "--fail-on-compile", "--compilation-cache", str(self.cache),
                   "--storage-backend", "mooncake",
                   "--storage-backend-config", json.dumps(store or self.master.config), *extra]
                  for extra in extras]
@@ -76,11 +76,11 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory, compilation_cache: Path) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
     checkpoint = write_checkpoint(tmp / "ckpt")
     with running_master(tmp) as master, Processes(tmp, STARTUP_S) as procs:
-        yield Fleet(procs, checkpoint, master, tmp)
+        yield Fleet(procs, checkpoint, master, compilation_cache)
 
 
 def _generate(url: str, ids: list[int]) -> dict:

@@ -110,17 +110,11 @@ def _serve(tmp_path: Path, cache: Path, check, extra: tuple[str, ...] = (),
     return out
 
 
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A compilation cache the servers of this module's tests share: a later start reads back."""
-    return tmp_path_factory.mktemp("xla-cache")
-
-
 @pytest.mark.slow
-def test_serve_preset_from_the_command_line(tmp_path: Path, programs: Path):
+def test_serve_preset_from_the_command_line(tmp_path: Path, compilation_cache: Path):
     """It listens at once, warms up (503) and then serves (200) without compiling; a restart
     reads its programs back from the compilation cache."""
-    cache = programs
+    cache = compilation_cache
 
     def check(url: str, statuses: list[tuple[int, str]]) -> None:
         assert statuses[0] == (503, "warming up") and statuses[-1][0] == 200
@@ -237,7 +231,7 @@ def _health_while_tokenizing(url: str) -> list[float]:
 
 
 def test_sigterm_under_load_answers_every_request_within_the_shutdown_timeout(
-        tmp_path: Path, programs: Path):
+        tmp_path: Path, compilation_cache: Path):
     """/health answers while a 7 MB text prompt is tokenized. Then 60 requests at once,
     streamed and not, and SIGTERM with --shutdown-timeout 2: a request sent during the drain
     gets a JSON 503; each of the 60 gets its whole answer, a JSON 503 or a stream's error event
@@ -260,8 +254,8 @@ def test_sigterm_under_load_answers_every_request_within_the_shutdown_timeout(
     stopped_in: list[float] = []
     tokenizer = train_tokenizer(tmp_path / "tokenizer")  # 320 tokens: the preset embeds 512
     assert tokenizer.get_vocab_size() <= 512
-    _serve(tmp_path, programs, check, ("--shutdown-timeout", "2",
-                                       "--tokenizer", str(tmp_path / "tokenizer")),
+    _serve(tmp_path, compilation_cache, check,
+           ("--shutdown-timeout", "2", "--tokenizer", str(tmp_path / "tokenizer")),
            signal.SIGTERM, stopped_in=stopped_in)
     # The issue's 100 ms, with slack for a loaded 2-core box (on 2026-12-07, at load 3.5-6: the
     # longest of 500-600 polls 0.10 s, once 0.38 s); tokenized holding the interpreter lock,
@@ -274,7 +268,8 @@ def test_sigterm_under_load_answers_every_request_within_the_shutdown_timeout(
     assert late[0].json()["error"]["code"] == "shutting_down"
 
 
-def test_a_second_ctrl_c_during_the_drain_ends_it_at_once(tmp_path: Path, programs: Path):
+def test_a_second_ctrl_c_during_the_drain_ends_it_at_once(tmp_path: Path,
+                                                          compilation_cache: Path):
     """Ctrl-C starts a drain that would wait up to a minute for 40 requests (more than the
     engine runs at once, most to the context's end); a second Ctrl-C ends it at once: each
     request gets its whole answer, a JSON 503 or an error event, the server exits 0 (no C++
@@ -288,7 +283,7 @@ def test_a_second_ctrl_c_during_the_drain_ends_it_at_once(tmp_path: Path, progra
 
     stopped_in: list[float] = []
     # _serve fails unless the server exits 0 within a minute of the signals
-    out = _serve(tmp_path, programs, check, ("--shutdown-timeout", "60"), stops=2,
+    out = _serve(tmp_path, compilation_cache, check, ("--shutdown-timeout", "60"), stops=2,
                  stopped_in=stopped_in)
     assert "terminate called" not in out, out
     assert stopped_in[0] < 20, "the second Ctrl-C did not end the drain"
@@ -301,8 +296,8 @@ def test_a_second_ctrl_c_during_the_drain_ends_it_at_once(tmp_path: Path, progra
     assert not _alive(engine_pid[0]), "the engine process outlived the server"
 
 
-def test_a_dead_engine_process_turns_health_503_and_ends_the_server_non_zero(tmp_path: Path,
-                                                                            programs: Path):
+def test_a_dead_engine_process_turns_health_503_and_ends_the_server_non_zero(
+        tmp_path: Path, compilation_cache: Path):
     """Killing the engine process: /health says why, and the server exits with status 1 so
     that a supervisor restarts it."""
     def check(url: str, statuses: list[tuple[int, str]]) -> None:
@@ -319,7 +314,7 @@ def test_a_dead_engine_process_turns_health_503_and_ends_the_server_non_zero(tmp
                 break
             time.sleep(0.1)
 
-    _serve(tmp_path, programs, check, expect=1)
+    _serve(tmp_path, compilation_cache, check, expect=1)
 
 
 def _children(pid: int) -> list[int]:
