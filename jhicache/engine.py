@@ -56,9 +56,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, config: EngineConfig = EngineConfig()) -> Engine:
-        """An engine over a Hugging Face checkpoint directory of any family
-        (`jhicache.models.FAMILIES`; read straight into the sharded layout with tensor
-        parallelism)."""
+        """An engine over a Hugging Face checkpoint directory of any `jhicache.models.FAMILIES`
+        (read straight into the sharded layout with tensor parallelism)."""
         return cls._built(lambda: pretrained_model(path, config))
 
     @classmethod
