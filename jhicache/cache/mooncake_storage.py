@@ -132,13 +132,7 @@ class MooncakeStorage(Storage):
 
     def get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Reads the pages `BUFFER_PAGES` a call, up to the first one missing."""
-        n = 0
-        for at in range(0, len(keys), BUFFER_PAGES):
-            got = self._get(keys[at:at + BUFFER_PAGES], host_pages[at:at + BUFFER_PAGES])
-            n += got
-            if got < len(keys[at:at + BUFFER_PAGES]):
-                break
-        return n
+        return _by_buffer(self._get, keys, host_pages)
 
     def _get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
@@ -163,13 +157,7 @@ class MooncakeStorage(Storage):
 
     def set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Writes the pages `BUFFER_PAGES` a call, up to the first one that fails."""
-        n = 0
-        for at in range(0, len(keys), BUFFER_PAGES):
-            put = self._set(keys[at:at + BUFFER_PAGES], host_pages[at:at + BUFFER_PAGES])
-            n += put
-            if put < len(keys[at:at + BUFFER_PAGES]):
-                break
-        return n
+        return _by_buffer(self._set, keys, host_pages)
 
     def _set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         if not keys:
@@ -242,6 +230,20 @@ class MooncakeStorage(Storage):
                            "fail until it answers again")
         elif changed:
             logger.warning("Mooncake store's master answers again")
+
+
+def _by_buffer(move: Callable[[Sequence[bytes], Sequence[int]], int], keys: Sequence[bytes],
+               host_pages: Sequence[int]) -> int:
+    """`move` over the pages a buffer's worth at a time, up to the first call that moved fewer
+    than it was given; how many pages moved."""
+    moved = 0
+    for at in range(0, len(keys), BUFFER_PAGES):
+        part = keys[at:at + BUFFER_PAGES]
+        done = move(part, host_pages[at:at + BUFFER_PAGES])
+        moved += done
+        if done < len(part):
+            break
+    return moved
 
 
 def _addresses(buffer: np.ndarray, page: int, n: int) -> list[int]:
