@@ -1,5 +1,6 @@
-"""The peer for the no-cache prefill: HF transformers' Qwen2 forward (SDPA attention, random bf16
-weights of the preset's shape) over one prompt, on the same GPU.
+"""The peer for the no-cache prefill: HF transformers' forward of the preset's family (Qwen2,
+Qwen3, Llama 3; SDPA attention, random bf16 weights of the preset's shape) over one prompt, on
+the same GPU.
 
     python3 benchmarks/hf_transformers_peer.py --preset qwen2-7b --tokens 8192 --out F.json
 
@@ -14,16 +15,16 @@ import argparse
 import json
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from jhicache.models import PRESETS, preset_config
+from transformers import AutoConfig, AutoModelForCausalLM
 
-SHAPES = {
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                       tie_word_embeddings=True),
-    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                     tie_word_embeddings=False),
-}
+
+def hf_config(preset: str) -> AutoConfig:
+    """transformers' config of the preset's shape and family, from our config.json writer (JAX
+    is imported but starts no backend: torch has the GPU to itself)."""
+    d = preset_config(preset).to_hf_dict()
+    d.pop("architectures", None)
+    return AutoConfig.for_model(d.pop("model_type"), **d, torch_dtype="bfloat16")
 
 
 def median_ms(fn, reps: int = 3, warm: int = 2) -> float:
@@ -43,16 +44,15 @@ def median_ms(fn, reps: int = 3, warm: int = 2) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="qwen2-7b", choices=sorted(SHAPES))
+    parser.add_argument("--preset", default="qwen2-7b", choices=sorted(PRESETS))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--out")
     args = parser.parse_args()
-    config = Qwen2Config(**SHAPES[args.preset], max_position_embeddings=32768, rope_theta=1e6,
-                         torch_dtype="bfloat16")
+    config = hf_config(args.preset)
     config._attn_implementation = "sdpa"
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
     torch.set_default_dtype(torch.float32)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), device="cuda")
     with torch.no_grad():
