@@ -135,8 +135,6 @@ class MooncakeStorage(Storage):
         return _by_buffer(self._get, keys, host_pages)
 
     def _get(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        if not keys:
-            return 0
         page = self.namespace.page_bytes
         start = time.perf_counter()
         with self._slot() as buffer:
@@ -160,8 +158,6 @@ class MooncakeStorage(Storage):
         return _by_buffer(self._set, keys, host_pages)
 
     def _set(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        if not keys:
-            return 0
         page = self.namespace.page_bytes
         start = time.perf_counter()
         with self._slot() as buffer:
