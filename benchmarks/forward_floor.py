@@ -14,6 +14,9 @@ prompt's TTFT.
   call), and the `XLA_FLAGS` it ran under, for comparing XLA settings.
 - `--fresh N`: the engine's TTFT for N-token prompts with nothing cached (chunked as the engine
   chunks them), after one that compiles.
+- `--decode-batch B`: instead of the device hit, one decode step of B requests whose
+  `--prefix`-token contexts are on device (a multi-turn bench's steady state at B running); its
+  floor is every weight plus the K/V of all B contexts.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Gen
                        SamplingParams(max_new_tokens=1))
     batch = engine.scheduler.schedule()
     assert batch is not None
+    inputs = model_inputs(batch, engine.grid, engine.load_flags)
+    return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
+
+
+def decode_forward(engine: Engine, batch_size: int, context: int, rng: np.random.Generator):
+    """Prefills `batch_size` requests of `context` tokens, then plans their decode step; returns
+    a function dispatching its forward."""
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch_size):
+        engine.add_request(rng.integers(0, vocab, context).tolist(),
+                           SamplingParams(max_new_tokens=64))
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_generated < 1 for r in scheduler.running):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch is not None and batch.num_tokens == batch_size, "not one decode step of all"
     inputs = model_inputs(batch, engine.grid, engine.load_flags)
     return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
 
@@ -96,6 +115,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=8192)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--fresh", type=int, default=0, metavar="N")
+    parser.add_argument("--decode-batch", type=int, default=0, metavar="B")
     parser.add_argument("--out")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -104,17 +124,25 @@ def main() -> None:
                  "xla_flags": os.environ.get("XLA_FLAGS", "")}
     hbm_read(res)
     hbm_read(res)  # a second pass keeps each variant's best
+    tokens = (args.decode_batch or 1) * (args.prefix + 64 + 64) + args.prefix + args.fresh
     engine = Engine.from_preset(args.preset, EngineConfig(
-        cache_mode="device", device_kv_tokens=max(65536, 2 * (args.prefix + args.fresh)),
-        page_size=64, dtype="bfloat16"))
-    run = device_hit_forward(engine, args.prefix, args.new, rng)
+        cache_mode="device", device_kv_tokens=max(65536, 2 * tokens), page_size=64,
+        dtype="bfloat16", max_running_requests=max(args.decode_batch, 64)))
+    if args.decode_batch:
+        run = decode_forward(engine, args.decode_batch, args.prefix, rng)
+        res["decode_batch"] = args.decode_batch
+        res["bytes"] = forward_bytes(engine, args.decode_batch * (args.prefix + 1), 0)
+        what = f"decode step of {args.decode_batch} x {args.prefix}"
+    else:
+        run = device_hit_forward(engine, args.prefix, args.new, rng)
+        res["bytes"] = forward_bytes(engine, args.prefix, args.new)
+        what = f"device hit {args.prefix}+{args.new}"
     res["forward"] = forward_times_ms(run)
-    res["bytes"] = forward_bytes(engine, args.prefix, args.new)
     floor_ms = sum(res["bytes"].values()) / (res["hbm_read_gbps"] * 1e9) * 1e3
     res["floor_ms"] = floor_ms
     res["forward_over_floor"] = res["forward"]["back_to_back_ms"] / floor_ms
     res["trace"] = kernel_times(run)
-    print(f"{args.preset} device hit {args.prefix}+{args.new}: forward "
+    print(f"{args.preset} {what}: forward "
           f"{res['forward']['back_to_back_ms']:.2f} ms back to back "
           f"({res['forward']['one_at_a_time_median_ms']:.2f} one at a time, dispatch "
           f"{res['forward']['dispatch_us']:.0f} us), floor "
@@ -129,8 +157,10 @@ def main() -> None:
             SamplingParams(max_new_tokens=1))[0].ttft_s * 1e3 for _ in range(4)][1:]
         print(f"fresh {args.fresh}-token prompt TTFT: {res['fresh_ttft_ms']} ms (after a first "
               "that compiled)", flush=True)
-    bound = 2 if "0.5b" in args.preset.lower() else 1.3  # 0.5B: its dispatch rivals its reads
-    res["page_rows"] = {"forward_floor": page_row(
+    # 0.5B, and any decode step: its dispatch rivals its reads
+    bound = 2 if "0.5b" in args.preset.lower() or args.decode_batch else 1.3
+    name = "decode_floor" if args.decode_batch else "forward_floor"
+    res["page_rows"] = {name: page_row(
         "forward_floor", [res], {}, Target(f"<= {bound}", (Rule("ratio", "ratio", at_most=bound),),
                                            samples="runs"))}
     save_json(res, args.out)

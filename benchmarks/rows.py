@@ -438,13 +438,16 @@ def attention(files: list[Json], args: Json) -> Figures:
 
 
 def forward_floor(files: list[Json], args: Json) -> Figures:
-    """A device-hit forward against its HBM floor, one file per run, figures as "a / b"."""
+    """A device-hit forward (or a decode step) against its HBM floor, one file per run, figures
+    as "a / b"; with the traced kernel count and the host's dispatch time of one forward."""
     def each(fmt: Callable[[Json], str]) -> str:
         return " / ".join(fmt(d) for d in files)
 
     text = (f"{each(lambda d: num(d['forward']['back_to_back_ms'], 2))} ms "
             f"({each(lambda d: num(d['forward']['one_at_a_time_median_ms'], 2))}); "
-            f"{each(lambda d: num(d['forward_over_floor'], 2))}")
+            f"{each(lambda d: num(d['forward_over_floor'], 2))}; "
+            f"{each(lambda d: str(d['trace']['kernels']))} kernels, dispatch "
+            f"{each(lambda d: num(d['forward']['dispatch_us'], 0))} us")
     ceiling = (f"floor {each(lambda d: num(d['floor_ms'], 2))} ms "
                f"({each(lambda d: num(d['hbm_read_gbps'], 0))} GB/s)")
     return Figures(text, ceiling, checks={"ratio": [d["forward_over_floor"] for d in files]})
