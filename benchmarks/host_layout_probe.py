@@ -26,12 +26,16 @@ LAYERS, PAGE_TOKENS, KV_HEADS, HEAD_DIM, ITEM = 28, 64, 4, 128, 2
 PIECE = PAGE_TOKENS * KV_HEADS * HEAD_DIM * ITEM  # a page's K (or V) of one layer: 64 KB
 
 
-def _plans(pages: int, host: int, device: int) -> dict[str, list[tuple[np.ndarray, ...]]]:
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # host addresses, device addresses, sizes
+
+
+def _plans(pages: int, host: int, device: int) -> dict[str, list[Batch]]:
     """Per layout, one (host addresses, device addresses, sizes) batch a layer. The device side
     is the pool's layer-first [layer][K|V][pages] in both; only the host side differs."""
     run = pages * PIECE
     dev = lambda layer, kv: device + (layer * 2 + kv) * run  # noqa: E731
-    layer_first, page_first = [], []
+    layer_first: list[Batch] = []
+    page_first: list[Batch] = []
     for layer in range(LAYERS):
         layer_first.append((np.array([host + (layer * 2 + kv) * run for kv in (0, 1)], np.uint64),
                             np.array([dev(layer, kv) for kv in (0, 1)], np.uint64),
