@@ -156,6 +156,11 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
         root = Path(directory)
         store = (None if args.storage_backend == "file"
                  else stack.enter_context(_local_store(args, root)))
+        rates: dict[str, float] = {}
+        if store is not None:  # the store's own rates first, while it holds nothing else
+            page_bytes = args.page_size * _token_bytes(args)
+            pages = args.storage_hit_prefix // args.page_size
+            rates = mooncake_local.store_rates(store[1], page_bytes, pages)
         engine = storage_engine(args, root / "storage", None if store is None else store[0])
         # every program compiled, as a server's start does: where a split fetch's compute meets
         # its reads varies from trial to trial, and so do the chunk shapes it runs
@@ -170,8 +175,6 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
             rates = disk_read_rates(root, prefix_bytes)
             ceiling = max(rates["disk_sequential_read_bps"], rates["disk_parallel_read_bps"])
         else:
-            page_bytes = args.page_size * bytes_per_token(engine)
-            rates = mooncake_local.store_rates(store[1], page_bytes, prefix_bytes // page_bytes)
             ceiling = rates["store_get_bps"]
     ttfts = [t["storage_hit_ttft_s"] for t in trials]
     median = median_index(ttfts)
@@ -188,11 +191,12 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
 @contextlib.contextmanager
 def _local_store(args: argparse.Namespace,
                  root: Path) -> Iterator[tuple[dict[str, Any], mooncake_local.Master]]:
-    """A master and a store service holding three prefixes' pages (older ones are evicted),
-    and the engine's client config: it contributes no memory, so its pages live in the
-    service's, as a fleet's do."""
+    """A master and a store service holding every prefix the run writes (each trial's, the
+    warm-up trial's and the engine warm-up's), so that no put meets a full store, and the
+    engine's client config: it contributes no memory, so its pages live in the service's, as a
+    fleet's do."""
     root.mkdir(parents=True, exist_ok=True)
-    tokens = 3 * (args.storage_hit_prefix + 4 * args.page_size)
+    tokens = (args.storage_hit_trials + 3) * (args.storage_hit_prefix + 4 * args.page_size)
     segment = tokens * _token_bytes(args) + (256 << 20)
     master = mooncake_local.Master(root / "master.log", segment_bytes=0)
     master.start()
