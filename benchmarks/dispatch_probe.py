@@ -11,7 +11,10 @@ buffers (CUDA graphs) save; the result records the flags.
   place (`donated_in_place_us`).
 - `kernel_rows`: one array in and out through a chain of `layers` dependent small matmuls
   (each with a tanh, so each is a kernel of its own), alone (`xla_only`) or each followed by a
-  trivial Pallas call (`with_pallas`): host dispatch time.
+  trivial Pallas call lowered by Pallas's Triton backend (`with_pallas`) or by its Mosaic GPU
+  backend (`with_mosaic`): host dispatch time. Triton calls split XLA's command buffers on jax
+  0.11.2; jaxlib registers Mosaic GPU's custom call as command-buffer compatible, which
+  `with_mosaic` against `xla_only` shows or refutes.
 """
 
 from __future__ import annotations
@@ -23,27 +26,33 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
+from jax.experimental.pallas import triton as pltriton
 from jhicache.pallas_kernels.backend import use_interpreter
 
 from benchmarks.kernels.timing import dispatch_us
 from jhicache.bench.command import save_json
 
+# the kernel rows' programs: the Pallas backend of the call after each matmul (None: no call)
+PROGRAMS = {"xla_only": None, "with_pallas": "triton", "with_mosaic": "mosaic_gpu"}
 
-def _doubled(x: jax.Array) -> jax.Array:
-    """A trivial Pallas call: 2x."""
+
+def _doubled(x: jax.Array, backend: str) -> jax.Array:
+    """A trivial Pallas call, 2x, lowered by Pallas's `backend` ("triton" or "mosaic_gpu")."""
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 2
 
+    params = pltriton.CompilerParams() if backend == "triton" else plmgpu.CompilerParams()
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          interpret=use_interpreter())(x)
+                          compiler_params=params, interpret=use_interpreter())(x)
 
 
-def _chain(layers: int, pallas: bool) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def _chain(layers: int, backend: str | None) -> Callable[[jax.Array, jax.Array], jax.Array]:
     def run(x: jax.Array, w: jax.Array) -> jax.Array:
         for _ in range(layers):
             x = jnp.tanh(x @ w)
-            if pallas:
-                x = _doubled(x)
+            if backend is not None:
+                x = _doubled(x, backend)
         return x
     return jax.jit(run)
 
@@ -54,14 +63,22 @@ def kernel_rows(reps: int) -> list[dict]:
     after 3 warm-up calls took 1.5 ms each, and 0.05 ms after 200 calls, so time per kernel is
     read from the forward's own trace instead.)"""
     x, w = jnp.ones((16, 64), jnp.bfloat16), jnp.full((64, 64), 0.01, jnp.bfloat16)
-    rows = []
+    rows: list[dict[str, object]] = []
     for layers in (28, 112, 448):
-        for pallas in (False, True):
-            fn = _chain(layers, pallas)
-            jax.block_until_ready(fn(x, w))  # compiles
-            rows.append({"layers": layers, "program": "with_pallas" if pallas else "xla_only",
-                         "dispatch_us": dispatch_us(lambda: fn(x, w), reps)})
+        outputs: dict[str, jax.Array] = {}
+        for program, backend in PROGRAMS.items():
+            fn = _chain(layers, backend)
+            try:
+                outputs[program] = jax.block_until_ready(fn(x, w))  # compiles
+            except Exception as e:  # noqa: BLE001  a backend this jax cannot lower: say so
+                rows.append({"layers": layers, "program": program, "error": repr(e)[:300]})
+            else:
+                rows.append({"layers": layers, "program": program,
+                             "dispatch_us": dispatch_us(lambda: fn(x, w), reps)})
             print(rows[-1], flush=True)
+        if {"with_pallas", "with_mosaic"} <= outputs.keys():  # the same computation
+            rows[-1]["outputs_equal"] = bool((outputs["with_pallas"]
+                                              == outputs["with_mosaic"]).all())
     return rows
 
 
