@@ -3,10 +3,13 @@ at start.
 
 Layout of each shard's block [layer, K|V, page, page_size, heads / shards, head_dim]: one layer's
 K (or V) of one page of one shard is a contiguous `layer_page_bytes` block, the unit a copy
-moves. With tensor parallelism the pool is split on the KV-head axis exactly as the device pool
-is: block i holds the heads of device shard i (replicated KV heads are stored once per device,
-as the device pool stores them), so a shard's bytes only ever move between one device and one
-block. Unlike the device tier, no host page is reserved: every host page id is usable.
+moves, and a layer's consecutive host pages are adjacent, so a load or write-back copies each
+run of them as one piece (the layer-wise load's copies stay few; a page's bytes are not
+contiguous, which the storage tier pays for with a copy). With tensor parallelism the pool is
+split on the KV-head axis exactly as the device pool is: block i holds the heads of device
+shard i (replicated KV heads are stored once per device, as the device pool stores them), so a
+shard's bytes only ever move between one device and one block. Unlike the device tier, no
+host page is reserved: every host page id is usable.
 """
 
 from __future__ import annotations

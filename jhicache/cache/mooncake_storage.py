@@ -32,7 +32,9 @@ logger = logging.getLogger("jhicache.storage")
 # write tasks take 8). Why a buffer and not the host pool itself: the pool is laid out layer
 # first, so a page there is 2 x layers pieces, and a put or get of many pieces a call runs at a
 # third of a contiguous object's rate on Mooncake's TCP transport, or fails (-800) with 7B's
-# pages; copying a page into or out of a buffer costs far less (BENCHMARKS.md's log).
+# pages; copying a page into or out of a buffer costs far less. A page-first pool would need no
+# buffer, but its layer-wise loads then copy page by page, which slowed the host hit more than
+# the buffer's copy costs the store (both in BENCHMARKS.md's log).
 BUFFER_PAGES = 8
 CONFIG_KEYS = STORAGE_BACKEND_KEYS[StorageBackend.MOONCAKE]  # Mooncake's store config names
 # Small defaults for a server that only reads and writes its own registered pages (Mooncake's
