@@ -56,7 +56,8 @@ def device_hit_forward(engine: Engine, prefix: int, new: int, rng: np.random.Gen
 
 def decode_forward(engine: Engine, batch_size: int, context: int, rng: np.random.Generator):
     """Prefills `batch_size` requests of `context` tokens, then plans their decode step; returns
-    a function dispatching its forward."""
+    a function dispatching its forward, and the tokens whose K/V the step reads (every
+    request's sequence, its new token included)."""
     vocab = engine.model_config.vocab_size
     for _ in range(batch_size):
         engine.add_request(rng.integers(0, vocab, context).tolist(),
@@ -67,7 +68,8 @@ def decode_forward(engine: Engine, batch_size: int, context: int, rng: np.random
     batch = engine.scheduler.schedule()
     assert batch is not None and batch.num_tokens == batch_size, "not one decode step of all"
     inputs = model_inputs(batch, engine.grid, engine.load_flags)
-    return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index)
+    read = sum(chunk.request.num_tokens for chunk in batch.chunks)
+    return lambda: engine.runner.run(inputs.tokens, inputs.meta, inputs.last_index), read
 
 
 def forward_times_ms(run, n: int = 10) -> dict[str, float]:
@@ -129,9 +131,9 @@ def main() -> None:
         cache_mode="device", device_kv_tokens=max(65536, 2 * tokens), page_size=64,
         dtype="bfloat16", max_running_requests=max(args.decode_batch, 64)))
     if args.decode_batch:
-        run = decode_forward(engine, args.decode_batch, args.prefix, rng)
+        run, kv_tokens = decode_forward(engine, args.decode_batch, args.prefix, rng)
         res["decode_batch"] = args.decode_batch
-        res["bytes"] = forward_bytes(engine, args.decode_batch * (args.prefix + 1), 0)
+        res["bytes"] = forward_bytes(engine, kv_tokens, 0)
         what = f"decode step of {args.decode_batch} x {args.prefix}"
     else:
         run = device_hit_forward(engine, args.prefix, args.new, rng)
