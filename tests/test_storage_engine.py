@@ -410,3 +410,76 @@ def test_a_bad_storage_setting_at_run_time_changes_nothing(tmp_path: Path) -> No
     assert engine.config.storage_dir == str(tmp_path) and engine.cache.storage is not None
     assert run_chats(engine) == reference_histories()
     engine.close()
+
+
+def _finish(engine: Engine) -> list:
+    """Steps `engine` until no request is unfinished; the outputs."""
+    outputs: list = []
+    while engine.scheduler.waiting or engine.scheduler.running:
+        outputs += engine.step()
+    return outputs + engine.drain()
+
+
+def _held_exists(engine: Engine) -> threading.Event:
+    """Makes the storage tier's queries wait until the returned event is set."""
+    tier = engine.cache.storage
+    assert tier is not None
+    release, exists = threading.Event(), tier.storage.exists
+
+    def held(keys):
+        release.wait(10)
+        return exists(keys)
+
+    tier.storage.exists = held  # type: ignore[method-assign]
+    return release
+
+
+def test_a_query_in_flight_holds_no_cached_prefix(tmp_path: Path) -> None:
+    """Most queries find nothing: while storage answers, the request's cached prefix stays
+    evictable for the other requests' loads, and the read takes its prefix only once the
+    answer says there are pages to read."""
+    prefix = list(range(1, 5 * 16 + 2))  # 5 whole pages, then a token left to compute
+    params = SamplingParams(max_new_tokens=2)
+    engine = storage_engine(tmp_path)
+    engine.generate([prefix], params)
+    release = _held_exists(engine)
+    engine.add_request(prefix[:-1] + list(range(200, 500)), params)
+    engine.step()  # asks storage, waits for the answer
+    fetch = engine.cache.fetches.in_flight(engine.scheduler.waiting[0].request_id)
+    assert fetch is not None and not fetch.queried
+    match = engine.cache.match(prefix[:-1])
+    assert match.device_len == 5 * 16 and match.last_device_node.lock_count == 0
+    assert engine.cache.pages.device_available == engine.cache.pages.device
+    release.set()
+    _finish(engine)
+    assert_idle_and_consistent(engine)
+
+
+def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: Path) -> None:
+    """The found pages would hang under a prefix that left the cache during the query: the read
+    ends (revoked), nothing is read, and the request computes its prompt as with no cache."""
+    prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
+    params = SamplingParams(max_new_tokens=3)
+    expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
+    first = storage_engine(tmp_path)
+    first.generate([prompt], params)
+    first.flush_cache()
+    again = storage_engine(tmp_path)
+    again.generate([prompt[:5 * 16 + 1]], SamplingParams(max_new_tokens=1))  # 5 pages cached
+    before = again.stats()
+    release = _held_exists(again)
+    rid = again.add_request(prompt, params)
+    again.step()  # asks storage for pages 5.. and waits for the answer
+    fetch = again.cache.fetches.in_flight(rid)
+    assert fetch is not None and fetch.first_page == 5
+    assert again.cache.clear() > 0  # the prefix leaves both tiers meanwhile
+    release.set()
+    _wait_until(lambda: fetch.queried)
+    outputs = _finish(again)
+    (output,) = [o for o in outputs if o.request_id == rid and o.finished]
+    assert [t for o in outputs if o.request_id == rid for t in o.new_token_ids] == expected
+    assert output.storage_hit_tokens == 0
+    stats = again.stats()
+    assert stats.storage_fetch_revoked - before.storage_fetch_revoked == 1
+    assert stats.storage_fetched_pages == before.storage_fetched_pages
+    assert_idle_and_consistent(again)

@@ -194,7 +194,9 @@ class Fetches:
         """Asks storage (on a thread) for the pages of `tokens` past `match` (whole pages,
         the last token left to compute), to be read from the first or, with `from_tail`, from
         the last; None when there is no storage tier or fewer than `threshold` tokens to ask
-        for. The matched prefix stays cached until the fetch ends."""
+        for. The matched prefix is held from the start of the reads to the fetch's end, not
+        while storage answers: most queries find nothing, and a prefix locked through every
+        query would shrink what the other requests' loads may evict."""
         if self.storage is None or self.host is None:
             return None
         hit = (match.device_len + match.host_len) // self.page_size
@@ -202,24 +204,25 @@ class Fetches:
         if (pages - hit) * self.page_size < max(threshold, self.page_size):
             return None
         keys = chain_keys(tokens[:pages * self.page_size], self.page_size)
-        anchor = (match.last_node, match.last_node.device_pages is not None)
-        self._pin(anchor, True)
-        return self.storage.start_fetch(keys[hit:], hit, anchor, from_tail)
+        return self.storage.start_fetch(keys[hit:], hit, None, from_tail)
 
     def advance(self, fetch: StorageFetch, tokens: Sequence[int], threshold: int,
                 stop: bool) -> int | None:
-        """Moves `fetch` on: once its query is answered, gives the found pages host pages and
-        starts their reads (or ends it: too few found, or no host room); with `stop`, ends it.
-        An ended fetch's pages read so far enter the tree as host pages; returns how many
-        tokens they hold, or None while it goes on."""
+        """Moves `fetch` on: once its query is answered, holds the prefix the found pages go
+        under, gives them host pages and starts their reads (or ends it: too few found, the
+        prefix left the cache meanwhile, or no host room); with `stop`, ends it. An ended
+        fetch's pages read so far enter the tree as host pages; returns how many tokens they
+        hold, or None while it goes on."""
         assert self.storage is not None and self.host is not None
         if fetch.state is FetchState.QUERYING and fetch.queried:
             assert fetch.found is not None
             room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
-            host = self._alloc_host(room) if room * self.page_size >= threshold else None
+            if room * self.page_size < threshold or not self._hold_prefix(fetch, tokens):
+                self.storage.counters["fetch_revoked"] += 1
+                return self.end(fetch, tokens)
+            host = self._alloc_host(room)  # (may evict host pages: the prefix is held first)
             if host is None:
-                key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
-                self.storage.counters[key] += 1
+                self.storage.counters["fetch_no_host"] += 1
                 return self.end(fetch, tokens)
             self.storage.read(fetch, host, {self._filling[p] for p in host if p in self._filling})
             return None
@@ -241,7 +244,8 @@ class Fetches:
             return 0
         first = None if from_page is None else from_page - fetch.first_page
         lo, hi = self.storage.end_fetch(fetch, first)
-        self._pin(fetch.anchor, False)  # type: ignore[arg-type]
+        if fetch.anchor is not None:  # (held once its reads were to start)
+            self._pin(fetch.anchor, False)  # type: ignore[arg-type]
         pages = fetch.host_pages[lo:hi]
         if tokens is None or not pages:
             self.host.free(pages)
@@ -250,6 +254,16 @@ class Fetches:
         unused = self.tree.insert_host(tokens[:end], pages, fetch.first_page + lo)
         self.host.free(unused)
         return (len(pages) - len(unused)) * self.page_size
+
+    def _hold_prefix(self, fetch: StorageFetch, tokens: Sequence[int]) -> bool:
+        """Holds the cached prefix before `fetch`'s first page, its anchor, until the fetch
+        ends; False (nothing held) when that prefix is no longer all cached."""
+        match = self.tree.match(tokens[:fetch.first_page * self.page_size])
+        if match.device_len + match.host_len < fetch.first_page * self.page_size:
+            return False
+        fetch.anchor = (match.last_node, match.last_node.device_pages is not None)
+        self._pin(fetch.anchor, True)  # type: ignore[arg-type]
+        return True
 
     def _pin(self, anchor: tuple[Node, bool], pin: bool) -> None:
         """Keeps the anchor node (and so its prefix) in the tree: locked on device when it was

@@ -46,7 +46,7 @@ class StorageFetch:
 
     keys: list[bytes]
     first_page: int  # index of keys[0] among the prompt's pages
-    anchor: object  # the pinned tree node the pages go under (the prefix cache's)
+    anchor: object  # the tree node the pages go under, held once the reads are to start
     started_s: float
     from_tail: bool = False
     chunk_pages: int = FETCH_CHUNK_PAGES  # pages a read task takes (from the tail: one)
