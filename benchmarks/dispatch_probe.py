@@ -42,9 +42,12 @@ def _doubled(x: jax.Array, backend: str) -> jax.Array:
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 2
 
-    params = pltriton.CompilerParams() if backend == "triton" else plmgpu.CompilerParams()
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          compiler_params=params, interpret=use_interpreter())(x)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if backend == "triton":
+        return pl.pallas_call(kernel, out_shape=out, compiler_params=pltriton.CompilerParams(),
+                              interpret=use_interpreter())(x)
+    # (jax 0.11.2 has no lowering for `pallas_call` with Mosaic GPU params: `kernel` it is)
+    return plmgpu.kernel(kernel, out_type=out, interpret=use_interpreter())(x)
 
 
 def _chain(layers: int, backend: str | None) -> Callable[[jax.Array, jax.Array], jax.Array]:

@@ -160,7 +160,7 @@ def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
             kind, target = module.page_row(args, data[key])
             assert rows.page_row(kind, [data], {}, target) == row, (path.name, name)
             checked += 1
-    assert checked == 14
+    assert checked == 18
 
 
 def test_the_command_line_writes_a_comparison_row_as_the_page_shows_it(tmp_path):
