@@ -483,3 +483,20 @@ def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: 
     assert stats.storage_fetch_revoked - before.storage_fetch_revoked == 1
     assert stats.storage_fetched_pages == before.storage_fetched_pages
     assert_idle_and_consistent(again)
+
+
+def test_a_read_past_a_cached_prefix_asks_for_the_right_pages(tmp_path: Path) -> None:
+    """A request whose first pages are cached reads the rest from storage: their keys chain
+    from the cached prefix's last one (kept by the tree), so storage finds them."""
+    prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
+    params = SamplingParams(max_new_tokens=3)
+    expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
+    first = storage_engine(tmp_path)
+    first.generate([prompt], params)
+    first.flush_cache()
+    again = storage_engine(tmp_path)
+    again.generate([prompt[:5 * 16 + 1]], SamplingParams(max_new_tokens=1))  # 5 pages cached
+    (output,) = again.generate([prompt], params)
+    assert output.token_ids == expected
+    assert output.device_hit_tokens == 5 * 16 and output.storage_hit_tokens == 15 * 16
+    assert_idle_and_consistent(again)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from jhicache.cache.page_keys import chain_keys
+from jhicache.cache.page_keys import ROOT_KEY, chain_keys
 from jhicache.cache.radix_tree import MatchResult, Node, RadixTree
 from jhicache.cache.storage_tier import FetchState, StorageFetch, StorageTier
 from jhicache.cache.tiers import HostTier
@@ -203,8 +203,12 @@ class Fetches:
         pages = (len(tokens) - 1) // self.page_size
         if (pages - hit) * self.page_size < max(threshold, self.page_size):
             return None
-        keys = chain_keys(tokens[:pages * self.page_size], self.page_size)
-        return self.storage.start_fetch(keys[hit:], hit, None, from_tail)
+        # chained from the matched prefix's last key, which the tree keeps: only the pages
+        # asked for are hashed
+        previous = self.tree.page_keys(match.last_node)[-1] if hit else ROOT_KEY
+        keys = chain_keys(tokens[hit * self.page_size:pages * self.page_size], self.page_size,
+                          previous)
+        return self.storage.start_fetch(keys, hit, None, from_tail)
 
     def advance(self, fetch: StorageFetch, tokens: Sequence[int], threshold: int,
                 stop: bool) -> int | None:
