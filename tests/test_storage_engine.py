@@ -455,17 +455,26 @@ def test_a_query_in_flight_holds_no_cached_prefix(tmp_path: Path) -> None:
     assert_idle_and_consistent(engine)
 
 
-def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: Path) -> None:
-    """The found pages would hang under a prefix that left the cache during the query: the read
-    ends (revoked), nothing is read, and the request computes its prompt as with no cache."""
-    prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
+def _stored_with_head_cached(tmp_path: Path) -> tuple[Engine, list[int], SamplingParams,
+                                                          list[int]]:
+    """A prompt of 20 whole pages (and a token left to compute) stored by one engine, and a
+    second engine on the same directory with its first 5 pages cached (read back from storage):
+    (that engine, the prompt, its sampling params, its tokens with no cache)."""
+    prompt = list(range(1, 20 * 16 + 2))
     params = SamplingParams(max_new_tokens=3)
     expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
     first = storage_engine(tmp_path)
     first.generate([prompt], params)
     first.flush_cache()
     again = storage_engine(tmp_path)
-    again.generate([prompt[:5 * 16 + 1]], SamplingParams(max_new_tokens=1))  # 5 pages cached
+    again.generate([prompt[:5 * 16 + 1]], SamplingParams(max_new_tokens=1))
+    return again, prompt, params, expected
+
+
+def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: Path) -> None:
+    """The found pages would hang under a prefix that left the cache during the query: the read
+    ends (revoked), nothing is read, and the request computes its prompt as with no cache."""
+    again, prompt, params, expected = _stored_with_head_cached(tmp_path)
     before = again.stats()
     release = _held_exists(again)
     rid = again.add_request(prompt, params)
@@ -488,14 +497,7 @@ def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: 
 def test_a_read_past_a_cached_prefix_asks_for_the_right_pages(tmp_path: Path) -> None:
     """A request whose first pages are cached reads the rest from storage: their keys chain
     from the cached prefix's last one (kept by the tree), so storage finds them."""
-    prompt = list(range(1, 20 * 16 + 2))  # 20 whole pages, then the token left to compute
-    params = SamplingParams(max_new_tokens=3)
-    expected = make_engine(cache_mode="off").generate([prompt], params)[0].token_ids
-    first = storage_engine(tmp_path)
-    first.generate([prompt], params)
-    first.flush_cache()
-    again = storage_engine(tmp_path)
-    again.generate([prompt[:5 * 16 + 1]], SamplingParams(max_new_tokens=1))  # 5 pages cached
+    again, prompt, params, expected = _stored_with_head_cached(tmp_path)
     (output,) = again.generate([prompt], params)
     assert output.token_ids == expected
     assert output.device_hit_tokens == 5 * 16 and output.storage_hit_tokens == 15 * 16
