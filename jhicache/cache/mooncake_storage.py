@@ -209,15 +209,26 @@ class MooncakeStorage(Storage):
         self._store.close()
 
     # -- reachability --------------------------------------------------------------------
+    def reachable(self) -> bool:
+        """Whether the store's master answers, as its client last saw (no call: at once)."""
+        return self._store.health_check() == 0
+
     def _call(self, call: Callable[[], Any]) -> Any:
-        """`call`'s answer (None if it raised); after a failed one, asks the store whether its
-        master answers, and logs once when it stops or starts answering."""
+        """`call`'s answer (None if it raised, or without calling while the master is
+        unreachable: a call to it would wait out Mooncake's RPC timeout, seconds, and a request
+        whose query it is would wait too); logs once when the master stops or starts
+        answering."""
+        if not self.reachable():
+            self._note(down=True)
+            return None
+        if self._down:
+            self._note(down=False)
         try:
             answer = call()
         except Exception:  # noqa: BLE001 (the store failing is a miss, not a crash)
             answer = None
-        if answer is None or _any_negative(answer) or self._down:
-            self._note(self._store.health_check() != 0)
+        if answer is None or _any_negative(answer):
+            self._note(down=not self.reachable())
         return answer
 
     def _note(self, down: bool) -> None:

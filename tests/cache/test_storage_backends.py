@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,5 +159,55 @@ def test_a_full_store_evicts_pages_as_misses_never_wrong_bytes(tmp_path: Path) -
                     np.testing.assert_array_equal(_page(pool, 11), expected[i])
                     served += 1
         assert 0 < served < len(keys)
+        storage.close()
+        pool.close()
+
+
+class _CountingStore:
+    """A Mooncake store whose batch calls are recorded, by name, before they run."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.store, name)
+        if not name.startswith("batch_"):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+        return counted
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the store's client did not get there"
+        time.sleep(0.1)
+
+
+def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Path) -> None:
+    """While the store's client sees its master gone, reads are misses and writes failures
+    without a call to the store (each would wait out Mooncake's RPC timeout, and a request its
+    query); once the master answers again, calls go to it again."""
+    from jhicache.cache.mooncake_storage import MooncakeStorage
+
+    with running_master(tmp_path) as master:
+        pool = HostPool(LAYOUT)
+        storage = MooncakeStorage(namespace(), pool.page_views, master.config)
+        _fill(pool, [0, 1, 2, 3], seed=5)
+        assert storage.set(KEYS[:2], [0, 1]) == 2
+        store = storage._store = _CountingStore(storage._store)  # type: ignore[assignment]
+        master.stop()
+        _until(lambda: not storage.reachable())  # the client's own heartbeat notices
+        assert storage.set(KEYS[2:4], [2, 3]) == 0
+        assert storage.exists(KEYS) == 0 and storage.get(KEYS[:2], [2, 3]) == 0
+        assert store.calls == []  # none reached the store
+        assert storage.counters().write_failures_io == 1
+        master.start()  # a new, empty master on the same ports
+        _until(storage.reachable)
+        assert storage.set(KEYS[2:4], [2, 3]) == 2
+        assert store.calls == ["batch_put_from"]
         storage.close()
         pool.close()
