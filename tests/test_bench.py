@@ -12,7 +12,7 @@ import pytest
 from tqdm import tqdm
 
 from benchmarks import cli as bench_cli
-from benchmarks import host_hit, restart, scoring, storage_hit, tables
+from benchmarks import host_hit, restart, scoring, storage_hit, store_unreachable, tables
 from jhicache.async_engine import AsyncEngine
 from jhicache.bench import (
     cli,
@@ -506,3 +506,25 @@ def test_penalties_reach_every_turn_and_the_remote_body() -> None:
     plain = json.loads(remote.generate_body([1, 2], multiturn.turn_params(
         MultiTurnSpec(num_clients=1, num_rounds=1))[0][0]))["sampling_params"]
     assert not {"presence_penalty", "frequency_penalty", "repetition_penalty"} & set(plain)
+
+
+def test_store_unreachable_runs_with_the_master_gone_against_no_storage_tier(tmp_path) -> None:
+    """The storage tier's runs start with a master and serve without it: no hit from storage,
+    every backup a failure; the runs without a tier write nothing; the row compares them."""
+    mooncake_or_skip()
+    out = tmp_path / "unreachable.json"
+    args = [*TINY, "--write-policy", "write_through", "--pairs", "1", "--out", str(out)]
+    assert store_unreachable.main(args) == 0
+    data = json.loads(out.read_text())
+    result = data["store_unreachable"]
+    (gone,), (plain,) = result["runs"]["store_unreachable"], result["runs"]["no_storage"]
+    assert gone["stats"]["storage_hit_tokens"] == 0
+    assert gone["stats"]["storage_write_failures_io"] > 0
+    assert gone["stats"]["storage_backup_pages"] == 0
+    assert plain["stats"]["storage_write_failures_io"] == 0
+    assert gone["compiles_during_run"]["count"] == plain["compiles_during_run"]["count"] == 0
+    assert result["ratios"] == [gone["throughput_tokens_per_s"] / plain["throughput_tokens_per_s"]]
+    row = data["page_rows"]["store_unreachable"]
+    assert row["target"] == ">= 0.98 (within 2%)"
+    assert row["result"].startswith("the store unreachable: ")
+    assert row["met"] == ("yes" if result["ratios"][0] >= 0.98 else "no")

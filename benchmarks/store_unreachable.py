@@ -1,0 +1,136 @@
+"""The unreachable-store bench: the multi-turn workload on an engine whose storage tier is a
+Mooncake store whose master stops once the engine is warm (from then on every read a miss and
+every write a failure), against the same workload with no storage tier, the two alternating in
+one process: what a storage tier that cannot be reached costs the engine's throughput."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks import cli, mooncake_local
+from benchmarks.rows import Rule, Target
+from jhicache.bench.command import model_vocab
+from jhicache.bench.compile_counter import CompileCounter
+from jhicache.bench.engines import as_served, make_engine
+from jhicache.bench.multiturn import (
+    clients_config,
+    device_tokens_for,
+    drive_in_process,
+    mode_overrides,
+    multiturn_spec,
+    run_summary,
+    turn_sampling,
+)
+from jhicache.bench.workload import MultiTurnSpec
+from jhicache.engine import Engine
+
+UNREACHABLE_WAIT_S = 60.0  # how long the store's client may take to see its master gone
+
+
+def bench_store_unreachable(args: argparse.Namespace, vocab: int) -> dict:
+    """`--pairs` times: a run with the store gone, then one without a storage tier, each on a
+    fresh engine warmed up as a server's is; every run's summary and the throughput ratio of
+    each run with the store to each run without."""
+    spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
+    args._device_tokens = device_tokens_for(args, spec)
+    root = Path(tempfile.mkdtemp(prefix="jhicache-unreachable-"))
+    runs: dict[str, list[dict]] = {"store_unreachable": [], "no_storage": []}
+    try:
+        for pair in range(args.pairs):
+            runs["store_unreachable"].append(_run(args, spec, root / f"master-{pair}.log"))
+            runs["no_storage"].append(_run(args, spec, None))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ratios = [u["throughput_tokens_per_s"] / n["throughput_tokens_per_s"]
+              for u in runs["store_unreachable"] for n in runs["no_storage"]]
+    return {"spec": dataclasses.asdict(spec), "runs": runs, "ratios": ratios}
+
+
+def _run(args: argparse.Namespace, spec: MultiTurnSpec, master_log: Path | None) -> dict:
+    """One measured run on a fresh engine: with `master_log`, its storage tier a Mooncake
+    store whose master (logging there) is stopped after the warm-up, before the first request;
+    without, no storage tier."""
+    plain = argparse.Namespace(**{**vars(args), "storage_dir": None, "mooncake_config": None})
+    overrides = mode_overrides(plain, spec, "hierarchical")
+    master = None
+    if master_log is not None:
+        master = mooncake_local.Master(master_log)
+        master.start()
+        overrides.update(storage_backend="mooncake",
+                         storage_backend_config=json.dumps(master.config))
+    try:
+        engine = make_engine(args, **overrides)
+        with as_served(engine), CompileCounter() as compiles:
+            if master is not None:
+                master.stop()
+                _wait_unreachable(engine)
+            with tqdm(disable=True) as progress:
+                run = drive_in_process(engine, spec, clients_config(args, args.seed), progress,
+                                       turn_sampling(args))
+        engine.check_invariants()
+        engine.close()  # (with the store gone, its backups fail at once)
+    finally:
+        if master is not None:
+            master.stop()
+    return {**run_summary(run, spec), "stats": engine.stats().as_dict(),
+            "compiles_during_run": {"count": compiles.count, "seconds": compiles.seconds}}
+
+
+def _wait_unreachable(engine: Engine) -> None:
+    """Until the storage tier's client sees the master gone (its heartbeat notices)."""
+    tier = engine.cache.storage
+    assert tier is not None, "the engine has no storage tier"
+    deadline = time.monotonic() + UNREACHABLE_WAIT_S
+    while tier.storage.reachable():  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Mooncake client still sees its master after "
+                               f"{UNREACHABLE_WAIT_S:.0f} s")
+        time.sleep(0.1)
+
+
+def table(result: dict) -> str:
+    def line(name: str, run: dict) -> str:
+        stats = run["stats"]
+        return (f"  {name}: {run['throughput_tokens_per_s']:,.0f} tok/s, ITL p50 "
+                f"{run['itl']['p50_s'] * 1e3:.2f} ms, TTFT p50 {run['ttft']['p50_s'] * 1e3:.1f} "
+                f"ms; storage hits {stats['storage_hit_tokens']} tokens, write failures "
+                f"{stats['storage_write_failures_io']}; "
+                f"{run['compiles_during_run']['count']} compiles")
+
+    runs = result["runs"]
+    lines = [line("store unreachable", r) for r in runs["store_unreachable"]]
+    lines += [line("no storage tier", r) for r in runs["no_storage"]]
+    ratios = ", ".join(f"{r:.3f}" for r in result["ratios"])
+    return "\n".join(["multi-turn, the store unreachable against no storage tier", *lines,
+                      f"  throughput ratios (each pair): {ratios}"])
+
+
+def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
+    """This bench's own options, beside `jhicache.bench`'s shared ones."""
+    p.add_argument("--pairs", type=count["type"], metavar="N", default=2,
+                   help="runs with the store unreachable and without a storage tier, each")
+
+
+def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
+    return "store_unreachable", Target(">= 0.98 (within 2%)",
+                                       (Rule("ratio", "ratio", at_least=0.98),), samples="pairs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main("store-unreachable", "store_unreachable", __doc__ or "", argv, add_options,
+                    lambda args, save: bench_store_unreachable(args, model_vocab(args)),
+                    table, page_row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
