@@ -167,14 +167,14 @@ def multiturn_cost(files: list[Json], args: Json) -> Figures:
     return Figures(text, checks={"ratio": ratios})
 
 
-def store_unreachable(files: list[Json], args: Json) -> Figures:
-    """The unreachable-store bench's runs: the store's against those without a storage tier,
-    as `multiturn_cost` reads a variant's (its runs are those files' modes)."""
-    runs = files[0]["store_unreachable"]["runs"]
-    as_files = [{"modes": {"hierarchical": run}}
-                for run in runs["store_unreachable"] + runs["no_storage"]]
-    return multiturn_cost(as_files, {"variants": len(runs["store_unreachable"]),
-                                     "label": "the store unreachable"})
+def store_cost(files: list[Json], args: Json) -> Figures:
+    """The store-cost bench's runs: those with the store against those without a storage
+    tier, as `multiturn_cost` reads a variant's (its runs are those files' modes)."""
+    result = files[0]["store_cost"]
+    runs = result["runs"]
+    as_files = [{"modes": {"hierarchical": run}} for run in runs["store"] + runs["no_storage"]]
+    return multiturn_cost(as_files, {"variants": len(runs["store"]),
+                                     "label": f"the store {result['store']}"})
 
 
 def multiturn_modes(files: list[Json], args: Json) -> Figures:
@@ -499,7 +499,7 @@ def programs_ab(files: list[Json], args: Json) -> Figures:
 EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_cost,
-        store_unreachable, multiturn_modes, multiturn_stream, serve_paths, host_hit, load_back,
+        store_cost, multiturn_modes, multiturn_stream, serve_paths, host_hit, load_back,
         write_back_host_hit, write_back_head, device_hit_beside, storage_hit, scoring, restart,
         step_vs_forward, attention, forward_floor, fresh_vs_hf, gather, programs_ab)
 }

@@ -1,7 +1,10 @@
-"""The unreachable-store bench: the multi-turn workload on an engine whose storage tier is a
-Mooncake store whose master stops once the engine is warm (from then on every read a miss and
-every write a failure), against the same workload with no storage tier, the two alternating in
-one process: what a storage tier that cannot be reached costs the engine's throughput."""
+"""The store-cost bench: the multi-turn workload on an engine whose storage tier is a Mooncake
+store (a master this bench starts; the engine's client holds the store's memory) against the
+same workload with no storage tier, the two alternating in one process: what a storage tier
+costs the engine's throughput when its store helps nothing. `--store unused`: the store works
+and every turn is written to it, but nothing in it is ever hit (the conversations' prefixes
+stay in the host tier); `--store unreachable`: its master stops once the engine is warm, so
+every read is a miss and every write a failure."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks import cli, mooncake_local
+from benchmarks.cli import sized
 from benchmarks.rows import Rule, Target
 from jhicache.bench.command import model_vocab
 from jhicache.bench.compile_counter import CompileCounter
@@ -37,41 +41,42 @@ from jhicache.engine import Engine
 UNREACHABLE_WAIT_S = 60.0  # how long the store's client may take to see its master gone
 
 
-def bench_store_unreachable(args: argparse.Namespace, vocab: int) -> dict:
-    """`--pairs` times: a run with the store gone, then one without a storage tier, each on a
-    fresh engine warmed up as a server's is; every run's summary and the throughput ratio of
-    each run with the store to each run without."""
+def bench_store_cost(args: argparse.Namespace, vocab: int) -> dict:
+    """`--pairs` times: a run with the store, then one without a storage tier, each on a fresh
+    engine warmed up as a server's is; every run's summary and the throughput ratio of each run
+    with the store to each run without."""
     spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
     args._device_tokens = device_tokens_for(args, spec)
-    root = Path(tempfile.mkdtemp(prefix="jhicache-unreachable-"))
-    runs: dict[str, list[dict]] = {"store_unreachable": [], "no_storage": []}
+    root = Path(tempfile.mkdtemp(prefix="jhicache-store-cost-"))
+    runs: dict[str, list[dict]] = {"store": [], "no_storage": []}
     try:
         for pair in range(args.pairs):
-            runs["store_unreachable"].append(_run(args, spec, root / f"master-{pair}.log"))
+            runs["store"].append(_run(args, spec, root / f"master-{pair}.log"))
             runs["no_storage"].append(_run(args, spec, None))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ratios = [u["throughput_tokens_per_s"] / n["throughput_tokens_per_s"]
-              for u in runs["store_unreachable"] for n in runs["no_storage"]]
-    return {"spec": dataclasses.asdict(spec), "runs": runs, "ratios": ratios}
+    ratios = [s["throughput_tokens_per_s"] / n["throughput_tokens_per_s"]
+              for s in runs["store"] for n in runs["no_storage"]]
+    return {"store": args.store, "segment_bytes": args.segment_mib << 20,
+            "spec": dataclasses.asdict(spec), "runs": runs, "ratios": ratios}
 
 
 def _run(args: argparse.Namespace, spec: MultiTurnSpec, master_log: Path | None) -> dict:
     """One measured run on a fresh engine: with `master_log`, its storage tier a Mooncake
-    store whose master (logging there) is stopped after the warm-up, before the first request;
-    without, no storage tier."""
+    store whose master logs there (`--store unreachable`: stopped after the warm-up, before the
+    first request); without, no storage tier."""
     plain = argparse.Namespace(**{**vars(args), "storage_dir": None, "mooncake_config": None})
     overrides = mode_overrides(plain, spec, "hierarchical")
     master = None
     if master_log is not None:
-        master = mooncake_local.Master(master_log)
+        master = mooncake_local.Master(master_log, segment_bytes=args.segment_mib << 20)
         master.start()
         overrides.update(storage_backend="mooncake",
                          storage_backend_config=json.dumps(master.config))
     try:
         engine = make_engine(args, **overrides)
         with as_served(engine), CompileCounter() as compiles:
-            if master is not None:
+            if master is not None and args.store == "unreachable":
                 master.stop()
                 _wait_unreachable(engine)
             with tqdm(disable=True) as progress:
@@ -107,29 +112,34 @@ def table(result: dict) -> str:
                 f"{stats['storage_write_failures_io']}; "
                 f"{run['compiles_during_run']['count']} compiles")
 
-    runs = result["runs"]
-    lines = [line("store unreachable", r) for r in runs["store_unreachable"]]
+    runs, store = result["runs"], f"store {result['store']}"
+    lines = [line(store, r) for r in runs["store"]]
     lines += [line("no storage tier", r) for r in runs["no_storage"]]
     ratios = ", ".join(f"{r:.3f}" for r in result["ratios"])
-    return "\n".join(["multi-turn, the store unreachable against no storage tier", *lines,
+    return "\n".join([f"multi-turn, a Mooncake {store} against no storage tier", *lines,
                       f"  throughput ratios (each pair): {ratios}"])
 
 
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
     """This bench's own options, beside `jhicache.bench`'s shared ones."""
+    p.add_argument("--store", choices=("unused", "unreachable"), default="unused",
+                   help="the store works but is never hit, or its master stops once the engine "
+                        "is warm")
     p.add_argument("--pairs", type=count["type"], metavar="N", default=2,
-                   help="runs with the store unreachable and without a storage tier, each")
+                   help="runs with the store and without a storage tier, each")
+    p.add_argument("--segment-mib", **sized(count, 8192, 256),
+                   help="the store's memory, held by the engine's own client (MiB)")
 
 
 def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:
-    return "store_unreachable", Target(">= 0.98 (within 2%)",
-                                       (Rule("ratio", "ratio", at_least=0.98),), samples="pairs")
+    return "store_cost", Target(">= 0.98 (within 2%)", (Rule("ratio", "ratio", at_least=0.98),),
+                                samples="pairs")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main("store-unreachable", "store_unreachable", __doc__ or "", argv, add_options,
-                    lambda args, save: bench_store_unreachable(args, model_vocab(args)),
-                    table, page_row)
+    return cli.main("store-cost", "store_cost", __doc__ or "", argv, add_options,
+                    lambda args, save: bench_store_cost(args, model_vocab(args)), table,
+                    page_row)
 
 
 if __name__ == "__main__":
