@@ -94,8 +94,9 @@ class EngineStats:
     alloc_failures: int = 0
     storage_backup_skipped: int = 0  # backups not planned: no host room for an ancestor's copy
     # the storage tier: pages backed up (written, or found there already) and failed batches;
-    # fetches by outcome (revoked: fewer found than the threshold; no_host: no host room) and
-    # the pages they read; the backend's bytes and seconds each way, its misses by reason
+    # fetches by outcome (revoked: fewer found, or fitting the host tier, than the threshold,
+    # or the prefix they go under left the cache while storage answered; no_host: no host
+    # room) and the pages they read; the backend's bytes and seconds each way, its misses by reason
     # (a damaged page is never served), its evictions, and its size now
     storage_backup_pages: int = 0
     storage_backup_failures: int = 0
@@ -121,6 +122,7 @@ class EngineStats:
     storage_pages: int = 0
     storage_bytes: int = 0
     storage_capacity_bytes: int = 0
+    storage_reachable: int = 1  # 1: the backend answers now, as its client sees (or no tier)
     # occupancy now
     device_free_pages: int = 0
     evictable_tokens: int = 0

@@ -220,13 +220,16 @@ class Fetches:
         assert self.storage is not None and self.host is not None
         if fetch.state is FetchState.QUERYING and fetch.queried:
             assert fetch.found is not None
-            room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
-            if room * self.page_size < threshold or not self._hold_prefix(fetch, tokens):
+            # The prefix is held first: its host pages are then no room for the read, and the
+            # allocation below (which may evict host pages) cannot take them.
+            if fetch.found * self.page_size < threshold or not self._hold_prefix(fetch, tokens):
                 self.storage.counters["fetch_revoked"] += 1
                 return self.end(fetch, tokens)
-            host = self._alloc_host(room)  # (may evict host pages: the prefix is held first)
+            room = min(fetch.found, self.host.num_free + self.host.evictable_pages)
+            host = self._alloc_host(room) if room * self.page_size >= threshold else None
             if host is None:
-                self.storage.counters["fetch_no_host"] += 1
+                key = "fetch_revoked" if room * self.page_size < threshold else "fetch_no_host"
+                self.storage.counters[key] += 1
                 return self.end(fetch, tokens)
             self.storage.read(fetch, host, {self._filling[p] for p in host if p in self._filling})
             return None

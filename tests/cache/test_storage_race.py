@@ -75,6 +75,41 @@ def test_a_dropped_nodes_host_only_child_whose_backup_is_in_flight(tmp_path: Pat
     cache.storage.close()
 
 
+def test_a_read_under_a_host_only_prefix_takes_the_host_room_left_beside_it(
+        tmp_path: Path) -> None:
+    """The host tier full with the request's host-only prefix (4 pages) and another prefix (6):
+    its read from storage holds its prefix first, then takes the other's 6 pages for as many
+    of the 10 pages found (the prefix's own pages are no room: all-or-nothing, counting them
+    would leave it none)."""
+    a, r, b = list(range(1, 17)), list(range(100, 140)), list(range(200, 224))
+    writer = storage_cache(tmp_path, device_pages=16, host_pages=16)
+    prefill(writer, a + r)
+    writer.evict_device()
+    writer.flush(backups=True)
+    assert writer.storage is not None and writer.storage.known(chain_keys(a + r, PAGE)[-1])
+    writer.storage.close()
+    cache = storage_cache(tmp_path, device_pages=16, host_pages=10)
+    assert cache.storage is not None and cache.host is not None
+    prefill(cache, a)
+    prefill(cache, b)
+    cache.evict_device()
+    cache.flush(backups=True)
+    assert cache.host.num_free == 0
+    tokens = a + r + [999]
+    fetch = cache.fetches.start(tokens, cache.match(tokens, leave_last=True), PAGE)
+    assert fetch is not None and fetch.first_page == 4
+    got = None
+    while got is None:
+        cache.fetches.wait(1.0)
+        got = cache.fetches.advance(fetch, tokens, PAGE, stop=False)
+    assert got == 6 * PAGE and len(fetch.host_pages) == 6
+    assert cache.storage.counters["fetch_no_host"] == 0
+    match = cache.match(tokens, leave_last=True)
+    assert match.host_len == (4 + 6) * PAGE and match.device_len == 0
+    cache.check_invariants()
+    cache.storage.close()
+
+
 class ManualIO:
     """Stands in for a storage tier's thread pool: tasks run only when `run` says (in order,
     or the `i`th waiting one), or at once while `auto` (a rule that waits on storage)."""
