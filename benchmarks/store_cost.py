@@ -2,9 +2,10 @@
 store (a master this bench starts; the engine's client holds the store's memory) against the
 same workload with no storage tier, the two alternating in one process: what a storage tier
 costs the engine's throughput when its store helps nothing. `--store unused`: the store works
-and every turn is written to it, but nothing in it is ever hit (the conversations' prefixes
-stay in the host tier); `--store unreachable`: its master stops once the engine is warm, so
-every read is a miss and every write a failure."""
+and the pages that reach the host tier are written to it (under the default write policies,
+those evicted from the device), but none is hit from it (the conversations' prefixes stay in
+the host tier); `--store unreachable`: its master stops once the engine is warm, so every read
+is a miss and every write a failure."""
 
 from __future__ import annotations
 
@@ -39,20 +40,23 @@ from jhicache.bench.workload import MultiTurnSpec
 from jhicache.engine import Engine
 
 UNREACHABLE_WAIT_S = 60.0  # how long the store's client may take to see its master gone
+CLOSE_S = 60.0  # an engine's close: its storage writes what it can in this time, then stops
 
 
 def bench_store_cost(args: argparse.Namespace, vocab: int) -> dict:
-    """`--pairs` times: a run with the store, then one without a storage tier, each on a fresh
-    engine warmed up as a server's is; every run's summary and the throughput ratio of each run
-    with the store to each run without."""
+    """`--pairs` pairs of runs, one with the store and one without a storage tier, the store's
+    first in even pairs and second in odd ones (so that a drift over the process's life falls
+    on both), each on a fresh engine warmed up as a server's is; every run's summary and the
+    throughput ratio of every run with the store to every run without."""
     spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
     args._device_tokens = device_tokens_for(args, spec)
     root = Path(tempfile.mkdtemp(prefix="jhicache-store-cost-"))
     runs: dict[str, list[dict]] = {"store": [], "no_storage": []}
     try:
         for pair in range(args.pairs):
-            runs["store"].append(_run(args, spec, root / f"master-{pair}.log"))
-            runs["no_storage"].append(_run(args, spec, None))
+            for with_store in (True, False) if pair % 2 == 0 else (False, True):
+                log = root / f"master-{pair}.log" if with_store else None
+                runs["store" if with_store else "no_storage"].append(_run(args, spec, log))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ratios = [s["throughput_tokens_per_s"] / n["throughput_tokens_per_s"]
@@ -64,39 +68,41 @@ def bench_store_cost(args: argparse.Namespace, vocab: int) -> dict:
 def _run(args: argparse.Namespace, spec: MultiTurnSpec, master_log: Path | None) -> dict:
     """One measured run on a fresh engine: with `master_log`, its storage tier a Mooncake
     store whose master logs there (`--store unreachable`: stopped after the warm-up, before the
-    first request); without, no storage tier."""
+    first request); without, no storage tier. Its stats are the run's, taken before the engine
+    closes (a close writes every cached page the store lacks)."""
     plain = argparse.Namespace(**{**vars(args), "storage_dir": None, "mooncake_config": None})
     overrides = mode_overrides(plain, spec, "hierarchical")
     master = None
-    if master_log is not None:
-        master = mooncake_local.Master(master_log, segment_bytes=args.segment_mib << 20)
-        master.start()
-        overrides.update(storage_backend="mooncake",
-                         storage_backend_config=json.dumps(master.config))
     try:
+        if master_log is not None:
+            master = mooncake_local.Master(master_log, segment_bytes=args.segment_mib << 20)
+            master.start()
+            overrides.update(storage_backend="mooncake",
+                             storage_backend_config=json.dumps(master.config))
         engine = make_engine(args, **overrides)
-        with as_served(engine), CompileCounter() as compiles:
-            if master is not None and args.store == "unreachable":
-                master.stop()
-                _wait_unreachable(engine)
-            with tqdm(disable=True) as progress:
-                run = drive_in_process(engine, spec, clients_config(args, args.seed), progress,
-                                       turn_sampling(args))
-        engine.check_invariants()
-        engine.close()  # (with the store gone, its backups fail at once)
+        try:
+            with as_served(engine), CompileCounter() as compiles:
+                if master is not None and args.store == "unreachable":
+                    master.stop()
+                    _wait_unreachable(engine)
+                with tqdm(disable=True) as progress:
+                    run = drive_in_process(engine, spec, clients_config(args, args.seed),
+                                           progress, turn_sampling(args))
+            engine.check_invariants()
+            stats = engine.stats().as_dict()
+        finally:
+            engine.close(timeout_s=CLOSE_S)
     finally:
         if master is not None:
             master.stop()
-    return {**run_summary(run, spec), "stats": engine.stats().as_dict(),
+    return {**run_summary(run, spec), "stats": stats,
             "compiles_during_run": {"count": compiles.count, "seconds": compiles.seconds}}
 
 
 def _wait_unreachable(engine: Engine) -> None:
     """Until the storage tier's client sees the master gone (its heartbeat notices)."""
-    tier = engine.cache.storage
-    assert tier is not None, "the engine has no storage tier"
     deadline = time.monotonic() + UNREACHABLE_WAIT_S
-    while tier.storage.reachable():  # type: ignore[attr-defined]
+    while engine.stats().storage_reachable:
         if time.monotonic() > deadline:
             raise RuntimeError("the Mooncake client still sees its master after "
                                f"{UNREACHABLE_WAIT_S:.0f} s")
@@ -114,10 +120,13 @@ def table(result: dict) -> str:
 
     runs, store = result["runs"], f"store {result['store']}"
     lines = [line(store, r) for r in runs["store"]]
+    if any(r["stats"]["storage_hit_tokens"] for r in runs["store"]):
+        lines.append("  (the store was hit: it helped, so this is no store that helps nothing)")
     lines += [line("no storage tier", r) for r in runs["no_storage"]]
     ratios = ", ".join(f"{r:.3f}" for r in result["ratios"])
     return "\n".join([f"multi-turn, a Mooncake {store} against no storage tier", *lines,
-                      f"  throughput ratios (each pair): {ratios}"])
+                      f"  throughput ratios, every run with the store over every run "
+                      f"without: {ratios}"])
 
 
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:

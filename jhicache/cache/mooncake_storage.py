@@ -218,27 +218,27 @@ class MooncakeStorage(Storage):
         unreachable: a call to it would wait out Mooncake's RPC timeout, seconds, and a request
         whose query it is would wait too); logs once when the master stops or starts
         answering."""
-        if not self.reachable():
-            self._note(down=True)
+        if not self._observe():
             return None
-        if self._down:
-            self._note(down=False)
         try:
             answer = call()
         except Exception:  # noqa: BLE001 (the store failing is a miss, not a crash)
             answer = None
         if answer is None or _any_negative(answer):
-            self._note(down=not self.reachable())
+            self._observe()
         return answer
 
-    def _note(self, down: bool) -> None:
+    def _observe(self) -> bool:
+        """Whether the master answers now; the health check and the state it updates in one
+        step, so that threads calling at once log each change once, in the order seen."""
         with self._lock:
-            changed, self._down = down != self._down, down
-        if changed and down:
-            logger.warning("Mooncake store's master unreachable: reads are misses and writes "
+            up = self.reachable()
+            changed, self._down = self._down == up, not up
+        if changed:
+            logger.warning("Mooncake store's master answers again" if up else
+                           "Mooncake store's master unreachable: reads are misses and writes "
                            "fail until it answers again")
-        elif changed:
-            logger.warning("Mooncake store's master answers again")
+        return up
 
 
 def _by_buffer(move: Callable[[Sequence[bytes], Sequence[int]], int], keys: Sequence[bytes],

@@ -539,7 +539,9 @@ class PrefixCache:
                   "truncated_pages", "corrupt_pages", "evicted_pages",
                   *(f"write_failures_{reason}" for reason in WRITE_FAILURE_REASONS)):
             stats[f"storage_{k}"] = getattr(backend, k) if backend is not None else 0
-        stats.update(storage_pages=usage.pages if usage else 0,
+        reachable = self.storage is None or self.storage.storage.reachable()
+        stats.update(storage_reachable=int(reachable),
+                     storage_pages=usage.pages if usage else 0,
                      storage_bytes=usage.bytes if usage else 0,
                      storage_capacity_bytes=(usage.capacity_bytes or 0) if usage else 0)
         return stats

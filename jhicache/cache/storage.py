@@ -123,6 +123,11 @@ class Storage(abc.ABC):
     def counters(self) -> StorageCounters:
         """A copy of the counters."""
 
+    def reachable(self) -> bool:
+        """Whether the backend can be reached now, without asking it anything that could wait
+        (a local directory always can)."""
+        return True
+
     def close(self) -> None:
         """Stops background work; the pages stay."""
 

@@ -106,6 +106,9 @@ def _storage_metrics(stats: EngineStats) -> Iterator[Metric]:
     yield failures
     yield GaugeMetricFamily(PREFIX + "storage_bytes", "Bytes the storage tier holds.",
                             value=stats.storage_bytes)
+    yield GaugeMetricFamily(PREFIX + "storage_reachable",
+                            "1 while the storage tier's backend answers (or there is none).",
+                            value=stats.storage_reachable)
     yield GaugeMetricFamily(PREFIX + "storage_capacity_bytes",
                             "The storage tier's cap in bytes (0: none).",
                             value=stats.storage_capacity_bytes)
