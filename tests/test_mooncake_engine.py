@@ -86,7 +86,9 @@ def test_another_namespace_never_reads_the_pages(master: Master) -> None:
 def test_without_the_master_the_engine_serves_and_recovers_when_it_is_back(
         master: Master) -> None:
     engine = mooncake_engine(master, fetch_policy="timeout", fetch_timeout_s=0.5)
+    assert engine.stats().storage_reachable == 1
     master.stop()
+    _until(lambda: engine.stats().storage_reachable == 0)  # the client's heartbeat notices
     assert run_chats(engine) == reference_histories()  # from the device and host tiers
     engine.flush_cache()  # waits for the backups, which fail
     stats = engine.stats()
@@ -100,8 +102,16 @@ def test_without_the_master_the_engine_serves_and_recovers_when_it_is_back(
             break
         time.sleep(1.0)
     assert engine.stats().storage_backup_pages > stats.storage_backup_pages
+    assert engine.stats().storage_reachable == 1
     assert_idle_and_consistent(engine)
     engine.close()
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the store's client did not get there"
+        time.sleep(0.1)
 
 
 
