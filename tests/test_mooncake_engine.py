@@ -26,6 +26,7 @@ from tests.test_engine import (
     reference_histories,
     run_chats,
 )
+from tests.waiting import wait_until
 
 RECOVERY_TRIES = 10
 STORAGE = dict(write_policy="write_through", host_kv_tokens=1024, fetch_threshold=16,
@@ -88,7 +89,7 @@ def test_without_the_master_the_engine_serves_and_recovers_when_it_is_back(
     engine = mooncake_engine(master, fetch_policy="timeout", fetch_timeout_s=0.5)
     assert engine.stats().storage_reachable == 1
     master.stop()
-    _until(lambda: engine.stats().storage_reachable == 0)  # the client's heartbeat notices
+    wait_until(lambda: engine.stats().storage_reachable == 0)  # the client's heartbeat notices
     assert run_chats(engine) == reference_histories()  # from the device and host tiers
     engine.flush_cache()  # waits for the backups, which fail
     stats = engine.stats()
@@ -105,13 +106,6 @@ def test_without_the_master_the_engine_serves_and_recovers_when_it_is_back(
     assert engine.stats().storage_reachable == 1
     assert_idle_and_consistent(engine)
     engine.close()
-
-
-def _until(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the store's client did not get there"
-        time.sleep(0.1)
 
 
 

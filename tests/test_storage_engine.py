@@ -25,6 +25,7 @@ from tests.test_engine import (
     reference_histories,
     run_chats,
 )
+from tests.waiting import wait_until
 
 STORAGE = dict(write_policy="write_through", host_kv_tokens=1024, fetch_threshold=16,
                fetch_policy="wait_complete")
@@ -173,13 +174,6 @@ def test_each_fetch_policy_gives_the_tokens_of_no_cache(tmp_path: Path, policy: 
     assert_idle_and_consistent(again)
 
 
-def _wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the storage threads did not get there"
-        time.sleep(0.001)
-
-
 def test_bfloat16_pages_come_back_from_storage_bit_for_bit(tmp_path: Path) -> None:
     """The GPU's page dtype: one request at a time (no batching to differ), a restart's
     storage hits give the tokens of no cache at all."""
@@ -224,9 +218,9 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     (req,) = again.scheduler.running
     fetch = again.cache.fetches.in_flight(req.request_id)
     assert fetch is not None
-    _wait_until(lambda: fetch.queried)
+    wait_until(lambda: fetch.queried)
     again.step()  # the reads start, last chunk first; computes [64, 128)
-    _wait_until(lambda: fetch.tail_completed == 20 - held)
+    wait_until(lambda: fetch.tail_completed == 20 - held)
     outputs = []  # it meets the pages read at 128, takes them, computes the last token
     for _ in range(20):
         outputs += again.step()
@@ -237,7 +231,7 @@ def test_split_computes_the_head_while_the_tail_is_read(tmp_path: Path) -> None:
     assert (output.device_hit_tokens, output.host_hit_tokens) == (0, 0)
     assert output.storage_hit_tokens == (20 - held) * 16
     release.set()
-    _wait_until(lambda: fetch.finished)
+    wait_until(lambda: fetch.finished)
     again.step()  # frees the held-back pages
     assert tier.held_pages() == []
     assert_idle_and_consistent(again)
@@ -483,7 +477,7 @@ def test_a_prefix_evicted_while_storage_answers_ends_the_read_revoked(tmp_path: 
     assert fetch is not None and fetch.first_page == 5
     assert again.cache.clear() > 0  # the prefix leaves both tiers meanwhile
     release.set()
-    _wait_until(lambda: fetch.queried)
+    wait_until(lambda: fetch.queried)
     outputs = _finish(again)
     (output,) = [o for o in outputs if o.request_id == rid and o.finished]
     assert [t for o in outputs if o.request_id == rid for t in o.new_token_ids] == expected

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from jhicache.cache.file_storage import FileStorage
 from jhicache.cache.page_keys import chain_keys
 from jhicache.cache.storage import Storage, StorageNamespace
 from tests.mooncake_support import Master, running_master
+from tests.waiting import wait_until
 
 PAGE, PAGES = 4, 12
 LAYOUT = PoolLayout(3, PAGES, PAGE, 2, 8, jnp.float32)
@@ -180,13 +180,6 @@ class _CountingStore:
         return counted
 
 
-def _until(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the store's client did not get there"
-        time.sleep(0.1)
-
-
 def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Path) -> None:
     """While the store's client sees its master gone, reads are misses and writes failures
     without a call to the store (each would wait out Mooncake's RPC timeout, and a request its
@@ -200,13 +193,13 @@ def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Pa
         assert storage.set(KEYS[:2], [0, 1]) == 2
         store = storage._store = _CountingStore(storage._store)  # type: ignore[assignment]
         master.stop()
-        _until(lambda: not storage.reachable())  # the client's own heartbeat notices
+        wait_until(lambda: not storage.reachable())  # the client's own heartbeat notices
         assert storage.set(KEYS[2:4], [2, 3]) == 0
         assert storage.exists(KEYS) == 0 and storage.get(KEYS[:2], [2, 3]) == 0
         assert store.calls == []  # none reached the store
         assert storage.counters().write_failures_io == 1
         master.start()  # a new, empty master on the same ports
-        _until(storage.reachable)
+        wait_until(storage.reachable)
         assert storage.set(KEYS[2:4], [2, 3]) == 2
         assert store.calls == ["batch_put_from"]
         storage.close()
