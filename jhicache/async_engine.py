@@ -248,7 +248,7 @@ class AsyncEngine:
 
     def clear_storage(self) -> bool:
         """`Engine.clear_storage()`: deletes the storage tier's pages; False while requests are
-        unfinished."""
+        unfinished or its backend cannot be reached."""
         return self._query("clear_storage").flag
 
     def set_storage(self, backend: str | None, storage_dir: str | None = None,

@@ -209,8 +209,11 @@ class Engine:
     def clear_storage(self) -> bool:
         """Deletes every page of the storage tier's namespace (the device and host tiers keep
         theirs), as SGLang's /clear_hicache_storage_backend: only while no request is
-        unfinished (False, nothing done, otherwise); backups planned before it end first.
-        True without a storage tier (nothing to delete)."""
+        unfinished and its backend can be reached (False, nothing done, otherwise: see
+        `stats().storage_reachable`); backups planned before it end first. True without a
+        storage tier (nothing to delete)."""
+        if not self.stats().storage_reachable:
+            return False
         return self._when_idle(lambda: self.cache.clear(storage=True))
 
     def set_storage(self, backend: StorageBackend | str | None, storage_dir: str | None = None,

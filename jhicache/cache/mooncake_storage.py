@@ -189,9 +189,11 @@ class MooncakeStorage(Storage):
 
     def clear(self) -> int:
         removed = self._call(lambda: self._store.remove_by_regex(f"^{self.prefix}", True))
+        if removed is None:  # not reached: what was stored stays so
+            return 0
         with self._lock:
             self._known.clear()
-        return max(removed or 0, 0)
+        return max(removed, 0)
 
     def usage(self) -> StorageUsage:
         """The pages this process knows stored (written or found): the store is shared and

@@ -161,8 +161,13 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
     async def clear_storage() -> Response:  # SGLang's name
-        return await _when_idle(ctx.engine.clear_storage, "Storage cleared",
-                                "Storage not cleared")
+        response = await _when_idle(ctx.engine.clear_storage, "Storage cleared",
+                                    "Storage not cleared")
+        if response.status_code != 200 and not (
+                await asyncio.to_thread(ctx.engine.stats)).storage_reachable:
+            return PlainTextResponse("Storage not cleared: its backend cannot be reached.\n",
+                                     status_code=503)
+        return response
 
     @router.get("/health")
     async def health() -> Response:

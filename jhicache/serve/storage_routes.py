@@ -58,6 +58,8 @@ def storage_router(ctx: ServerContext, admin_api_key: str | None) -> APIRouter:
         check_admin(request)
         if await asyncio.to_thread(ctx.engine.clear_storage):
             return JSONResponse({"cleared": True})
+        if not (await asyncio.to_thread(ctx.engine.stats)).storage_reachable:
+            raise ApiError(503, "storage not cleared: its backend cannot be reached")
         raise ApiError(400, "storage not cleared: requests are running or waiting")
 
     return router
