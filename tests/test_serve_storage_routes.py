@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from jhicache.serve.thread import ServerThread
-from tests.serve_support import ENGINE_CONFIG, TIMEOUT_S, start_server
+from tests.mooncake_support import mooncake_or_skip, running_master
+from tests.serve_support import ENGINE_CONFIG, TIMEOUT_S, metric, start_server
+from tests.waiting import wait_until
 
 httpx = pytest.importorskip("httpx")
 KEY = "secret"
@@ -86,3 +88,27 @@ def test_a_server_with_its_engine_in_process_stores_the_cache_when_stopped(tmp_p
     finally:
         srv.stop()
     assert len(list(tmp_path.rglob("*.kv"))) >= 6  # the prompt's six whole pages
+
+
+def test_clearing_a_store_whose_master_is_gone_is_refused(tmp_path: Path) -> None:
+    """Both clear routes answer 503 while the store cannot be reached (nothing deleted, so
+    never "cleared"), /metrics shows it, and they clear again once a master answers."""
+    mooncake_or_skip()
+    with running_master(tmp_path) as master:
+        config = dataclasses.replace(ENGINE_CONFIG, storage_backend="mooncake",
+                                     storage_backend_config=json.dumps(master.config))
+        srv = start_server(None, config=config)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+                assert metric(http, "jhicache:storage_reachable") == 1
+                master.stop()
+                wait_until(lambda: metric(http, "jhicache:storage_reachable") == 0)
+                refused = http.post("/hicache/storage-backend/clear")
+                assert refused.status_code == 503 and "cannot be reached" in refused.text
+                native = http.post("/clear_hicache_storage_backend")
+                assert native.status_code == 503 and "cannot be reached" in native.text
+                master.start()
+                wait_until(lambda: metric(http, "jhicache:storage_reachable") == 1)
+                assert http.post("/hicache/storage-backend/clear").json() == {"cleared": True}
+        finally:
+            srv.stop()
