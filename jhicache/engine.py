@@ -207,14 +207,11 @@ class Engine:
         return self._when_idle(self.cache.clear)
 
     def clear_storage(self) -> bool:
-        """Deletes every page of the storage tier's namespace (the device and host tiers keep
-        theirs), as SGLang's /clear_hicache_storage_backend: only while no request is
-        unfinished and its backend can be reached (False, nothing done, otherwise: see
-        `stats().storage_reachable`); backups planned before it end first. True without a
-        storage tier (nothing to delete)."""
-        if not self.stats().storage_reachable:
-            return False
-        return self._when_idle(lambda: self.cache.clear(storage=True))
+        """Deletes the storage tier's pages (SGLang's /clear_hicache_storage_backend; the other
+        tiers keep theirs) once planned backups end: only while no request is unfinished and
+        its backend answers (`stats().storage_reachable`), else False (no tier: True)."""
+        return (bool(self.stats().storage_reachable)
+                and self._when_idle(lambda: self.cache.clear(storage=True)))
 
     def set_storage(self, backend: StorageBackend | str | None, storage_dir: str | None = None,
                     backend_config: str | None = None, timeout_s: float | None = 30.0,
