@@ -20,6 +20,7 @@ from jhicache.serve.generation import Update
 from jhicache.serve.logprobs import TokenTexts, sglang_logprobs, token_texts
 from jhicache.serve.protocol import GenerateRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
+from jhicache.serve.storage_routes import cleared_storage
 
 _CLIENT_GONE = 499
 
@@ -161,13 +162,10 @@ def native_router(ctx: ServerContext) -> APIRouter:
 
     @router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
     async def clear_storage() -> Response:  # SGLang's name
-        response = await _when_idle(ctx.engine.clear_storage, "Storage cleared",
-                                    "Storage not cleared")
-        if response.status_code != 200 and not (
-                await asyncio.to_thread(ctx.engine.stats)).storage_reachable:
-            return PlainTextResponse("Storage not cleared: its backend cannot be reached.\n",
-                                     status_code=503)
-        return response
+        status, why = await cleared_storage(ctx)
+        if status != 200:
+            return PlainTextResponse(f"Storage not cleared: {why}.\n", status_code=status)
+        return PlainTextResponse("Storage cleared.\n")
 
     @router.get("/health")
     async def health() -> Response:

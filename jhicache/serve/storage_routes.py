@@ -56,13 +56,22 @@ def storage_router(ctx: ServerContext, admin_api_key: str | None) -> APIRouter:
     @router.post("/hicache/storage-backend/clear")
     async def clear(request: Request) -> Response:
         check_admin(request)
-        if await asyncio.to_thread(ctx.engine.clear_storage):
-            return JSONResponse({"cleared": True})
-        if not (await asyncio.to_thread(ctx.engine.stats)).storage_reachable:
-            raise ApiError(503, "storage not cleared: its backend cannot be reached")
-        raise ApiError(400, "storage not cleared: requests are running or waiting")
+        status, why = await cleared_storage(ctx)
+        if status != 200:
+            raise ApiError(status, f"storage not cleared: {why}")
+        return JSONResponse({"cleared": True})
 
     return router
+
+
+async def cleared_storage(ctx: ServerContext) -> tuple[int, str]:
+    """Has the engine delete the storage tier's pages (off the event loop): (200, "") or the
+    refusal's status and reason (both clear routes answer with it)."""
+    if await asyncio.to_thread(ctx.engine.clear_storage):
+        return 200, ""
+    if not (await asyncio.to_thread(ctx.engine.stats)).storage_reachable:
+        return 503, "its backend cannot be reached"
+    return 400, "requests are running or waiting"
 
 
 async def _set(ctx: ServerContext, backend: str | None, storage_dir: str | None,
