@@ -5,7 +5,8 @@ how far the request may compute; and the hits by tier a request is admitted with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from jhicache.cache.page_keys import ROOT_KEY, chain_keys
@@ -25,6 +26,10 @@ class FetchRule:
     threshold: int = 256
     timeout_s: float = 0.0
     timeout_per_ki_token_s: float = 0.0
+    # A step waits this long at most past a query's start for its answer, so that a request
+    # that arrived since the last step is scheduled in this one, not the next: a step is 5 ms
+    # to 0.1 s, a query (one batch call) well under a millisecond.
+    query_wait_s: float = 0.002
 
     @property
     def split(self) -> bool:
@@ -164,6 +169,24 @@ class Fetches:
             self.storage.wait_for_progress(timeout_s)
 
     # -- each step: the cache's ----------------------------------------------------------
+    def await_queries(self) -> None:
+        """Blocks until every storage query in flight is answered, or the rule's `query_wait_s`
+        has passed since the latest one started (a query older than that costs no wait)."""
+        if self.storage is None:
+            return
+        while True:
+            asked = [f.started_s for f in self._querying()]
+            remaining = max(asked, default=0.0) + self.rule.query_wait_s - time.perf_counter()
+            if not asked or remaining <= 0:
+                return
+            self.storage.wait_for_progress(remaining)
+
+    def _querying(self) -> Iterator[StorageFetch]:
+        for record in self._records.values():
+            fetch = record.fetch
+            if fetch is not None and fetch.state is FetchState.QUERYING and not fetch.queried:
+                yield fetch
+
     def advance_all(self, now: float) -> None:
         """Moves every read in flight on: reads start once storage answers; a read ends as the
         policy says (split: once every page has been read, from the first, while its request

@@ -373,13 +373,15 @@ class PrefixCache:
     # -- stepping ------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self) -> Iterator[TransferStep]:
-        """One engine step's transfers: on entry, finished copies retire (loaded nodes unlock);
+        """One engine step's transfers: on entry, finished copies retire (loaded nodes unlock)
+        and storage queries just asked are given a moment to answer (`FetchRule.query_wait_s`);
         inside, `start_loads` and `finish_loads` place the step's loads around its forward; on
         exit, every write-back and load-back queued meanwhile starts (the next step's
         prefetched loads among them)."""
         step = TransferStep(self.transfers, self._retire)
         step.poll()
         self._poll_storage()
+        self.fetches.await_queries()
         self.fetches.advance_all(time.perf_counter())
         yield step
         if self.transfers is not None:
