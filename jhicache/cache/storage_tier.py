@@ -28,6 +28,7 @@ TAIL_CHUNK_PAGES = 1
 # Pages a backup writes between looks at whether the tier is closing: a closing tier whose
 # deadline passed stops within this many pages, not at the end of a long prefix's backup.
 WRITE_CHUNK_PAGES = 8
+QUERY_THREADS = 2  # a query is one batch call, well under a millisecond: few threads suffice
 
 
 class FetchState(enum.Enum):
@@ -179,7 +180,9 @@ class _Backup:
 
 class StorageTier:
     """Threads over `storage`: one writer (backups in plan order: a prefix's head pages reach
-    storage before its tail), a pool of readers for fetches. `lock`/`unlock` are the host
+    storage before its tail), a pool of readers for fetches' reads and a small one for their
+    queries (a query never waits behind reads: the next step waits for its answer, briefly,
+    `FetchRule.query_wait_s`). `lock`/`unlock` are the host
     tier's page locks: a page is locked from its backup's plan until it is written (the host
     tier frees a page the tree let go of meanwhile once it is unlocked)."""
 
@@ -189,6 +192,8 @@ class StorageTier:
         self._lock_pages, self._unlock_pages = lock, unlock
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "jhicache-storage-write")
         self._readers = concurrent.futures.ThreadPoolExecutor(io_threads, "jhicache-storage-read")
+        self._queries = concurrent.futures.ThreadPoolExecutor(QUERY_THREADS,
+                                                              "jhicache-storage-query")
         self._io_threads = io_threads
         self._planned: collections.deque[_Backup] = collections.deque()
         self._writing: collections.deque[tuple[_Backup, concurrent.futures.Future[int]]] = (
@@ -309,7 +314,7 @@ class StorageTier:
             fetch.answer(found)
             self._progress.set()
 
-        self._readers.submit(query)
+        self._queries.submit(query)
         return fetch
 
     def read(self, fetch: StorageFetch, host_pages: list[int], after: set[int]) -> None:
@@ -374,7 +379,7 @@ class StorageTier:
         unlocked; ends the backend. Returns the host pages its fetches still held (the caller
         frees them: no thread touches them any more)."""
         self._stopping.set()
-        for pool in (self._writer, self._readers):
+        for pool in (self._writer, self._queries, self._readers):
             pool.shutdown(wait=True, cancel_futures=True)
         for backup in [*self._planned, *(b for b, _ in self._writing)]:
             self._unlock_pages(backup.host_pages)

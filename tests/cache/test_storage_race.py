@@ -169,10 +169,12 @@ class RaceMachine(StorageMachine):
         self._setup(page, policy, host, deferred, storage_policy)
         tier = self.cache.storage
         assert tier is not None
-        for pool in (tier._writer, tier._readers):
+        for pool in (tier._writer, tier._readers, tier._queries):
             pool.shutdown()
-        # the tier's threads, replaced: a task ends when a rule runs it (deterministic runs)
-        tier._writer, tier._readers = self.writer, self.readers  # type: ignore[assignment]
+        # the tier's threads, replaced: a task ends when a rule runs it (deterministic runs);
+        # queries and reads share one stand-in, run in any order
+        tier._writer = self.writer  # type: ignore[assignment]
+        tier._readers = tier._queries = self.readers  # type: ignore[assignment]
 
     @rule(writer=st.booleans(), n=st.integers(1, 4), i=st.integers(0, 3))
     def run_io(self, writer: bool, n: int, i: int) -> None:
