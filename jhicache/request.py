@@ -108,6 +108,7 @@ class Request:
     device_pages: list[int] = dataclasses.field(default_factory=list)
     cached_len: int = 0
     shared_len: int = 0  # leading tokens whose pages belong to the cache, not to this request
+    counted_len: int = 0  # leading tokens it cached while running: their hits are counted
     cache_handle: Any = None
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

@@ -337,6 +337,8 @@ class Scheduler:
         gained = []
         for row, chunk in enumerate(batch.chunks):
             req = chunk.request
+            if not batch.is_decode and not req.finished and req in self.running:
+                self._share(req, chunk.start + chunk.length)
             if not chunk.samples_token or req.finished:
                 continue
             assert chunk.sample_index == req.num_output, "steps commit in order"
@@ -365,12 +367,31 @@ class Scheduler:
             self.waiting.remove(req)
         self._end(req, reason)
 
+    def _share(self, req: Request, kv_len: int) -> None:
+        """Caches the full pages of `req`'s first `kv_len` tokens, their KV computed, while it
+        runs (as SGLang caches unfinished requests): other requests hit them from now on, and
+        the host and storage tiers may copy them before `req` ends. Not where the cache holds
+        more of those tokens on device than `req` shares (another request cached them
+        meanwhile): its own pages stay its own until its end (`_settle`), as the steps already
+        dispatched read them."""
+        full = kv_len // self.page_size * self.page_size
+        if not self.reuse or full <= req.shared_len or req.cache_handle is None:
+            return
+        tokens = req.tokens[:full]
+        if self.cache.match(tokens).device_len > req.shared_len:
+            return
+        self.cache.insert(tokens, req.device_pages[:full // self.page_size], req.counted_len)
+        node = self.cache.match(tokens).last_device_node
+        self.cache.lock(node)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle, req.shared_len, req.counted_len = node, full, full
+
     def _settle(self, req: Request, kv_len: int) -> None:
         """Inserts the full pages of `req`'s first `kv_len` tokens into the cache, frees the
         rest and unlocks its prefix (`kv_len` >= `shared_len`: the shared prefix is computed)."""
         full_pages = kv_len // self.page_size
         known = self.cache.insert(req.tokens[: full_pages * self.page_size],
-                                  req.device_pages[:full_pages])
+                                  req.device_pages[:full_pages], req.counted_len)
         shared_pages = req.shared_len // self.page_size
         duplicates = req.device_pages[shared_pages: known // self.page_size]
         self.cache.free_device(duplicates + req.device_pages[full_pages:])

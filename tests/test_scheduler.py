@@ -114,3 +114,29 @@ def test_decode_short_of_pages_retracts_the_newest_and_recomputes_it() -> None:
     assert [(c.request, c.start, c.length) for c in readmitted.chunks] == [(b, 0, 9)]
     assert a.output == b.output == [6, 7, 8, 9] and not sched.has_work()
     assert cache.device.num_free == cache.device.capacity
+
+
+def test_a_running_requests_prompt_pages_are_cached_for_others_and_counted_once() -> None:
+    """Once a request's prefill step is committed, its prompt's full pages are the cache's (as
+    SGLang caches unfinished requests): a request with the same prompt hits them while the first
+    still decodes, and the first's end counts no second hit on them."""
+    sched, cache = make_scheduler(device_pages=16, budget=16)
+    a = request(1, 10, 6)
+    sched.add(a)
+    step(sched, cache)  # a's prompt: its 2 full pages to the cache, the partial third its own
+    assert a.status is RequestStatus.DECODING and a.shared_len == 8
+    assert cache.match(a.tokens[:8]).device_pages == a.device_pages[:2]
+    assert sched.owned_device_pages() == a.device_pages[2:]
+
+    twin = request(1, 10, 1)
+    sched.add(twin)
+    hit = step(sched, cache)  # the twin's prompt first (TTFT): 8 of its 10 tokens cached
+    assert hit is not None and [(c.request, c.start, c.length) for c in hit.chunks] == [
+        (twin, 8, 2)]
+    assert twin.finished and twin.device_hit_tokens == 8 and not a.finished
+    while sched.has_work():
+        step(sched, cache)
+    assert a.output == [10, 11, 12, 13, 14, 15]
+    # a's insert while running counted it (1), the twin's reuse (2), a's end none
+    assert cache.match(a.tokens[:8]).last_device_node.hit_count == 2
+    assert cache.device.num_free + cache.device.evictable_pages == cache.device.capacity

@@ -118,9 +118,11 @@ class PrefixCache:
     def unlock(self, node: Node) -> None:
         self.tree.unlock(node)
 
-    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], device_pages: Sequence[int],
+               counted: int = 0) -> int:
         """Caches `tokens` (page-aligned) whose KV is in `device_pages`; returns the prefix length
-        that was already on device.
+        that was already on device. `counted`: the caller's earlier insert of its first
+        `counted` tokens counted their hits (they are not counted twice).
 
         Ownership after the call, with `old` = the device_len the caller matched and locked:
         pages `[0, old)` were the tree's already; pages `[old, ret)` (ret = returned length, in
@@ -128,7 +130,7 @@ class PrefixCache:
         pages from `ret` on now belong to the tree (adopted by host-only nodes or a new leaf)
         and must never be freed by the caller.
         """
-        result = self.tree.insert(tokens, device_pages)
+        result = self.tree.insert(tokens, device_pages, counted)
         if self.policy is not WritePolicy.WRITE_BACK and self.host is not None:
             for node in result.touched:
                 if node.host_pages is None and node.hit_count >= self.write_threshold:

@@ -165,8 +165,11 @@ class RadixTree:
                 host_len += len(node.key)
         return MatchResult(device_pages, device_len, last_device, host_len, last)
 
-    def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> InsertResult:
-        """Inserts `tokens` whose KV lives in `device_pages` (one id per page)."""
+    def insert(self, tokens: Sequence[int], device_pages: Sequence[int],
+               counted: int = 0) -> InsertResult:
+        """Inserts `tokens` whose KV lives in `device_pages` (one id per page); each node on the
+        way that was cached on device already counts a hit, but those within the first
+        `counted` tokens (the inserting request counted them when it inserted them before)."""
         self._check_aligned(len(tokens))
         if len(device_pages) * self.page_size != len(tokens):
             raise ValueError(f"{len(device_pages)} pages do not cover {len(tokens)} tokens")
@@ -176,7 +179,8 @@ class RadixTree:
             if node.device_pages is not None:
                 assert adopted == 0, "on-device node below a host-only node"
                 prefix_len += n
-                node.hit_count += 1
+                if pos + n > counted:
+                    node.hit_count += 1
                 touched.append(node)
             else:
                 self._set_device(node, list(device_pages[pos // self.page_size:
