@@ -108,7 +108,10 @@ class Request:
     device_pages: list[int] = dataclasses.field(default_factory=list)
     cached_len: int = 0
     shared_len: int = 0  # leading tokens whose pages belong to the cache, not to this request
-    counted_len: int = 0  # leading tokens it cached while running: their hits are counted
+    # leading tokens it cached while running (their hits counted), up to the end of the node
+    # `counted_node`: kept through a retraction while that node stays in the cache
+    counted_len: int = 0
+    counted_node: Any = None
     cache_handle: Any = None
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

@@ -13,7 +13,7 @@ import collections
 import numpy as np
 
 from jhicache.batch import Batch, Chunk
-from jhicache.cache import LoadTicket, MatchResult, PrefixCache
+from jhicache.cache import LoadTicket, MatchResult, Node, PrefixCache
 from jhicache.config import CacheMode, EngineConfig
 from jhicache.request import FinishReason, Request, RequestStatus
 
@@ -210,7 +210,19 @@ class Scheduler:
         req.cache_handle = handle
         req.device_pages = pages
         req.shared_len = req.cached_len = len(pages) * self.page_size
-        return match.device_len, host_len
+        return match.device_len - self._own_prefix(req, match.last_device_node), host_len
+
+    @staticmethod
+    def _own_prefix(req: Request, last: Node) -> int:
+        """Tokens of the prefix matched up to `last` that `req` cached itself while it ran
+        (before a retraction): no hits, as they count once. Where its node left the cache
+        since, it counts none (a node cached again by another request is a hit)."""
+        walk: Node | None = last
+        while walk is not None and walk is not req.counted_node:
+            walk = walk.parent
+        if walk is None:
+            req.counted_len, req.counted_node = 0, None
+        return req.counted_len
 
     @staticmethod
     def _count_prefetched(req: Request, hits: tuple[int, int]) -> tuple[int, int]:
@@ -373,7 +385,8 @@ class Scheduler:
         the host and storage tiers may copy them before `req` ends. Not where the cache holds
         more of those tokens on device than `req` shares (another request cached them
         meanwhile): its own pages stay its own until its end (`_settle`), as the steps already
-        dispatched read them."""
+        dispatched read them. Its pages are those the chunk was dispatched with: a request is
+        retracted (and so re-admitted on other pages) only while no step is in flight."""
         full = kv_len // self.page_size * self.page_size
         if not self.reuse or full <= req.shared_len or req.cache_handle is None:
             return
@@ -384,7 +397,8 @@ class Scheduler:
         node = self.cache.match(tokens).last_device_node
         self.cache.lock(node)
         self.cache.unlock(req.cache_handle)
-        req.cache_handle, req.shared_len, req.counted_len = node, full, full
+        req.cache_handle, req.shared_len = node, full
+        req.counted_len, req.counted_node = full, node
 
     def _settle(self, req: Request, kv_len: int) -> None:
         """Inserts the full pages of `req`'s first `kv_len` tokens into the cache, frees the

@@ -140,3 +140,45 @@ def test_a_running_requests_prompt_pages_are_cached_for_others_and_counted_once(
     # a's insert while running counted it (1), the twin's reuse (2), a's end none
     assert cache.match(a.tokens[:8]).last_device_node.hit_count == 2
     assert cache.device.num_free + cache.device.evictable_pages == cache.device.capacity
+
+
+def test_a_retracted_request_reuses_the_pages_it_cached_without_counting_them_as_hits() -> None:
+    """Retracted after its first chunk, a request finds the pages that chunk cached still in the
+    cache: it computes them no more, and they are no device hit (it computed them)."""
+    sched, cache = make_scheduler(device_pages=16, budget=8)
+    a = request(1, 20, 2)
+    sched.add(a)
+    step(sched, cache)  # a's first 8 tokens: 2 full pages to the cache, held by its lock
+    assert a.shared_len == 8 and a.status is RequestStatus.PREFILLING
+    sched.retract(a)
+    resumed = step(sched, cache)
+    assert resumed is not None and [(c.request, c.start, c.length) for c in resumed.chunks] == [
+        (a, 8, 8)]
+    assert a.device_hit_tokens == 0 and sched.counters["device_hit_tokens"] == 0
+    while sched.has_work():
+        step(sched, cache)
+    assert a.output == [20, 21]
+
+
+def test_a_node_cached_again_by_another_request_is_a_hit_for_a_retracted_one() -> None:
+    """The pages a retracted request cached are evicted and cached again by another request:
+    matched on re-admission, they are that other request's pages, so a hit, counted."""
+    sched, cache = make_scheduler(device_pages=16, budget=8)
+    a = request(1, 20, 1)
+    sched.add(a)
+    step(sched, cache)  # a caches its first 2 pages
+    sched.retract(a)
+    sched.waiting.remove(a)  # held back while its pages leave the cache
+    cache.evict_device()
+    twin = request(1, 8 + 1, 1)  # caches a's first 8 tokens again
+    sched.add(twin)
+    while sched.has_work():
+        step(sched, cache)
+    node = cache.match(a.tokens[:8]).last_device_node
+    assert node.hit_count == 1 and twin.finished
+    sched.waiting.appendleft(a)
+    step(sched, cache)
+    assert a.device_hit_tokens == 8 and sched.counters["device_hit_tokens"] == 8
+    while sched.has_work():
+        step(sched, cache)
+    assert node.hit_count == 2  # a's end counted its hit on the twin's node
