@@ -281,6 +281,9 @@ def _empty(urls: Sequence[str]) -> None:
         _call(url, "/clear_hicache_storage_backend", "POST")
 
 
+LEGS = ("shared", "router", "separate", "single")
+
+
 def bench_fleet(args: argparse.Namespace, vocab: int, save: Any) -> dict:
     spec = dataclasses.replace(multiturn.multiturn_spec(args, vocab), vocab_size=vocab)
     args._device_tokens = multiturn.device_tokens_for(args, spec)
@@ -288,36 +291,49 @@ def bench_fleet(args: argparse.Namespace, vocab: int, save: Any) -> dict:
     root = Path(tempfile.mkdtemp(prefix="jhicache-fleet-", dir=args.storage_dir))
     print(f"fleet: logs and file tiers in {root} (removed after a run that ends well)",
           file=sys.stderr, flush=True)
+    legs = args.legs
+    if "shared" in legs or "router" in legs:
+        _store_legs(args, spec, root, result, save)
+    if "separate" in legs:
+        with Processes(root) as procs:
+            servers = procs.servers([server_flags(args, spec, ["--storage-dir", str(root / n)])
+                                     for n in ("files-a", "files-b")])
+            result["legs"]["separate"] = _leg(servers, servers, spec, args)
+            save(result)
+    if "single" in legs:
+        with Processes(root) as procs:
+            servers = procs.servers([server_flags(args, spec, ["--storage-dir",
+                                                               str(root / "files-one")])])
+            result["legs"]["single"] = _leg(servers, servers, spec, args)
+    shutil.rmtree(root, ignore_errors=True)
+    answers = [leg.pop("answers") for leg in result["legs"].values()]
+    result["same_answers"] = all(a == answers[0] for a in answers)
+    single = result["legs"].get("single", {}).get("hit_rate")
+    shared = result["legs"].get("shared", {}).get("hit_rate")
+    result["moved_hit_rate_ratio"] = shared / single if single and shared is not None else None
+    return result
+
+
+def _store_legs(args: argparse.Namespace, spec: MultiTurnSpec, root: Path, result: dict,
+                save: Any) -> None:
+    """The legs on one Mooncake store (a master started here): shared, then the store's own
+    put/get rate, then the same servers emptied behind the router."""
     master = mooncake_local.Master(root / "mooncake_master.log", args.segment_mib << 20)
     master.start()
     try:
         with Processes(root) as procs:
             servers = procs.servers([server_flags(args, spec, _mooncake(master))] * 2)
-            router = procs.router(servers)
-            result["legs"]["shared"] = _leg(servers, servers, spec, args)
-            save(result)
+            if "shared" in args.legs:
+                result["legs"]["shared"] = _leg(servers, servers, spec, args)
+                save(result)
             result["ceiling"] = store_ceiling(master, page_bytes(args), args.ceiling_pages, 3)
-            _empty(servers)
-            result["legs"]["router"] = _leg([router], servers, spec, args)
-            save(result)
+            if "router" in args.legs:
+                router = procs.router(servers)
+                _empty(servers)
+                result["legs"]["router"] = _leg([router], servers, spec, args)
+                save(result)
     finally:
         master.stop()
-    with Processes(root) as procs:
-        servers = procs.servers([server_flags(args, spec, ["--storage-dir", str(root / name)])
-                                 for name in ("files-a", "files-b")])
-        result["legs"]["separate"] = _leg(servers, servers, spec, args)
-        save(result)
-    with Processes(root) as procs:
-        servers = procs.servers([server_flags(args, spec, ["--storage-dir",
-                                                           str(root / "files-one")])])
-        result["legs"]["single"] = _leg(servers, servers, spec, args)
-    shutil.rmtree(root, ignore_errors=True)
-    legs = result["legs"]
-    answers = [leg.pop("answers") for leg in legs.values()]
-    result["same_answers"] = all(a == answers[0] for a in answers)
-    single = legs["single"]["hit_rate"]
-    result["moved_hit_rate_ratio"] = legs["shared"]["hit_rate"] / single if single else None
-    return result
 
 
 def fleet_table(result: dict) -> str:
@@ -333,10 +349,11 @@ def fleet_table(result: dict) -> str:
                      f"{'-' if gbs is None else f'{gbs * 1e3:.1f}':>11}"
                      f"{leg['fetches_full'] + leg['fetches_partial']:>9.0f}"
                      f"{leg['serving_compiles']:>10.0f}")
-    ceiling = result["ceiling"]
-    lines.append(f"store ceiling ({ceiling['pages']} objects of {ceiling['page_bytes']} B): "
-                 f"put {ceiling['put_gb_per_s'] * 1e3:.1f} MB/s, get "
-                 f"{ceiling['get_gb_per_s'] * 1e3:.1f} MB/s")
+    ceiling = result.get("ceiling")
+    if ceiling is not None:
+        lines.append(f"store ceiling ({ceiling['pages']} objects of {ceiling['page_bytes']} B): "
+                     f"put {ceiling['put_gb_per_s'] * 1e3:.1f} MB/s, get "
+                     f"{ceiling['get_gb_per_s'] * 1e3:.1f} MB/s")
     ratio = result["moved_hit_rate_ratio"]
     lines.append(f"moved conversations' hit rate / one server's: "
                  f"{'-' if ratio is None else f'{ratio:.2f}'}; same answers in every leg: "
@@ -354,6 +371,17 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
                         "there)")
     p.add_argument("--ceiling-pages", **sized(count, 256, 1024),
                    help="page-sized objects the store's own put/get rate is measured with")
+    p.add_argument("--legs", type=_legs, default=LEGS, metavar="LEG,...",
+                   help=f"the legs to run, of {', '.join(LEGS)} (default: all; router needs "
+                        "sglang-router; the moved conversations' ratio needs shared and single)")
+
+
+def _legs(text: str) -> tuple[str, ...]:
+    legs = tuple(leg.strip() for leg in text.split(",") if leg.strip())
+    unknown = [leg for leg in legs if leg not in LEGS]
+    if unknown or not legs:
+        raise argparse.ArgumentTypeError(f"unknown legs {unknown}: choose from {', '.join(LEGS)}")
+    return legs
 
 
 def main(argv: list[str] | None = None) -> int:

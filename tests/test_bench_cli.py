@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from benchmarks import cli as bench_cli
-from benchmarks import host_hit
+from benchmarks import fleet, host_hit
 from jhicache.bench import arg_types, cli, command
 from jhicache.config import WritePolicy
 
@@ -202,3 +202,14 @@ def test_gpu_runs_have_no_timing_note(monkeypatch, capsys) -> None:
     assert command.main(["model"]) == 0
     assert "only check" not in capsys.readouterr().out
 
+
+
+def fleet_args(argv: list[str]) -> object:
+    return bench_cli.parse("fleet", "", argv, fleet.add_options)
+
+
+def test_fleet_legs_parse_in_order_and_default_to_all(capsys) -> None:
+    assert fleet_args([]).legs == fleet.LEGS
+    assert fleet_args(["--legs", "single, shared"]).legs == ("single", "shared")
+    for bad in ("shared,roter", ","):
+        assert "argument --legs:" in usage_error(capsys, ["--legs", bad], fleet_args)
