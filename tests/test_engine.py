@@ -318,3 +318,30 @@ def test_evict_moves_the_cache_to_host_or_drops_it(cache_mode: str) -> None:
     assert engine.evict(1, wait=False) >= 1
     engine.drain()
     assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prompt_is_hit_while_the_request_that_computed_it_still_decodes(overlap: bool) -> None:
+    """The first request's prompt pages are cached once its prefill step ends: a second request
+    with that prompt, added while the first decodes, hits them, and both answer as each would
+    alone."""
+    prompt = list(range(7, 7 + 40))  # 2 full pages of 16, and 8 tokens
+    alone = make_engine(overlap_schedule=overlap).generate(
+        [prompt], SamplingParams(max_new_tokens=12))[0].token_ids
+    engine = make_engine(overlap_schedule=overlap)
+    first = engine.add_request(prompt, SamplingParams(max_new_tokens=12), "first")
+    outputs = []
+    while not any(o.request_id == first for o in outputs):  # its first token: it decodes now
+        outputs += engine.step()
+    assert not any(o.finished for o in outputs)
+    second = engine.add_request(prompt, SamplingParams(max_new_tokens=12), "second")
+    while engine.has_unfinished():
+        outputs += engine.step()
+    outputs += engine.drain()
+    done = {o.request_id: o for o in outputs if o.finished}
+    assert done[second].device_hit_tokens == 32
+    tokens = {rid: sum((o.new_token_ids for o in outputs if o.request_id == rid), [])
+              for rid in (first, second)}
+    assert tokens[first] == tokens[second] == alone
+    assert engine.stats().device_hit_tokens == 32
+    assert_idle_and_consistent(engine)
