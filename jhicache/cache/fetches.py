@@ -27,8 +27,8 @@ class FetchRule:
     timeout_s: float = 0.0
     timeout_per_ki_token_s: float = 0.0
     # A step waits this long at most past a query's start for its answer, so that a request
-    # that arrived since the last step is scheduled in this one, not the next: a step is 5 ms
-    # to 0.1 s, a query (one batch call) well under a millisecond.
+    # that arrived since the last step is scheduled in this one, not a whole step later: a
+    # query is one batch call, far shorter than a step.
     query_wait_s: float = 0.002
 
     @property

@@ -28,7 +28,7 @@ TAIL_CHUNK_PAGES = 1
 # Pages a backup writes between looks at whether the tier is closing: a closing tier whose
 # deadline passed stops within this many pages, not at the end of a long prefix's backup.
 WRITE_CHUNK_PAGES = 8
-QUERY_THREADS = 2  # a query is one batch call, well under a millisecond: few threads suffice
+QUERY_THREADS = 2  # a query is one short batch call: few threads suffice
 
 
 class FetchState(enum.Enum):
@@ -182,9 +182,9 @@ class StorageTier:
     """Threads over `storage`: one writer (backups in plan order: a prefix's head pages reach
     storage before its tail), a pool of readers for fetches' reads and a small one for their
     queries (a query never waits behind reads: the next step waits for its answer, briefly,
-    `FetchRule.query_wait_s`). `lock`/`unlock` are the host
-    tier's page locks: a page is locked from its backup's plan until it is written (the host
-    tier frees a page the tree let go of meanwhile once it is unlocked)."""
+    `FetchRule.query_wait_s`). `lock`/`unlock` are the host tier's page locks: a page is locked
+    from its backup's plan until it is written (the host tier frees a page the tree let go of
+    meanwhile once it is unlocked)."""
 
     def __init__(self, storage: Storage, lock: Callable[[Sequence[int]], None],
                  unlock: Callable[[Sequence[int]], None], io_threads: int = 8) -> None:
