@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks import cli, mooncake_local
 from benchmarks.cli import sized
+from benchmarks.rows import Rule, Target
 from jhicache.bench import clients, multiturn, remote
 from jhicache.bench.backends import Chunk
 from jhicache.bench.command import model_vocab
@@ -384,13 +385,20 @@ def _legs(text: str) -> tuple[str, ...]:
     return legs
 
 
+def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target] | None:
+    """The moved conversations' target, where the run has the shared and single legs."""
+    if result["moved_hit_rate_ratio"] is None:
+        return None
+    return "fleet", Target(">= 0.9 of one server's", (Rule("moved_ratio", "moved", at_least=0.9),))
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM ends the bench as Ctrl-C does, through the Processes' exits: no process it
     # started is left running
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return cli.main("fleet", "fleet", __doc__ or "", argv, add_options,
                     lambda args, save: bench_fleet(args, model_vocab(args), save),
-                    fleet_table, lambda args, result: None, own_device_memory=False)
+                    fleet_table, page_row, own_device_memory=False)
 
 
 if __name__ == "__main__":

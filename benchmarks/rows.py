@@ -177,6 +177,30 @@ def store_cost(files: list[Json], args: Json) -> Figures:
                                      "label": f"the store {result['store']}"})
 
 
+def fleet(files: list[Json], args: Json) -> Figures:
+    """The fleet bench's legs: each leg's hit rate (by tier), TTFT p50 / p99 and compiles; the
+    moved conversations' hit rate over one server's; the store's own put/get as the ceiling."""
+    result = files[0]["fleet"]
+    parts = []
+    for name, leg in result["legs"].items():
+        tiers = ", ".join(f"{t} {leg[t + '_hit_rate']:.2f}" for t in ("device", "host", "storage"))
+        parts.append(f"{name}: hit rate {leg['hit_rate']:.2f} ({tiers}), TTFT p50 / p99 "
+                     f"{ms(leg['ttft_p50_s'])} / {ms(leg['ttft_p99_s'])} ms, "
+                     f"{plural(int(leg['serving_compiles']), 'compile')}")
+    ratio = result["moved_hit_rate_ratio"]
+    text = "; ".join(parts)
+    checks: dict[str, list[float]] = {}
+    if ratio is not None:
+        text += f". Moved over one server's: {ratio:.2f}"
+        checks["moved_ratio"] = [ratio]
+    text += f"; the same answers in every leg: {'yes' if result['same_answers'] else 'no'}"
+    ceiling = result.get("ceiling")
+    limit = "-" if ceiling is None else (
+        f"the store's put {ceiling['put_gb_per_s']:.2f} GB/s, get {ceiling['get_gb_per_s']:.2f} "
+        f"GB/s ({ceiling['pages']} objects of {ceiling['page_bytes'] / 1e6:.2f} MB)")
+    return Figures(text, limit, checks=checks)
+
+
 def multiturn_modes(files: list[Json], args: Json) -> Figures:
     """Cache off against hierarchical in one run; a second file: the same from an earlier one."""
     modes = files[0]["modes"]
@@ -499,7 +523,7 @@ def programs_ab(files: list[Json], args: Json) -> Figures:
 EXTRACTORS: dict[str, Callable[[list[Json], Json], Figures]] = {
     f.__name__: f for f in (
         server_start, serving_compiles, multiturn_http, multiturn, multiturn_cost,
-        store_cost, multiturn_modes, multiturn_stream, serve_paths, host_hit, load_back,
+        store_cost, fleet, multiturn_modes, multiturn_stream, serve_paths, host_hit, load_back,
         write_back_host_hit, write_back_head, device_hit_beside, storage_hit, scoring, restart,
         step_vs_forward, attention, forward_floor, fresh_vs_hf, gather, programs_ab)
 }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import host_hit, restart, rows, scoring, serve_overhead, storage_hit
+from benchmarks import fleet, host_hit, restart, rows, scoring, serve_overhead, storage_hit
 from tests.scripts import load_script
 
 bp = load_script("scripts/benchmarks_page.py")
@@ -141,7 +141,7 @@ def test_scoring_checks_the_end_to_end_ratio_where_the_run_has_it():
 # The single-run benches, by the kind of row they write: the module and its result's key.
 BENCHES = {"host_hit": (host_hit, "host_hit"), "storage_hit": (storage_hit, "storage_hit"),
            "scoring": (scoring, "scoring"), "restart": (restart, "restart"),
-           "serve_paths": (serve_overhead, "serve_overhead")}
+           "serve_paths": (serve_overhead, "serve_overhead"), "fleet": (fleet, "fleet")}
 
 
 def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
@@ -160,7 +160,7 @@ def test_each_bench_writes_the_row_the_page_shows_for_its_own_run():
             kind, target = module.page_row(args, data[key])
             assert rows.page_row(kind, [data], {}, target) == row, (path.name, name)
             checked += 1
-    assert checked == 18
+    assert checked == 19
 
 
 def test_the_command_line_writes_a_comparison_row_as_the_page_shows_it(tmp_path):
