@@ -213,6 +213,16 @@ def token_bytes(cfg: DecoderConfig, dtype: KVDtype | str) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
+def args_token_bytes(args: argparse.Namespace) -> int:
+    """A token's KV bytes for a bench's model (`--weights` or `--preset`, `--dtype`), before
+    any engine is built."""
+    from jhicache.models import preset_config
+    from jhicache.models.weights import read_config
+
+    config = read_config(args.weights) if args.weights else preset_config(args.preset)
+    return token_bytes(config, args.dtype)
+
+
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
     """This bench's own options, beside `jhicache.bench`'s shared ones."""
     p.add_argument("--host-hit-prefix", **sized(count, 8192, 256),

@@ -5,12 +5,14 @@ and the store's own put/get rate for page-sized objects: the ceiling a storage h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,23 @@ class StoreService:
     def stop(self) -> None:
         _stop(self.proc)
         self.proc = None
+
+
+@contextlib.contextmanager
+def local_store(root: Path, segment_bytes: int) -> Iterator[tuple[dict[str, Any], Master]]:
+    """A master and a store service holding `segment_bytes` (logs under `root`), and a client
+    config that contributes no memory: the pages an engine writes live in the service's, as a
+    fleet's do, and outlive the engine."""
+    root.mkdir(parents=True, exist_ok=True)
+    master = Master(root / "master.log", segment_bytes=0)
+    master.start()
+    service = StoreService(master, segment_bytes, root)
+    try:
+        service.start()
+        yield master.config, master
+    finally:
+        service.stop()
+        master.stop()
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:

@@ -1,20 +1,24 @@
 """The restart bench: multi-turn conversations on an engine with a storage tier, the engine
-closed and a new one started on the same directory midway, then the conversations' next turns;
-their hit rate against the same turns on an engine that was never restarted."""
+closed and a new one started on the same storage midway (the same directory, or the same
+Mooncake store), then the conversations' next turns; their hit rate against the same turns on
+an engine that was never restarted."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cli, tables
+from benchmarks import cli, mooncake_local, tables
+from benchmarks.host_hit import args_token_bytes
 from benchmarks.rows import Rule, Target
 from jhicache.arg_types import positive_int
 from jhicache.async_engine import AsyncEngine
@@ -46,10 +50,10 @@ class Leg:
 
 def bench_restart(args: argparse.Namespace, vocab: int) -> dict:
     """Straight: every round on one engine. Restarted: the rounds before `--restart-round` on
-    an engine, then, on a new engine over the same storage directory (the first closed as a
-    clean stop closes it: every cached page written to storage), the rest. Each engine is
-    warmed up before it serves; each run has its own directory under `--storage-dir`, removed
-    after."""
+    an engine, then, on a new engine over the same storage (the first closed as a clean stop
+    closes it: every cached page written to storage), the rest. Each engine is warmed up
+    before it serves; each run has storage of its own (a directory under `--storage-dir`, or
+    a Mooncake store started for it), removed after."""
     spec = dataclasses.replace(multiturn_spec(args, vocab), vocab_size=vocab)
     args._device_tokens = device_tokens_for(args, spec)
     after = args.restart_round if args.restart_round is not None else spec.num_rounds // 2
@@ -58,14 +62,17 @@ def bench_restart(args: argparse.Namespace, vocab: int) -> dict:
     turns, params = user_turns(spec), turn_params(spec)
     root = Path(tempfile.mkdtemp(prefix="jhicache-restart-", dir=args.storage_dir))
     try:
-        straight = _leg(args, spec, root / "straight", turns, params, None)
-        before = _leg(args, spec, root / "restarted", turns[:after], params[:after], None)
-        restarted = _leg(args, spec, root / "restarted", turns[after:], params[after:],
-                         before.run.histories)
+        with _storage(args, spec, root / "straight") as backend:
+            straight = _leg(args, spec, backend, turns, params, None)
+        with _storage(args, spec, root / "restarted") as backend:
+            before = _leg(args, spec, backend, turns[:after], params[:after], None)
+            restarted = _leg(args, spec, backend, turns[after:], params[after:],
+                             before.run.histories)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     later = [t for t in straight.run.turns if t.round >= after]
     result = {"restart_round": after, "spec": dataclasses.asdict(spec),
+              "storage_backend": args.storage_backend,
               "straight": _hits(later), "restarted": _hits(restarted.run.turns),
               "before_restart": _hits(before.run.turns),
               "compiles": [straight.compiles, before.compiles, restarted.compiles],
@@ -76,12 +83,24 @@ def bench_restart(args: argparse.Namespace, vocab: int) -> dict:
     return result
 
 
-def _leg(args: argparse.Namespace, spec: MultiTurnSpec, storage: Path, turns: Sequence,
+@contextlib.contextmanager
+def _storage(args: argparse.Namespace, spec: MultiTurnSpec, root: Path) -> Iterator[dict]:
+    """The engine options of one run's storage: a directory, or a Mooncake store on this
+    machine (a master and a store service) holding every page the run writes."""
+    if args.storage_backend == "file":
+        yield {"storage_dir": str(root)}
+        return
+    tokens = spec.num_clients * (spec.final_context_tokens + args.page_size)
+    with mooncake_local.local_store(root, tokens * args_token_bytes(args) + (64 << 20)) as store:
+        yield {"storage_backend": "mooncake", "storage_backend_config": json.dumps(store[0])}
+
+
+def _leg(args: argparse.Namespace, spec: MultiTurnSpec, backend: dict, turns: Sequence,
          params: Sequence, histories: Sequence[Sequence[int]] | None) -> Leg:
-    """A new engine on `storage`, warmed up, serves `turns` (in process, as a server would),
-    then writes its backups and is closed."""
+    """A new engine on the storage `backend` (its engine options), warmed up, serves `turns`
+    (in process, as a server would), then writes its backups and is closed."""
     no_dir = argparse.Namespace(**{**vars(args), "storage_dir": None})  # (it makes none)
-    overrides = {**mode_overrides(no_dir, spec, "hierarchical"), "storage_dir": str(storage)}
+    overrides = {**mode_overrides(no_dir, spec, "hierarchical"), **backend}
     if args.fetch_policy:
         overrides["fetch_policy"] = args.fetch_policy
     engine = make_engine(args, **overrides)
@@ -118,6 +137,10 @@ def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:
     p.add_argument("--restart-round", type=positive_int, metavar="N", default=None,
                    help="the round before which the engine restarts on its storage (unset: "
                         "half the rounds)")
+    p.add_argument("--storage-backend", choices=("file", "mooncake"), default="file",
+                   help="the storage tier: a directory (under --storage-dir), or a Mooncake "
+                        "Store started on this machine for each run (a master and a store "
+                        "service holding the pages)")
 
 
 def page_row(args: argparse.Namespace, result: dict) -> tuple[str, Target]:

@@ -13,7 +13,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from benchmarks import cli, mooncake_local, tables
 from benchmarks.cli import sized
-from benchmarks.host_hit import bytes_per_token, stats_delta, token_bytes, ttft_of
+from benchmarks.host_hit import args_token_bytes, bytes_per_token, stats_delta, ttft_of
 from benchmarks.rows import Rule, Target
 from jhicache.arg_types import positive_int
 from jhicache.bench.clients import median_index
@@ -158,7 +157,7 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
                  else stack.enter_context(_local_store(args, root)))
         rates: dict[str, float] = {}
         if store is not None:  # the store's own rates first, while it holds nothing else
-            page_bytes = args.page_size * _token_bytes(args)
+            page_bytes = args.page_size * args_token_bytes(args)
             pages = args.storage_hit_prefix // args.page_size
             rates = mooncake_local.store_rates(store[1], page_bytes, pages)
         engine = storage_engine(args, root / "storage", None if store is None else store[0])
@@ -188,34 +187,13 @@ def bench_storage_hit(args: argparse.Namespace) -> dict:
     return result
 
 
-@contextlib.contextmanager
 def _local_store(args: argparse.Namespace,
-                 root: Path) -> Iterator[tuple[dict[str, Any], mooncake_local.Master]]:
-    """A master and a store service holding every prefix the run writes (each trial's, the
-    warm-up trial's and the engine warm-up's), so that no put meets a full store, and the
-    engine's client config: it contributes no memory, so its pages live in the service's, as a
-    fleet's do."""
-    root.mkdir(parents=True, exist_ok=True)
+                 root: Path) -> contextlib.AbstractContextManager[tuple[dict[str, Any],
+                                                                       mooncake_local.Master]]:
+    """A store on this machine holding every prefix the run writes (each trial's, the warm-up
+    trial's and the engine warm-up's), so that no put meets a full store."""
     tokens = (args.storage_hit_trials + 3) * (args.storage_hit_prefix + 4 * args.page_size)
-    segment = tokens * _token_bytes(args) + (256 << 20)
-    master = mooncake_local.Master(root / "master.log", segment_bytes=0)
-    master.start()
-    service = mooncake_local.StoreService(master, segment, root)
-    try:
-        service.start()
-        yield master.config, master
-    finally:
-        service.stop()
-        master.stop()
-
-
-def _token_bytes(args: argparse.Namespace) -> int:
-    """A token's KV bytes for the bench's model (before any engine is built)."""
-    from jhicache.models import preset_config
-    from jhicache.models.weights import read_config
-
-    config = read_config(args.weights) if args.weights else preset_config(args.preset)
-    return token_bytes(config, args.dtype)
+    return mooncake_local.local_store(root, tokens * args_token_bytes(args) + (256 << 20))
 
 
 def add_options(p: argparse.ArgumentParser, count: dict[str, Any]) -> None:

@@ -426,14 +426,20 @@ def test_the_measured_run_is_served_by_a_warmed_engine_that_compiles_nothing() -
     assert {len(t.token_ids) for t in measured.run.turns} <= {1, 2}
 
 
-def test_restart_serves_the_later_rounds_from_storage(tmp_path) -> None:
-    """Half the rounds, a new engine on the same storage directory, the other half: their hits
-    come from storage, as many as without the restart, with the same answers. With the default
-    write policies: the first engine's close writes what never left the device."""
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_restart_serves_the_later_rounds_from_storage(tmp_path, backend: str) -> None:
+    """Half the rounds, a new engine on the same storage (directory, or Mooncake store), the
+    other half: their hits come from storage, as many as without the restart, with the same
+    answers. With the default write policies: the first engine's close writes what never left
+    the device."""
+    if backend == "mooncake":
+        mooncake_or_skip()
     out, store = tmp_path / "restart.json", tmp_path / "not" / "yet"  # the bench makes it
-    args = [*TINY, "--request-length", "300", "--storage-dir", str(store), "--out", str(out)]
+    args = [*TINY, "--request-length", "300", "--storage-dir", str(store), "--out", str(out),
+            "--storage-backend", backend]
     assert restart.main(args) == 0
     result = json.loads(out.read_text())["restart"]
+    assert result["storage_backend"] == backend
     assert result["restart_round"] == 1 and result["storage_pages_at_restart"] > 0
     assert result["restarted"]["storage_hit_rate"] > 0
     assert result["straight"]["storage_hit_rate"] == 0  # its own tiers hold everything

@@ -206,3 +206,49 @@ def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Pa
         assert store.calls and set(store.calls) == {"batch_put_from"}
         storage.close()
         pool.close()
+
+
+ENV = {"MOONCAKE_MASTER": "master_server_address", "MOONCAKE_TE_META_DATA_SERVER":
+       "metadata_server", "MOONCAKE_LOCAL_HOSTNAME": "local_hostname", "MOONCAKE_PROTOCOL":
+       "protocol", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size"}
+
+
+def test_mooncake_takes_its_own_environment_variables_under_the_configs_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's `MOONCAKE_*` variables configure the backend as they do Mooncake's other
+    clients (no config given: the store is reached through them alone); a key of the backend's
+    config wins over its variable; with neither a master address, a clear error."""
+    from jhicache.cache.mooncake_storage import MooncakeStorage, store_config
+
+    with running_master(tmp_path) as master:
+        for variable, name in ENV.items():
+            monkeypatch.setenv(variable, str(master.config[name]))
+        setup = store_config({"local_buffer_size": 8 << 20})
+        assert setup["master_server_addr"] == master.config["master_server_address"]
+        assert setup["metadata_server"] == master.config["metadata_server"]
+        assert setup["global_segment_size"] == master.config["global_segment_size"]
+        assert setup["local_buffer_size"] == 8 << 20
+        pool = HostPool(LAYOUT)
+        storage = MooncakeStorage(namespace(), pool.page_views, {})
+        data = _fill(pool, [0], seed=9)
+        assert storage.set(KEYS[:1], [0]) == 1 and storage.get(KEYS[:1], [1]) == 1
+        np.testing.assert_array_equal(_page(pool, 1), data[0])
+        storage.clear()
+        storage.close()
+        pool.close()
+    for variable in ENV:
+        monkeypatch.delenv(variable)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
+        store_config({})
+
+
+def test_a_namespace_of_another_page_size_never_sees_the_pages(make) -> None:
+    """The same model and dtype at another page size: its keys name other objects, and so
+    its reads miss what the first wrote (the digest covers the page size)."""
+    one, pool = make()
+    other, _ = make(dataclasses.replace(namespace(), page_size=2 * PAGE))
+    _fill(pool, [0, 1], seed=10)
+    assert one.set(KEYS[:2], [0, 1]) == 2
+    assert other.exists(KEYS[:2]) == 0 and other.get(KEYS[:2], [0, 1]) == 0
+    assert one.exists(KEYS[:2]) == 2

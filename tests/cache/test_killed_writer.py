@@ -1,0 +1,79 @@
+"""A writer of the storage tier killed mid-write (SIGKILL, no clean stop) leaves nothing another
+server would read as valid: every page found under a key holds exactly the bytes written under
+it, on each backend (`file`; `mooncake`, its memory in a store service's process, so that the
+writer's pages outlive it)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.mooncake_local import StoreService
+from jhicache.cache import HostPool
+from tests.cache import page_writer as pw
+from tests.mooncake_support import running_master
+
+ROOT = Path(__file__).resolve().parents[2]
+STORED_BEFORE_KILL = 12  # pages the writer reports stored before it is killed
+
+
+@contextlib.contextmanager
+def backend(name: str, tmp_path: Path) -> Iterator[str]:
+    """Where the writer and the reader store: a directory, or a Mooncake config."""
+    if name == "file":
+        yield str(tmp_path)
+        return
+    with running_master(tmp_path) as master:
+        service = StoreService(master, 256 << 20, tmp_path)
+        service.start()
+        try:
+            yield json.dumps({**master.config, "global_segment_size": 0})
+        finally:
+            service.stop()
+
+
+def kill_mid_write(name: str, where: str) -> int:
+    """Starts the writer, kills it once it has stored STORED_BEFORE_KILL pages; the last page
+    it reported stored."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.cache.page_writer", name, where],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    last = -1
+    try:
+        for line in proc.stdout:
+            last = int(line)
+            if last + 1 >= STORED_BEFORE_KILL:
+                break
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    assert last + 1 >= STORED_BEFORE_KILL, err.decode()[-2000:]
+    return last
+
+
+@pytest.mark.parametrize("name", ["file", "mooncake"])
+def test_a_writer_killed_mid_write_leaves_only_whole_pages(name: str, tmp_path: Path) -> None:
+    with backend(name, tmp_path) as where:
+        last = kill_mid_write(name, where)
+        pool = HostPool(pw.LAYOUT)
+        reader = pw.open_storage(name, where, pool)
+        found = 0
+        for i in range(last + 8):  # the pages reported stored, and those it may have begun
+            if reader.get([pw.key(i)], [0]) == 1:
+                np.testing.assert_array_equal(pw.read(pool, 0), pw.page_bytes(i))
+                found += 1
+            else:
+                assert i > last, f"page {i}, reported stored, is missing"
+        assert found >= last + 1
+        reader.close()
+        pool.close()
