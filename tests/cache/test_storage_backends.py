@@ -180,12 +180,15 @@ class _CountingStore:
         return counted
 
 
-def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Path) -> None:
+def test_an_unreachable_master_is_not_called_until_it_answers_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """While the store's client sees its master gone, reads are misses and writes failures
     without a call to the store (each would wait out Mooncake's RPC timeout, and a request its
-    query); once the master answers again, calls go to it again."""
+    query), said once in the log; once the master answers again, calls go to it again, and the
+    log says so once."""
     from jhicache.cache.mooncake_storage import MooncakeStorage
 
+    caplog.set_level("WARNING", logger="jhicache.storage")
     with running_master(tmp_path) as master:
         pool = HostPool(LAYOUT)
         storage = MooncakeStorage(namespace(), pool.page_views, master.config)
@@ -204,6 +207,9 @@ def test_an_unreachable_master_is_not_called_until_it_answers_again(tmp_path: Pa
         # in the new master again)
         wait_until(lambda: storage.set(KEYS[2:4], [2, 3]) == 2)
         assert store.calls and set(store.calls) == {"batch_put_from"}
+        said = [r.getMessage() for r in caplog.records if r.name == "jhicache.storage"]
+        assert said == ["Mooncake store's master unreachable: reads are misses and writes fail "
+                        "until it answers again", "Mooncake store's master answers again"]
         storage.close()
         pool.close()
 
