@@ -50,10 +50,12 @@ def test_attach_and_detach_while_a_stream_is_served(server: ServerThread,
         assert last["output_ids"] == expected
         info = http.get("/server_info").json()
         assert info["storage_dir"] == str(tmp_path) and info["storage_backend"] == "file"
+        assert info["hicache_storage_backend"] == "file"
         http.post("/generate", json={**prompt, "input_ids": list(range(300, 420))})
         assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
         assert list(tmp_path.rglob("*.kv"))  # written before the detach returned
-        assert http.get("/server_info").json()["storage_dir"] is None
+        info = http.get("/server_info").json()
+        assert info["storage_dir"] is None and info["hicache_storage_backend"] is None
         assert http.post("/generate", json=prompt).json()["output_ids"] == expected
 
 
@@ -94,7 +96,7 @@ def test_a_mooncake_store_attached_and_detached_while_streams_are_served(
             assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
 
         assert _stream_around(http, prompt, attach) == expected
-        assert http.get("/server_info").json()["storage_backend"] == "mooncake"
+        assert http.get("/server_info").json()["hicache_storage_backend"] == "mooncake"
         other = {**prompt, "input_ids": list(range(100, 500))}  # past the fetch threshold
         computed = http.post("/generate", json=other).json()["output_ids"]  # written through
         assert _stream_around(http, prompt, detach) == expected

@@ -20,7 +20,7 @@ from jhicache.serve.generation import Update
 from jhicache.serve.logprobs import TokenTexts, sglang_logprobs, token_texts
 from jhicache.serve.protocol import GenerateRequest, JsonResponse, sse
 from jhicache.serve.responses import event_stream, first_update, last_update
-from jhicache.serve.storage_routes import cleared_storage
+from jhicache.serve.storage_routes import cleared_storage, storage_tier
 
 _CLIENT_GONE = 499
 
@@ -193,7 +193,11 @@ def native_router(ctx: ServerContext) -> APIRouter:
         info = ctx.engine.info
         startup = await asyncio.to_thread(ctx.engine.startup)
         warm = startup.warmup
-        return {**info.config, **_limits(ctx), "served_model_name": ctx.model.name,
+        # SGLang's name for the tier, None without one (the config's storage_backend keeps its
+        # default, "file", where no storage_dir is set)
+        tier = storage_tier(info.config)["hicache_storage_backend"]
+        return {**info.config, **_limits(ctx), "hicache_storage_backend": tier,
+                "served_model_name": ctx.model.name,
                 "model_path": ctx.model.model_path, "grid": info.grid,
                 "ready": ctx.engine.is_ready,
                 "engine_pid": None if ctx.engine.process is None else ctx.engine.process.pid,

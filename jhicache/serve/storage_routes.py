@@ -40,7 +40,7 @@ def storage_router(ctx: ServerContext, admin_api_key: str | None) -> APIRouter:
     @router.get("/hicache/storage-backend")
     async def show(request: Request) -> dict[str, Any]:
         check_admin(request)
-        return _backend(ctx.engine.info.config)
+        return storage_tier(ctx.engine.info.config)
 
     @router.put("/hicache/storage-backend")
     async def attach(request: Request, body: AttachBody) -> JSONResponse:
@@ -82,10 +82,10 @@ async def _set(ctx: ServerContext, backend: str | None, storage_dir: str | None,
                                       timeout_s)
     except ValueError as e:
         raise ApiError(400, str(e)) from e
-    return JSONResponse(_backend(now))
+    return JSONResponse(storage_tier(now))
 
 
-def _backend(config: dict[str, Any]) -> dict[str, Any]:
+def storage_tier(config: dict[str, Any]) -> dict[str, Any]:
     """The storage tier as a config shows it (None: no tier)."""
     enabled = config.get("storage_dir") is not None or config.get("storage_backend") == "mooncake"
     return {"hicache_storage_backend": config.get("storage_backend") if enabled else None,
