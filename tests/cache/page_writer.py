@@ -8,6 +8,7 @@ is stored, until it is killed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -30,11 +31,15 @@ def key(i: int) -> bytes:
     return hashlib.sha256(f"page {i}".encode()).digest()
 
 
+@functools.cache
+def _random_page() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)
+
+
 def page_bytes(i: int) -> np.ndarray:
     """Page i's bytes: one random page, each byte XOR-ed with i's own value (cheap to make, and
     no two of the first 256 pages alike)."""
-    base = np.random.default_rng(0).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)
-    return base ^ np.uint8(i % 256)
+    return _random_page() ^ np.uint8(i % 256)
 
 
 def fill(pool: HostPool, page: int, data: np.ndarray) -> None:
@@ -61,9 +66,8 @@ def open_storage(backend: str, where: str, pool: HostPool) -> Storage:
 def main(backend: str, where: str) -> None:
     pool = HostPool(LAYOUT)
     storage = open_storage(backend, where, pool)
-    base = page_bytes(0)
     for i in itertools.count():
-        fill(pool, i % 2, base ^ np.uint8(i % 256))
+        fill(pool, i % 2, page_bytes(i))
         if storage.set([key(i)], [i % 2]) != 1:
             raise SystemExit(f"page {i} was not stored")
         print(i, flush=True)
