@@ -22,18 +22,13 @@ prompt's TTFT.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import os
-import tempfile
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.kernels.timing import dispatch_us, hbm_read, timeit
+from benchmarks.kernels.timing import dispatch_us, hbm_read, kernel_times, timeit
 from benchmarks.rows import Rule, Target, page_row
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.batch import model_inputs
@@ -78,28 +73,6 @@ def forward_times_ms(run, n: int = 10) -> dict[str, float]:
     jax.block_until_ready([run() for _ in range(n)])
     return {"back_to_back_ms": (time.perf_counter() - start) / n * 1e3,
             "one_at_a_time_median_ms": each * 1e3, "dispatch_us": dispatch_us(run, reps=n)}
-
-
-def kernel_times(run) -> dict:
-    """GPU time per kernel name of one traced forward, from the profiler's perfetto trace."""
-    with tempfile.TemporaryDirectory() as folder:
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
-        jax.block_until_ready(run())
-        jax.profiler.stop_trace()
-        path = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "GPU" in e["args"]["name"]}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus]
-    per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        per[e["name"]][0] += 1
-        per[e["name"]][1] += e["dur"]
-    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
-    return {"kernels": len(kernels), "sum_us": sum(t for _, t in per.values()),
-            "by_name": [{"name": k[:80], "calls": c, "us": t} for k, (c, t) in rows]}
 
 
 def forward_bytes(engine: Engine, prefix: int, new: int) -> dict[str, int]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from benchmarks.kernels import attention, cli, memory_ops, reference, timing
@@ -122,6 +123,16 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
     assert rows[DECODE.name]["peer"].startswith("jax.experimental.pallas.ops.gpu.paged_attention")
     assert rows[DECODE.name]["target"]["metric"] == "fraction_of_hbm_read"
     assert "peer" not in rows[EXTEND.name]
+
+
+def test_device_time_traces_one_call_of_the_best_configs_program() -> None:
+    """The traced call runs and sums the GPU's kernels per layer; the CPU's trace has no GPU
+    kernels, so nothing is counted there (`attention_case` asks for it only on a GPU)."""
+    got = attention._device_time(EXTEND, inputs(EXTEND), resolve(EXTEND, EXTEND.start))
+    if jax.default_backend() == "gpu":
+        assert got["per_layer_us"] > 0 and got["kernels_per_layer"] >= 1 and got["by_name"]
+    else:
+        assert got == {"per_layer_us": 0.0, "kernels_per_layer": 0.0, "by_name": []}
 
 
 def test_the_reference_check_catches_a_wrong_output(monkeypatch: pytest.MonkeyPatch) -> None:

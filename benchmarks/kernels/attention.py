@@ -17,6 +17,7 @@ from jhicache.pallas_kernels.backend import use_interpreter
 from benchmarks.kernels.cases import (
     JAX_PAGED,
     AttnCase,
+    CaseInputs,
     KernelConfig,
     apart,
     inputs,
@@ -27,7 +28,7 @@ from benchmarks.kernels.cases import (
 )
 from benchmarks.kernels.reference import reference_check
 from benchmarks.kernels.shapes import PAGE, random_array
-from benchmarks.kernels.timing import GB, hbm_read, per_layer_seconds, safe
+from benchmarks.kernels.timing import GB, hbm_read, kernel_times, per_layer_seconds, safe
 
 # Each target case times its kernel in one dispatch: one jitted program runs it over L layers, and
 # the host clock around the whole program, over L, is the per-layer time. Dispatch and sync (tens
@@ -147,6 +148,8 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
         raise RuntimeError(f"{case.name}: every config failed, first: {next(iter(times.values()))}")
     row.update(best=best.label(), best_config=dataclasses.asdict(resolve(case, best)),
                per_layer_ms=seconds * 1e3, gbps=case.kv_bytes / seconds / GB)
+    if jax.default_backend() == "gpu":  # the best config's kernels on the device's own clock
+        row["device_time"] = safe(lambda: _device_time(case, data, resolve(case, best)))
     row["reference_check"] = safe(lambda: reference_check(case, data, resolve(case, best)))
     if case.peer is not None:
         row["peer"] = peer_label(case)
@@ -155,6 +158,19 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
         if isinstance(peer, float):
             row["ours_over_peer"] = seconds / peer
     return row
+
+
+def _device_time(case: AttnCase, data: CaseInputs, cfg: KernelConfig) -> dict:
+    """One traced call of the case's program at `cfg`: its kernels' GPU time over the layers
+    (the per-layer wall time above also holds launches and any gap between kernels)."""
+    program = jax.jit(_over_layers(kernel(case, cfg)))
+    args = (data.q, data.ks, data.vs, data.news, *data.meta)
+    jax.block_until_ready(program(*args))  # compiled before the trace
+    trace = kernel_times(lambda: program(*args))
+    return {"per_layer_us": trace["sum_us"] / case.layers,
+            "kernels_per_layer": trace["kernels"] / case.layers,
+            "by_name": [{**r, "us_per_layer": r["us"] / case.layers}
+                        for r in trace["by_name"][:6]]}
 
 
 def _met(row: dict) -> bool | None:

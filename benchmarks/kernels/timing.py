@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -85,6 +91,29 @@ def per_layer_seconds(program: Callable[..., object], args: tuple, layers: int, 
     one dispatch) after warm-up calls (the first compiles), divided by `layers`."""
     f = jax.jit(program)
     return timeit(lambda: f(*args), reps, warm) / layers
+
+
+def kernel_times(run: Callable[[], object]) -> dict:
+    """GPU time per kernel name of one traced call of `run` (what it returns blocked on), from
+    the profiler's perfetto trace (its own durations; the profiler adds a little to each)."""
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        jax.block_until_ready(run())
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "GPU" in e["args"]["name"]}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpus]
+    per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per[e["name"]][0] += 1
+        per[e["name"]][1] += e["dur"]
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": len(kernels), "sum_us": sum(t for _, t in per.values()),
+            "by_name": [{"name": k[:80], "calls": c, "us": t} for k, (c, t) in rows]}
 
 
 def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm: int = 10) -> None:
