@@ -25,10 +25,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks import cli, mooncake_local
 from benchmarks.cli import sized
+from benchmarks.host_hit import args_token_bytes
 from benchmarks.rows import Rule, Target
 from jhicache.bench import clients, multiturn, remote
 from jhicache.bench.backends import Chunk
@@ -212,12 +211,7 @@ def _mooncake(master: mooncake_local.Master) -> list[str]:
 
 def page_bytes(args: argparse.Namespace) -> int:
     """One page's K and V over every layer, as the servers' pools hold it."""
-    from jhicache.models import preset_config, read_config
-
-    config = read_config(args.weights) if args.weights else preset_config(args.preset)
-    itemsize = np.dtype("float32").itemsize if args.dtype == "float32" else 2
-    return (2 * config.num_hidden_layers * args.page_size * config.num_key_value_heads
-            * config.head_dim * itemsize)
+    return args.page_size * args_token_bytes(args)
 
 
 def store_ceiling(master: mooncake_local.Master, page: int, pages: int, trials: int) -> dict:

@@ -110,13 +110,15 @@ def local_store(root: Path, segment_bytes: int) -> Iterator[tuple[dict[str, Any]
     fleet's do, and outlive the engine."""
     root.mkdir(parents=True, exist_ok=True)
     master = Master(root / "master.log", segment_bytes=0)
-    master.start()
-    service = StoreService(master, segment_bytes, root)
+    service: StoreService | None = None
     try:
+        master.start()
+        service = StoreService(master, segment_bytes, root)
         service.start()
         yield master.config, master
     finally:
-        service.stop()
+        if service is not None:
+            service.stop()
         master.stop()
 
 

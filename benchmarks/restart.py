@@ -104,9 +104,11 @@ def _leg(args: argparse.Namespace, spec: MultiTurnSpec, backend: dict, turns: Se
     if args.fetch_policy:
         overrides["fetch_policy"] = args.fetch_policy
     engine = make_engine(args, **overrides)
-    with as_served(engine), CompileCounter() as compiles:
-        run = asyncio.run(_serve(engine, turns, params, args, histories))
-    engine.close()  # as a clean stop does: every cached page is written to storage
+    try:
+        with as_served(engine), CompileCounter() as compiles:
+            run = asyncio.run(_serve(engine, turns, params, args, histories))
+    finally:
+        engine.close()  # as a clean stop does: every cached page is written to storage
     return Leg(run, engine.stats().as_dict(), compiles.count)
 
 

@@ -413,8 +413,9 @@ def scoring(files: list[Json], args: Json) -> Figures:
 
 
 def restart(files: list[Json], args: Json) -> Figures:
-    """The rounds after a restart on the same storage directory against the same rounds on an
-    engine never restarted: hit rates, their ratio, where the hits came from."""
+    """The rounds after a restart on the same storage (a directory; a Mooncake store, named)
+    against the same rounds on an engine never restarted: hit rates, their ratio, where the
+    hits came from."""
     run = files[0]["restart"]
     after, straight = run["restarted"], run["straight"]
     text = (f"hit rate {after['hit_rate']:.3f} after the restart (storage "
@@ -423,6 +424,8 @@ def restart(files: list[Json], args: Json) -> Figures:
             f"{'the same answers' if run['same_answers'] else 'answers differ'}; "
             f"{run['storage_pages_at_restart']:,} pages in storage at the restart; compiles "
             f"{'/'.join(str(c) for c in run['compiles'])}")
+    if run.get("storage_backend", "file") == "mooncake":
+        text += "; on a Mooncake store"
     return Figures(text, checks={"ratio": [run["hit_rate_ratio"]]})
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.mooncake_local import StoreService
+from benchmarks.mooncake_local import local_store
 from jhicache.serve.thread import ServerThread
 from tests.mooncake_support import mooncake_or_skip, running_master
 from tests.serve_support import ENGINE_CONFIG, TIMEOUT_S, metric, start_server
@@ -59,7 +59,7 @@ def test_attach_and_detach_while_a_stream_is_served(server: ServerThread,
         assert http.post("/generate", json=prompt).json()["output_ids"] == expected
 
 
-def _stream_around(http: httpx.Client, prompt: dict, action) -> list[int]:
+def _stream_around(http: httpx.Client, prompt: dict, action: Callable[[], None]) -> list[int]:
     """A streamed request with `action()` run once its first event has come; its last
     output_ids."""
     with http.stream("POST", "/generate", json={**prompt, "stream": True}) as stream:
@@ -77,11 +77,8 @@ def test_a_mooncake_store_attached_and_detached_while_streams_are_served(
     store service's, so they outlive the server's client), and a prefix flushed from the device
     and host tiers hits there once the store is attached again."""
     mooncake_or_skip()
-    with running_master(tmp_path) as master, \
+    with local_store(tmp_path, 64 << 20) as (store, _), \
             httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
-        service = StoreService(master, 64 << 20, tmp_path)
-        service.start()
-        store = {**master.config, "global_segment_size": 0}
         body = {"hicache_storage_backend": "mooncake",
                 "hicache_storage_backend_extra_config_json": json.dumps(store)}
         prompt = {"input_ids": list(range(1, 200)), "sampling_params": {"max_new_tokens": 24,
@@ -95,22 +92,23 @@ def test_a_mooncake_store_attached_and_detached_while_streams_are_served(
         def detach() -> None:
             assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
 
-        assert _stream_around(http, prompt, attach) == expected
-        assert http.get("/server_info").json()["hicache_storage_backend"] == "mooncake"
-        other = {**prompt, "input_ids": list(range(100, 500))}  # past the fetch threshold
-        computed = http.post("/generate", json=other).json()["output_ids"]  # written through
-        assert _stream_around(http, prompt, detach) == expected
-        assert http.get("/hicache/storage-backend", headers=AUTH).json()[
-            "hicache_storage_backend"] is None
-        attach()
-        assert http.post("/flush_cache").status_code == 200  # device and host tiers emptied
-        again = http.post("/generate", json=other).json()
-        assert again["meta_info"]["cached_tokens_details"]["storage"] >= 384
-        assert again["output_ids"] == computed
-        assert http.post("/hicache/storage-backend/clear", headers=AUTH).json() == {
-            "cleared": True}
-        detach()
-        service.stop()
+        try:
+            assert _stream_around(http, prompt, attach) == expected
+            assert http.get("/server_info").json()["hicache_storage_backend"] == "mooncake"
+            other = {**prompt, "input_ids": list(range(100, 500))}  # past the fetch threshold
+            computed = http.post("/generate", json=other).json()["output_ids"]  # written through
+            assert _stream_around(http, prompt, detach) == expected
+            assert http.get("/hicache/storage-backend", headers=AUTH).json()[
+                "hicache_storage_backend"] is None
+            attach()
+            assert http.post("/flush_cache").status_code == 200  # device and host tiers emptied
+            again = http.post("/generate", json=other).json()
+            assert again["meta_info"]["cached_tokens_details"]["storage"] >= 384
+            assert again["output_ids"] == computed
+            assert http.post("/hicache/storage-backend/clear", headers=AUTH).json() == {
+                "cleared": True}
+        finally:  # the module's server leaves with no tier, whatever happened
+            http.delete("/hicache/storage-backend", headers=AUTH)
 
 
 def test_admin_routes_need_the_key_and_refuse_unknown_fields(server: ServerThread,

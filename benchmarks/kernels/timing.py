@@ -98,8 +98,10 @@ def kernel_times(run: Callable[[], object]) -> dict:
     the profiler's perfetto trace (its own durations; the profiler adds a little to each)."""
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder, create_perfetto_trace=True)
-        jax.block_until_ready(run())
-        jax.profiler.stop_trace()
+        try:
+            jax.block_until_ready(run())
+        finally:  # a failed call must not leave the profiler on for what follows
+            jax.profiler.stop_trace()
         path = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)[0]
         with gzip.open(path) as f:
             trace = json.load(f)

@@ -33,7 +33,9 @@ def key(i: int) -> bytes:
 
 @functools.cache
 def _random_page() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)
+    page = np.random.default_rng(0).integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)
+    page.flags.writeable = False  # made once, shared by every call
+    return page
 
 
 def page_bytes(i: int) -> np.ndarray:

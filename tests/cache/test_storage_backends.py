@@ -226,6 +226,7 @@ def test_mooncake_takes_its_own_environment_variables_under_the_configs_keys(
     config wins over its variable; with neither a master address, a clear error."""
     from jhicache.cache.mooncake_storage import MooncakeStorage, store_config
 
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)  # it would win over the rest
     with running_master(tmp_path) as master:
         for variable, name in ENV.items():
             monkeypatch.setenv(variable, str(master.config[name]))
@@ -244,7 +245,6 @@ def test_mooncake_takes_its_own_environment_variables_under_the_configs_keys(
         pool.close()
     for variable in ENV:
         monkeypatch.delenv(variable)
-    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
     with pytest.raises(ValueError, match="MOONCAKE_MASTER"):
         store_config({})
 
