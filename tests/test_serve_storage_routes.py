@@ -4,8 +4,10 @@ when the server has one; a field this server does not take is refused by name.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -59,31 +61,43 @@ def test_attach_and_detach_while_a_stream_is_served(server: ServerThread,
         assert http.post("/generate", json=prompt).json()["output_ids"] == expected
 
 
-def _stream_around(http: httpx.Client, prompt: dict, action: Callable[[], None]) -> list[int]:
-    """A streamed request with `action()` run once its first event has come; its last
-    output_ids."""
-    with http.stream("POST", "/generate", json={**prompt, "stream": True}) as stream:
-        lines = stream.iter_lines()
-        first = next(line for line in lines if line.startswith("data:"))
+def _streams_around(url: str, prompts: list[dict], action: Callable[[], None]) -> list[list[int]]:
+    """The prompts streamed at once (a client each), `action()` run once every stream's first
+    event has come; each stream's last output_ids, in the prompts' order."""
+    started = threading.Barrier(len(prompts) + 1)
+
+    def stream(prompt: dict) -> list[int]:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http, \
+                http.stream("POST", "/generate", json={**prompt, "stream": True}) as answer:
+            lines = (line for line in answer.iter_lines() if line.startswith("data:"))
+            events = [next(lines)]
+            started.wait(TIMEOUT_S)
+            events += lines
+        return list(json.loads(events[-2].removeprefix("data:"))["output_ids"])  # before [DONE]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, prompt) for prompt in prompts]
+        started.wait(TIMEOUT_S)
         action()
-        events = [first, *(line for line in lines if line.startswith("data:"))]
-    return list(json.loads(events[-2].removeprefix("data:"))["output_ids"])  # before [DONE]
+        return [future.result() for future in futures]
 
 
 def test_a_mooncake_store_attached_and_detached_while_streams_are_served(
         server: ServerThread, tmp_path: Path) -> None:
-    """A Mooncake store attached while one stream is served, detached while another is: both
-    end with their tokens; the pages written through meanwhile are in the store (its memory a
-    store service's, so they outlive the server's client), and a prefix flushed from the device
-    and host tiers hits there once the store is attached again."""
+    """A Mooncake store attached while four streams are served, detached while four more are:
+    every stream ends with the tokens it has alone; the pages written through meanwhile are in
+    the store (its memory a store service's, so they outlive the server's client), and a prefix
+    flushed from the device and host tiers hits there once the store is attached again."""
     mooncake_or_skip()
     with local_store(tmp_path, 64 << 20) as (store, _), \
             httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
         body = {"hicache_storage_backend": "mooncake",
                 "hicache_storage_backend_extra_config_json": json.dumps(store)}
-        prompt = {"input_ids": list(range(1, 200)), "sampling_params": {"max_new_tokens": 24,
-                                                                        "temperature": 0}}
-        expected = http.post("/generate", json=prompt).json()["output_ids"]
+        prompts = [{"input_ids": list(range(i, 200 + i)),
+                    "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+                   for i in range(1, 5)]
+        expected = [http.post("/generate", json=p).json()["output_ids"] for p in prompts]
+        prompt = prompts[0]
 
         def attach() -> None:
             answer = http.put("/hicache/storage-backend", headers=AUTH, json=body)
@@ -93,11 +107,11 @@ def test_a_mooncake_store_attached_and_detached_while_streams_are_served(
             assert http.delete("/hicache/storage-backend", headers=AUTH).status_code == 200
 
         try:
-            assert _stream_around(http, prompt, attach) == expected
+            assert _streams_around(server.url, prompts, attach) == expected
             assert http.get("/server_info").json()["hicache_storage_backend"] == "mooncake"
             other = {**prompt, "input_ids": list(range(100, 500))}  # past the fetch threshold
             computed = http.post("/generate", json=other).json()["output_ids"]  # written through
-            assert _stream_around(http, prompt, detach) == expected
+            assert _streams_around(server.url, prompts, detach) == expected
             assert http.get("/hicache/storage-backend", headers=AUTH).json()[
                 "hicache_storage_backend"] is None
             attach()
