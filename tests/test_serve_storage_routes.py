@@ -40,16 +40,14 @@ def test_attach_and_detach_while_a_stream_is_served(server: ServerThread,
         expected = http.post("/generate", json=prompt).json()["output_ids"]
         assert http.get("/hicache/storage-backend", headers=AUTH).json()[
             "hicache_storage_backend"] is None
-        with http.stream("POST", "/generate", json={**prompt, "stream": True}) as stream:
-            lines = stream.iter_lines()
-            first = next(line for line in lines if line.startswith("data:"))
+
+        def attach() -> None:
             attached = http.put("/hicache/storage-backend", headers=AUTH, json={
                 "hicache_storage_backend": "file", "storage_dir": str(tmp_path)})
             assert attached.status_code == 200, attached.text
             assert attached.json()["storage_dir"] == str(tmp_path)
-            events = [first, *(line for line in lines if line.startswith("data:"))]
-        last = json.loads(events[-2].removeprefix("data:"))  # before [DONE]
-        assert last["output_ids"] == expected
+
+        assert _streams_around(server.url, [prompt], attach) == [expected]
         info = http.get("/server_info").json()
         assert info["storage_dir"] == str(tmp_path) and info["storage_backend"] == "file"
         assert info["hicache_storage_backend"] == "file"
