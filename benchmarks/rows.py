@@ -471,7 +471,17 @@ def attention(files: list[Json], args: Json) -> Figures:
     start_ms = case["sweep_per_layer_ms"][sweep[0]]
     if change and args.get("show_start"):
         text += f" (default {num(case['bytes'] / (start_ms * 1e6) / hbm, digits)})"
-    return Figures(text, f"HBM read {hbm:.0f} GB/s", checks={"fraction": [frac]})
+    ceiling = f"HBM read {hbm:.0f} GB/s"
+    if "device_fraction_of_hbm_read" in case:  # the kernels' own time, from one traced call
+        device = case["device_fraction_of_hbm_read"]
+        text += (f"; device clock {case['device_time']['per_layer_us']:.1f} us, "
+                 f"{num(device, 2 if device >= 0.1 else 3)}")
+    read = case.get("layer_read")
+    if isinstance(read, dict) and "wall_fraction" in read:
+        ceiling += f"; a layer's bytes read alone {num(read['wall_fraction'], 2)}"
+        if "device_fraction" in read:
+            ceiling += f" (device clock {num(read['device_fraction'], 2)})"
+    return Figures(text, ceiling, checks={"fraction": [frac]})
 
 
 def forward_floor(files: list[Json], args: Json) -> Figures:

@@ -123,6 +123,30 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
     assert rows[DECODE.name]["peer"].startswith("jax.experimental.pallas.ops.gpu.paged_attention")
     assert rows[DECODE.name]["target"]["metric"] == "fraction_of_hbm_read"
     assert "peer" not in rows[EXTEND.name]
+    for case in (EXTEND, DECODE):  # a plain read of one layer's bytes, on the attention's clock
+        read = rows[case.name]["layer_read"]
+        assert read["layers"] == case.layers and 0 <= case.kv_bytes - read["bytes"] < 2048
+        assert read["wall_fraction"] == read["bytes"] / read["wall_us"] / 1e3  # 1 GB/s ceiling
+        assert ("device_us" in read) == (jax.default_backend() == "gpu")
+    assert "layer_read" not in rows[PREFILL.name]
+
+
+def test_judge_adds_the_device_clocks_fractions_where_the_run_traced_them() -> None:
+    row = {"bytes": 8000, "gbps": 2.0, "target": {"metric": "fraction_of_hbm_read",
+                                                 "at_least": 0.5},
+           "device_time": {"per_layer_us": 2.0},
+           "layer_read": {"bytes": 4000, "wall_us": 4.0, "device_us": 1.0}}
+    res = {"attention_targets": {"x": row}}
+    attention.judge(res, ["x"])
+    row = res["attention_targets"]["x"]
+    assert row["fraction_of_hbm_read"] is None  # no ceiling in this run: nothing judged
+    res["hbm_read_gbps"] = 4.0
+    attention.judge(res, ["x"])
+    row = res["attention_targets"]["x"]
+    assert row["fraction_of_hbm_read"] == 0.5
+    assert row["device_fraction_of_hbm_read"] == 8000 / 2.0 / 1e3 / 4.0
+    assert row["layer_read"]["wall_fraction"] == 4000 / 4.0 / 1e3 / 4.0
+    assert row["layer_read"]["device_fraction"] == 4000 / 1.0 / 1e3 / 4.0
 
 
 def test_device_time_traces_one_call_of_the_best_configs_program() -> None:

@@ -178,3 +178,19 @@ def test_the_command_line_writes_a_comparison_row_as_the_page_shows_it(tmp_path)
     assert rows.parse_rule("ratio:at_most:1.1:TTFT") == rows.Rule("ratio", "TTFT", at_most=1.1)
     with pytest.raises(argparse.ArgumentTypeError):
         rows.parse_rule("ratio:below:1")
+
+
+def test_an_attention_row_shows_the_device_clock_and_a_layer_read_where_the_run_has_them():
+    case = {"sweep_per_layer_ms": {"bq128_bk64_splitsauto_w4_s2": 0.026}, "per_layer_ms": 0.026,
+            "best": "bq128_bk64_splitsauto_w4_s2", "fraction_of_hbm_read": 0.059,
+            "bytes": 4_227_072}
+    data = {"hbm_read_gbps": 2731.0, "attention_targets": {"x": case}}
+    fig = rows.attention([data], {"case": "x"})
+    assert (fig.result, fig.ceiling) == ("26.0 us; 0.059", "HBM read 2731 GB/s")
+    case.update(device_time={"per_layer_us": 16.4}, device_fraction_of_hbm_read=0.094,
+                layer_read={"wall_fraction": 0.098, "device_fraction": 0.49})
+    fig = rows.attention([data], {"case": "x"})
+    assert fig.result == "26.0 us; 0.059; device clock 16.4 us, 0.094"
+    assert fig.ceiling == ("HBM read 2731 GB/s; a layer's bytes read alone 0.10 "
+                           "(device clock 0.49)")
+    assert fig.checks == {"fraction": [0.059]}  # the target is judged on the wall clock

@@ -28,7 +28,14 @@ from benchmarks.kernels.cases import (
 )
 from benchmarks.kernels.reference import reference_check
 from benchmarks.kernels.shapes import PAGE, random_array
-from benchmarks.kernels.timing import GB, hbm_read, kernel_times, per_layer_seconds, safe
+from benchmarks.kernels.timing import (
+    GB,
+    hbm_read,
+    kernel_times,
+    layer_read,
+    per_layer_seconds,
+    safe,
+)
 
 # Each target case times its kernel in one dispatch: one jitted program runs it over L layers, and
 # the host clock around the whole program, over L, is the per-layer time. Dispatch and sync (tens
@@ -150,6 +157,8 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
                per_layer_ms=seconds * 1e3, gbps=case.kv_bytes / seconds / GB)
     if jax.default_backend() == "gpu":  # the best config's kernels on the device's own clock
         row["device_time"] = safe(lambda: _device_time(case, data, resolve(case, best)))
+    if case.kind != "prefill":  # what a plain read of the layer's bytes reaches, on both clocks
+        row["layer_read"] = safe(lambda: layer_read(case.kv_bytes, case.layers, reps, warm))
     row["reference_check"] = safe(lambda: reference_check(case, data, resolve(case, best)))
     if case.peer is not None:
         row["peer"] = peer_label(case)
@@ -185,6 +194,21 @@ def _met(row: dict) -> bool | None:
     return bool(fast and correct)
 
 
+def _device_fractions(row: dict, ceiling: object) -> None:
+    """Fractions of the ceiling on the device's clock (the kernels' own time), beside the wall
+    clock's: the row's best config, and the plain read of a layer's bytes on both clocks."""
+    if not isinstance(ceiling, float):
+        return
+    device = row.get("device_time")
+    if isinstance(device, dict) and device["per_layer_us"] > 0:
+        row["device_fraction_of_hbm_read"] = row["bytes"] / device["per_layer_us"] / 1e3 / ceiling
+    read = row.get("layer_read")
+    if isinstance(read, dict):
+        for clock in ("wall", "device"):
+            if read.get(f"{clock}_us"):
+                read[f"{clock}_fraction"] = read["bytes"] / read[f"{clock}_us"] / 1e3 / ceiling
+
+
 def judge(res: dict, names: list[str]) -> None:
     """For the named rows of this run: fraction of this run's hbm_read_gbps and `met` (the target
     met and the reference check passed; None: not judged, for want of the ceiling or the peer);
@@ -196,6 +220,7 @@ def judge(res: dict, names: list[str]) -> None:
         if "gbps" in row:
             row["fraction_of_hbm_read"] = (row["gbps"] / ceiling if isinstance(ceiling, float)
                                            else None)
+            _device_fractions(row, ceiling)
         row["met"] = _met(row)
         # the summary fields first, for whoever reads the JSON
         rows[name] = {**{k: row[k] for k in SUMMARY_KEYS if k in row}, **row}

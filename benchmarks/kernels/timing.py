@@ -1,4 +1,5 @@
-"""Timers (median of calls; per layer of one program) and the PCIe, HBM copy and read ceilings."""
+"""Timers (median of calls; per layer of one program) and the PCIe, HBM copy and read ceilings
+(of 1 GiB arrays, and of one layer's bytes)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,20 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
                             f"{len(READS)} passes (variants_gbps) over {row['passes']} "
                             f"measurement(s) in this run")
 
+
+
+def layer_read(nbytes: int, layers: int, reps: int = 7, warm: int = 2) -> dict:
+    """The read ceiling at one layer's size: `layers` distinct bf16 arrays of `nbytes` (rounded
+    down to whole 1024-element rows), each read by one row-max pass in one program, as the
+    attention cases run their layers. Per layer: wall time (`per_layer_seconds`, the attention
+    rows' own clock) and, on a GPU, the kernels' device time. A kernel that reads a layer's bytes
+    is bounded by what this plain read reaches on each clock."""
+    n = nbytes // 2 // 1024 * 1024
+    xs = tuple(random_array(300 + i, (n,)) for i in range(layers))
+    read = dict(READS)["row_max_1024"]
+    program = jax.jit(lambda xs: [read(x) for x in xs])
+    row: dict = {"pass": "row_max_1024", "bytes": 2 * n, "layers": layers,
+                 "wall_us": per_layer_seconds(program, (xs,), layers, reps, warm) * 1e6}
+    if jax.default_backend() == "gpu":
+        row["device_us"] = kernel_times(lambda: program(xs))["sum_us"] / layers
+    return row
