@@ -149,7 +149,6 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
                             f"measurement(s) in this run")
 
 
-
 def layer_read(nbytes: int, layers: int, reps: int = 7, warm: int = 2) -> dict:
     """The read ceiling at one layer's size: `layers` distinct bf16 arrays of `nbytes` (rounded
     down to whole 1024-element rows), each read by one row-max pass in one program, as the
