@@ -129,6 +129,7 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
         assert read["wall_fraction"] == read["bytes"] / read["wall_us"] / 1e3  # 1 GB/s ceiling
         assert ("device_us" in read) == (jax.default_backend() == "gpu")
     assert "layer_read" not in rows[PREFILL.name]
+    assert all(rows[c.name]["ranked_by"] == "wall clock" for c in (EXTEND, DECODE, PREFILL))
 
 
 def test_judge_adds_the_device_clocks_fractions_where_the_run_traced_them() -> None:
@@ -152,11 +153,40 @@ def test_judge_adds_the_device_clocks_fractions_where_the_run_traced_them() -> N
 def test_device_time_traces_one_call_of_the_best_configs_program() -> None:
     """The traced call runs and sums the GPU's kernels per layer; the CPU's trace has no GPU
     kernels, so nothing is counted there (`attention_case` asks for it only on a GPU)."""
-    got = attention._device_time(EXTEND, inputs(EXTEND), resolve(EXTEND, EXTEND.start))
+    data = inputs(EXTEND)
+    program = jax.jit(attention._over_layers(attention.kernel(EXTEND, EXTEND.start)))
+    got = attention._device_time(EXTEND, program, (data.q, data.ks, data.vs, data.news,
+                                                   *data.meta))
     if jax.default_backend() == "gpu":
         assert got["per_layer_us"] > 0 and got["kernels_per_layer"] >= 1 and got["by_name"]
     else:
         assert got == {"per_layer_us": 0.0, "kernels_per_layer": 0.0, "by_name": []}
+
+
+def test_on_a_gpu_the_device_clock_ranks_the_configs_and_the_row_keeps_the_wall_clock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each config's kernels on the device's clock rank it (here each traced config reads
+    faster than the one before, whatever its wall time); the row's time is the best's wall
+    time, and every config's device time is kept beside the wall times."""
+    traced: list[int] = []
+
+    def device_time(case: AttnCase, program: object, args: tuple) -> dict:
+        traced.append(len(traced))
+        return {"per_layer_us": 100.0 - len(traced), "kernels_per_layer": 1.0, "by_name": []}
+
+    monkeypatch.setattr(attention, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "_device_time", device_time)
+    monkeypatch.setattr(attention, "layer_read", lambda *a: {"bytes": 1, "wall_us": 1.0})
+    case = dataclasses.replace(EXTEND, stages=((("splits", (None, 2)),),
+                                               (("num_warps", (4, 8)),)))
+    res: dict = {"hbm_read_gbps": 1.0}
+    row = attention.attention_case(res, case, reps=1, warm=1)
+    device = row["sweep_device_us"]
+    assert row["ranked_by"] == "device clock" and set(device) == set(row["sweep_per_layer_ms"])
+    assert len(traced) == 3 + 1  # three resolved configs, then the best's breakdown
+    assert row["best"] == min(device, key=device.get) != case.start.label()
+    assert row["per_layer_ms"] == row["sweep_per_layer_ms"][row["best"]]
+    assert row["device_time"]["per_layer_us"] == 96.0
 
 
 def test_the_reference_check_catches_a_wrong_output(monkeypatch: pytest.MonkeyPatch) -> None:
