@@ -453,7 +453,8 @@ def config_change(start: str, best: str) -> str:
 
 
 def attention(files: list[Json], args: Json) -> Figures:
-    """An attention target: best per-layer time, what it changes, against HBM read or a peer."""
+    """An attention target: the best config's per-layer time (best by the row's `ranked_by`
+    clock), what it changes, against HBM read or a peer."""
     data = files[0]
     case = data["attention_targets"][args["case"]]
     sweep = list(case["sweep_per_layer_ms"])
@@ -474,7 +475,8 @@ def attention(files: list[Json], args: Json) -> Figures:
     ceiling = f"HBM read {hbm:.0f} GB/s"
     if "device_fraction_of_hbm_read" in case:  # the kernels' own time, from one traced call
         device = case["device_fraction_of_hbm_read"]
-        text += (f"; device clock {case['device_time']['per_layer_us']:.1f} us, "
+        ranks = " (ranks the sweep)" if case.get("ranked_by") == "device clock" else ""
+        text += (f"; device clock{ranks} {case['device_time']['per_layer_us']:.1f} us, "
                  f"{num(device, 2 if device >= 0.1 else 3)}")
     read = case.get("layer_read")
     if isinstance(read, dict) and "wall_fraction" in read:

@@ -126,7 +126,8 @@ def test_target_cases_time_every_config_pass_the_reference_check_and_are_judged(
     for case in (EXTEND, DECODE):  # a plain read of one layer's bytes, on the attention's clock
         read = rows[case.name]["layer_read"]
         assert read["layers"] == case.layers and 0 <= case.kv_bytes - read["bytes"] < 2048
-        assert read["wall_fraction"] == read["bytes"] / read["wall_us"] / 1e3  # 1 GB/s ceiling
+        # bytes per microsecond / 1e3 is GB/s, here against a 1 GB/s ceiling
+        assert read["wall_fraction"] == pytest.approx(read["bytes"] / (read["wall_us"] * 1e3))
         assert ("device_us" in read) == (jax.default_backend() == "gpu")
     assert "layer_read" not in rows[PREFILL.name]
     assert all(rows[c.name]["ranked_by"] == "wall clock" for c in (EXTEND, DECODE, PREFILL))
@@ -145,9 +146,10 @@ def test_judge_adds_the_device_clocks_fractions_where_the_run_traced_them() -> N
     attention.judge(res, ["x"])
     row = res["attention_targets"]["x"]
     assert row["fraction_of_hbm_read"] == 0.5
-    assert row["device_fraction_of_hbm_read"] == 8000 / 2.0 / 1e3 / 4.0
-    assert row["layer_read"]["wall_fraction"] == 4000 / 4.0 / 1e3 / 4.0
-    assert row["layer_read"]["device_fraction"] == 4000 / 1.0 / 1e3 / 4.0
+    # 8000 B in 2 us is 4 GB/s: all of a 4 GB/s ceiling; 4000 B in 4 us, a quarter of it
+    assert row["device_fraction_of_hbm_read"] == pytest.approx(1.0)
+    assert row["layer_read"]["wall_fraction"] == pytest.approx(0.25)
+    assert row["layer_read"]["device_fraction"] == pytest.approx(1.0)
 
 
 def test_device_time_traces_one_call_of_the_best_configs_program() -> None:
@@ -174,8 +176,15 @@ def test_on_a_gpu_the_device_clock_ranks_the_configs_and_the_row_keeps_the_wall_
         traced.append(len(traced))
         return {"per_layer_us": 100.0 - len(traced), "kernels_per_layer": 1.0, "by_name": []}
 
+    walls: list[int] = []
+
+    def wall(step: object, reps: int, warm: int) -> float:  # each config slower than the last
+        walls.append(len(walls))
+        return float(len(walls))
+
     monkeypatch.setattr(attention, "on_gpu", lambda: True)
     monkeypatch.setattr(attention, "_device_time", device_time)
+    monkeypatch.setattr(attention, "timeit", wall)
     monkeypatch.setattr(attention, "layer_read", lambda *a: {"bytes": 1, "wall_us": 1.0})
     case = dataclasses.replace(EXTEND, stages=((("splits", (None, 2)),),
                                                (("num_warps", (4, 8)),)))
@@ -185,8 +194,23 @@ def test_on_a_gpu_the_device_clock_ranks_the_configs_and_the_row_keeps_the_wall_
     assert row["ranked_by"] == "device clock" and set(device) == set(row["sweep_per_layer_ms"])
     assert len(traced) == 3 + 1  # three resolved configs, then the best's breakdown
     assert row["best"] == min(device, key=device.get) != case.start.label()
-    assert row["per_layer_ms"] == row["sweep_per_layer_ms"][row["best"]]
+    # the best's wall time, though the start's wall clock read faster
+    assert row["per_layer_ms"] == row["sweep_per_layer_ms"][row["best"]] == 3 / case.layers * 1e3
+    assert row["sweep_per_layer_ms"][case.start.label()] < row["per_layer_ms"]
     assert row["device_time"]["per_layer_us"] == 96.0
+
+
+def test_on_a_gpu_a_trace_without_kernels_ranks_no_config(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A trace that holds no GPU kernel (device time 0) is an error, not the fastest config:
+    with every config's so, the case fails and names the error."""
+    monkeypatch.setattr(attention, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "_device_time", lambda *a: {"per_layer_us": 0.0})
+    res: dict = {"hbm_read_gbps": 1.0}
+    with pytest.raises(RuntimeError, match="every config failed, first: ERROR the trace held"):
+        attention.attention_case(res, EXTEND, reps=1, warm=1)
+    sweep = res["attention_targets"][EXTEND.name]["sweep_device_us"]
+    assert all(v == "ERROR the trace held no GPU kernel" for v in sweep.values())
 
 
 def test_the_reference_check_catches_a_wrong_output(monkeypatch: pytest.MonkeyPatch) -> None:
