@@ -157,9 +157,9 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
 def layer_read(nbytes: int, layers: int, reps: int = 7, warm: int = 2) -> dict:
     """The read ceiling at one layer's size: `layers` distinct bf16 arrays of `nbytes` (rounded
     down to whole 1024-element rows), each read by one row-max pass in one program, as the
-    attention cases run their layers. Per layer: wall time (`per_layer_seconds`, the attention
-    rows' own clock) and, on a GPU, the kernels' device time. A kernel that reads a layer's bytes
-    is bounded by what this plain read reaches on each clock."""
+    attention cases run their layers. Per layer: wall time (timed as `per_layer_seconds` times,
+    the attention rows' own clock) and, on a GPU, the kernels' device time. A kernel that reads
+    a layer's bytes is bounded by what this plain read reaches on each clock."""
     n = nbytes // 2 // 1024 * 1024
     xs = tuple(random_array(300 + i, (n,)) for i in range(layers))
     read = dict(READS)["row_max_1024"]
