@@ -266,8 +266,11 @@ class _Lower:
 
     def rest(self, hidden: Any, meta: AttentionMetadata, last_index: Any) -> tuple[Any, Any]:
         def compile_rest() -> tuple[Any, Any]:
-            lowered = self.programs.lower_rest(self.k, self.v, hidden, meta, last_index)
+            *middles, lowered = self.programs.lower_rest(self.k, self.v, hidden, meta,
+                                                         last_index)
             with self.lock:
+                for middle in middles:
+                    middle.compile()
                 compiled = lowered.compile()
             # the logits, and the hidden state of every row (for `head_rows`)
             return output_type(lowered, compiled), output_type(lowered, compiled, 3)

@@ -3,9 +3,9 @@
     programs = ModelPrograms(model)
     logits, k, v = programs.forward(k, v, tokens, meta, rows)
 
-Two programs per step, dispatched back to back: the first quarter of the layers (with the
-embedding), then the rest (with the head). The GPU starts a program only once the host has
-dispatched all of it, so the GPU runs the first while the host dispatches the second. A forward
+A few programs per step (`program_layers`), dispatched back to back: the first layers (with the
+embedding), then the rest (the last program with the head). The GPU starts a program only once
+the host has dispatched all of it, so the GPU runs one while the host dispatches the next. A forward
 that reads pages still being loaded waits for them on the device, layer by layer inside its
 attention kernels (`AttentionMetadata.load_flags`), so no host wait is needed between them.
 
@@ -51,11 +51,12 @@ class _Specs(NamedTuple):
 
 def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
               trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef],
-              comm: Collectives) -> tuple[Callable, Callable, Callable]:
-    """The forward's two programs, unjitted, as one device runs them (`comm` its collectives):
-    `first` embeds the tokens and runs the first layers, `rest` the other layers and the head
-    (and gives the last layer's hidden state of every row too). A call's layer count sets which
-    layers a program holds; `start` is the first one's index. The third, `head_rows`, runs the
+              comm: Collectives) -> tuple[Callable, Callable, Callable, Callable]:
+    """The forward's programs, unjitted, as one device runs them (`comm` its collectives):
+    `first` embeds the tokens and runs the first layers, `middle` runs layers only (hidden
+    state in and out), `rest` the last layers and the head (and gives the last layer's hidden
+    state of every row too). A call's layer count sets which layers a program holds; `start` is
+    the first one's index. The fourth, `head_rows`, runs the
     head over every row of such a hidden state, `block` rows at a time, each block's logits
     reduced by `reduce(logits, targets)` at once (a [rows, vocab] array never exists whole)."""
     embed_tree, layer_tree, head_tree = trees
@@ -74,6 +75,10 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
               tokens: jax.Array, meta: AttentionMetadata) -> tuple[jax.Array, Pages, Pages]:
         embed = nnx.merge(embed_def, jax.tree.unflatten(embed_tree, embed_l))
         return layers(layers_l, comm.lookup(embed, tokens), k_pages, v_pages, meta, 0)
+
+    def middle(layers_l: list[Leaves], k_pages: Pages, v_pages: Pages, hidden: jax.Array,
+               meta: AttentionMetadata, start: int) -> tuple[jax.Array, Pages, Pages]:
+        return layers(layers_l, hidden, k_pages, v_pages, meta, start)
 
     def rest(layers_l: list[Leaves], head_l: Leaves, k_pages: Pages, v_pages: Pages,
              hidden: jax.Array, meta: AttentionMetadata, rows: jax.Array,
@@ -95,11 +100,11 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
         out = jax.lax.map(lambda b: reduce(head(b[0], comm), b[1]), blocks)
         return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:rows], out)
 
-    return first, rest, head_rows
+    return first, middle, rest, head_rows
 
 
-def _over_mesh(first: Callable, rest: Callable, head_rows: Callable,
-               specs: _Specs) -> tuple[Callable, Callable, Callable]:
+def _over_mesh(first: Callable, middle: Callable, rest: Callable, head_rows: Callable,
+               specs: _Specs) -> tuple[Callable, Callable, Callable, Callable]:
     """The two programs as `shard_map`s over the mesh: weights and pages enter as each device's
     shard, everything else (tokens, metadata, hidden states, logits) replicated.
 
@@ -121,6 +126,12 @@ def _over_mesh(first: Callable, rest: Callable, head_rows: Callable,
         return tp.shard_map(first, in_specs, (rep, pages, pages))(
             embed_l, layers_l, ks, vs, tokens, meta)
 
+    def sharded_middle(layers_l, ks, vs, hidden, meta, start):  # as _programs' middle
+        pages = (kv,) * len(ks)
+        in_specs = ([layer_s] * len(layers_l), pages, pages, rep, rep)
+        return tp.shard_map(functools.partial(middle, start=start), in_specs,
+                            (rep, pages, pages))(layers_l, ks, vs, hidden, meta)
+
     def sharded_rest(layers_l, head_l, ks, vs, hidden, meta, rows, start):  # as _programs' rest
         pages = (kv,) * len(ks)
         in_specs = ([layer_s] * len(layers_l), head_s, pages, pages, rep, rep, rep)
@@ -131,13 +142,14 @@ def _over_mesh(first: Callable, rest: Callable, head_rows: Callable,
         return tp.shard_map(functools.partial(head_rows, reduce=reduce, block=block),
                             (head_s, rep, rep), rep)(head_l, hidden, targets)
 
-    return sharded_first, sharded_rest, sharded_head_rows
+    return sharded_first, sharded_middle, sharded_rest, sharded_head_rows
 
 
 class _Jitted(NamedTuple):
-    """The forward's two jitted programs and the head over every row (see `_programs`)."""
+    """The forward's jitted programs and the head over every row (see `_programs`)."""
 
     first: Any  # jax.jit's wrapped functions (callable, with `.lower`)
+    middle: Any
     rest: Any
     head_rows: Any
 
@@ -148,19 +160,23 @@ def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Grap
     """The two programs for one model structure (and layout); cached so engines of the same
     shape share compiles. `specs` None: one device, no shard_map. The pages are donated."""
     comm = LOCAL if specs is None else specs.tp.collectives
-    first, rest, head_rows = _programs(embed_def, layer_def, head_def, trees, comm)
+    first, middle, rest, head_rows = _programs(embed_def, layer_def, head_def, trees, comm)
     if specs is not None:
-        first, rest, head_rows = _over_mesh(first, rest, head_rows, specs)
+        first, middle, rest, head_rows = _over_mesh(first, middle, rest, head_rows, specs)
     return _Jitted(jax.jit(first, donate_argnums=(2, 3)),
+                   jax.jit(middle, donate_argnums=(1, 2), static_argnames=("start",)),
                    jax.jit(rest, donate_argnums=(2, 3), static_argnames=("start",)),
                    jax.jit(head_rows, static_argnames=("reduce", "block")))
 
 
-def first_program_layers(num_layers: int) -> int:
-    """Layers the first program runs: a quarter. The GPU starts on a program only once the host
-    has dispatched all of it, so a short first program lets the GPU run it while the host
-    dispatches the rest; its GPU time must outlast that dispatch (BENCHMARKS.md, host hits)."""
-    return max(1, -(-num_layers // 4))
+def program_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers each of the forward's programs runs, in order (the first with the embedding, the
+    last with the head; it may run none): a quarter, then the rest. The GPU starts on a program
+    only once the host has dispatched all of it, so a short first program lets the GPU run it
+    while the host dispatches the next; its GPU time must outlast that dispatch (BENCHMARKS.md,
+    host hits)."""
+    first = max(1, -(-num_layers // 4))
+    return first, num_layers - first
 
 
 class ModelPrograms:
@@ -201,12 +217,25 @@ class ModelPrograms:
     @property
     def first_layers(self) -> int:
         """Layers the first program runs."""
-        return first_program_layers(self.num_layers)
+        return self.program_layers[0]
+
+    @property
+    def program_layers(self) -> tuple[int, ...]:
+        """Layers each program runs (`program_layers`)."""
+        counts = program_layers(self.num_layers)
+        assert len(counts) >= 2 and counts[0] >= 1 and sum(counts) == self.num_layers, counts
+        return counts
+
+    def _middles(self) -> list[tuple[int, int]]:
+        """(start, stop) of the layers of each program between the first and the last."""
+        counts = self.program_layers
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [(starts[i], starts[i] + counts[i]) for i in range(1, len(counts) - 1)]
 
     def forward(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array, meta: AttentionMetadata,
                 rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
-        """The whole model, its two programs back to back: (logits [B, vocab] f32 of `rows`,
-        new k, new v per layer)."""
+        """The whole model, its programs back to back: (logits [B, vocab] f32 of `rows`, new k,
+        new v per layer)."""
         hidden, k_first, v_first = self.forward_first(k_pages, v_pages, tokens, meta)
         logits, k_rest, v_rest, _ = self.forward_rest(k_pages, v_pages, hidden, meta, rows)
         return logits, k_first + k_rest, v_first + v_rest
@@ -222,12 +251,20 @@ class ModelPrograms:
     def forward_rest(self, k_pages: Pages, v_pages: Pages, hidden: jax.Array,
                      meta: AttentionMetadata,
                      rows: jax.Array) -> tuple[jax.Array, Pages, Pages, jax.Array]:
-        """The second program (the later layers and the head) over the later layers' pages:
-        (logits [B, vocab] f32 of `rows`, their new k, new v, the last layer's hidden state of
-        every row, for `head_rows`)."""
-        split = self.first_layers
-        return self._jit.rest(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
-                              v_pages[split:], hidden, meta, rows, start=split)
+        """The programs after the first, back to back (the last with the head) over the later
+        layers' pages: (logits [B, vocab] f32 of `rows`, their new k, new v, the last layer's
+        hidden state of every row, for `head_rows`)."""
+        new_k: Pages = ()
+        new_v: Pages = ()
+        for start, stop in self._middles():
+            hidden, k, v = self._jit.middle(self.layer_leaves[start:stop], k_pages[start:stop],
+                                            v_pages[start:stop], hidden, meta, start=start)
+            new_k, new_v = new_k + k, new_v + v
+        last = self.num_layers - self.program_layers[-1]
+        logits, k, v, hidden = self._jit.rest(
+            self.layer_leaves[last:], self.head_leaves, k_pages[last:], v_pages[last:], hidden,
+            meta, rows, start=last)
+        return logits, new_k + k, new_v + v, hidden
 
     def head_rows(self, hidden: jax.Array, targets: jax.Array, reduce: Callable,
                   block: int = HEAD_ROWS_BLOCK) -> Any:
@@ -252,20 +289,25 @@ class ModelPrograms:
                                      k_pages[:split], v_pages[:split], tokens, meta)
 
     def lower_rest(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...],
-                   hidden: jax.ShapeDtypeStruct,
-                   meta: AttentionMetadata, rows: Any) -> jax.stages.Lowered:
-        """As `lower_first`, for the second program."""
-        split = self.first_layers
-        return self._jit.rest.lower(self.layer_leaves[split:], self.head_leaves, k_pages[split:],
-                                    v_pages[split:], hidden, meta, rows, start=split)
+                   hidden: jax.ShapeDtypeStruct, meta: AttentionMetadata,
+                   rows: Any) -> list[jax.stages.Lowered]:
+        """As `lower_first`, for the programs after the first, in order (a program between the
+        first and the last takes and gives a hidden state of `hidden`'s type)."""
+        lowered = [self._jit.middle.lower(self.layer_leaves[start:stop], k_pages[start:stop],
+                                          v_pages[start:stop], hidden, meta, start=start)
+                   for start, stop in self._middles()]
+        last = self.num_layers - self.program_layers[-1]
+        return lowered + [self._jit.rest.lower(
+            self.layer_leaves[last:], self.head_leaves, k_pages[last:], v_pages[last:], hidden,
+            meta, rows, start=last)]
 
     def lower(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
               meta: AttentionMetadata, rows: Any) -> tuple[jax.stages.Lowered, ...]:
-        """The two programs lowered for these arguments (arrays or ShapeDtypeStructs): with
-        programs built over an `nnx.eval_shape` model, a dry run that compiles for a mesh
-        without allocating a weight."""
+        """The programs lowered for these arguments (arrays or ShapeDtypeStructs): with programs
+        built over an `nnx.eval_shape` model, a dry run that compiles for a mesh without
+        allocating a weight."""
         first = self.lower_first(k_pages, v_pages, tokens, meta)
-        return first, self.lower_rest(k_pages, v_pages, first.out_info[0], meta, rows)
+        return first, *self.lower_rest(k_pages, v_pages, first.out_info[0], meta, rows)
 
 
 def output_type(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled,

@@ -27,6 +27,7 @@ from jhicache.models import (
     Qwen2Config,
     Qwen2ForCausalLM,
     build_metadata,
+    functional,
     init_random,
     load_pretrained,
     pack_tokens,
@@ -355,7 +356,8 @@ def check_sharded_random_init() -> None:
 
 def check_gated_forward_matches_ungated() -> None:
     """The sharded forward with load flags (replicated: one per device) already set past
-    the step's load gives the logits and pages of the ungated program."""
+    the step's load gives the logits and pages of the ungated program, also split into three
+    programs."""
     tp = TensorParallel.create(2, tp_model().config)
     programs = ModelPrograms(tp_model(), tp)
     meta = build_metadata([0, 0], [5, 3], [[1], [2]], page_size=16, num_tokens=8, num_reqs=2,
@@ -374,6 +376,16 @@ def check_gated_forward_matches_ungated() -> None:
     np.testing.assert_allclose(np.asarray(gated), np.asarray(plain), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gated_k[1]), np.asarray(k[1]), rtol=1e-6, atol=1e-6)
     assert gated_k[0].sharding.is_equivalent_to(tp.kv_pages_sharding, 4)
+    split = functional.program_layers  # a program between the first and the last, sharded too
+    functional.program_layers = lambda n: (1, n - 1, 0)
+    try:
+        assert len(programs.program_layers) == 3
+        three, three_k, _ = programs.forward(pages(), pages(), tokens, gated_meta, rows)
+    finally:
+        functional.program_layers = split
+    np.testing.assert_allclose(np.asarray(three), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(three_k[1]), np.asarray(k[1]), rtol=1e-6, atol=1e-6)
+    assert three_k[1].sharding.is_equivalent_to(tp.kv_pages_sharding, 4)
 
 
 def check_bad_sizes_rejected() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jhicache.models import init_random, preset_config
+from jhicache.models import functional, init_random, preset_config
 
 from jhicache import Engine, EngineConfig, SamplingParams
 from jhicache.compiles import CompileError
@@ -181,9 +181,16 @@ def random_traffic(engine: Engine, rng: np.random.Generator) -> list[Finished]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["hierarchical", "device", "off"])
+@pytest.mark.parametrize("mode,programs", [("hierarchical", None), ("device", None),
+                                           ("off", None), ("hierarchical", (1, 1, 0))],
+                         ids=["hierarchical", "device", "off", "hierarchical-3-programs"])
 def test_after_warmup_random_traffic_compiles_nothing_and_matches_the_reference(
-        checkpoint: tuple[Path, dict], mode: str) -> None:
+        checkpoint: tuple[Path, dict], mode: str, programs: tuple[int, ...] | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with the forward split into three programs (a middle one, and a last one of only the
+    head): warm-up compiles every one of them."""
+    if programs is not None:
+        monkeypatch.setattr(functional, "program_layers", lambda n: programs)
     path, weights = checkpoint
     engine = Engine.from_pretrained(str(path), EngineConfig(cache_mode=mode, **ENGINE))
     report = engine.warmup(progress=False)

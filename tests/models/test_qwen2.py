@@ -127,6 +127,35 @@ def test_eager_jit_and_fused_paths_agree_and_donate(model):
     assert_close(jitted, eager, rel=1e-6)
 
 
+@pytest.mark.parametrize("counts", [(1, 1, 1, 1), (2, 1, 1), (1, 3), (4, 0)])
+def test_programs_split_any_way_agree(counts, monkeypatch):
+    """However the layers are split into programs (middle ones included, a last one of only the
+    head), the forward gives the eager model's logits and last hidden state, and donates every
+    layer's pages."""
+    import dataclasses
+
+    from jhicache.models import Qwen2ForCausalLM, functional, init_random, preset_config
+
+    monkeypatch.setattr(functional, "program_layers", lambda n: counts)
+    config = dataclasses.replace(preset_config("tiny"), num_hidden_layers=4)
+    model: Qwen2ForCausalLM = init_random(config, seed=3)
+    programs = ModelPrograms(model)
+    assert programs.program_layers == counts and programs.first_layers == counts[0]
+    toks = tokens_of(5, seed=2)
+    meta = build_metadata([0], [5], [[0, 1]], page_size=PAGE_SIZE)
+    tokens = pack_tokens([toks])
+    eager, _ = model.forward(tokens, init_kv_pages(config, NUM_PAGES, PAGE_SIZE), meta)
+    kv = init_kv_pages(config, NUM_PAGES, PAGE_SIZE)
+    rows = jnp.arange(tokens.shape[0])
+    logits, new_k, new_v = programs.forward(tuple(k for k, _ in kv), tuple(v for _, v in kv),
+                                            tokens, meta, rows)
+    assert all(k.is_deleted() and v.is_deleted() for k, v in kv)
+    assert len(new_k) == len(new_v) == 4
+    assert_close(logits, eager, rel=1e-6)
+    lowered = programs.lower(new_k, new_v, tokens, meta, rows)
+    assert len(lowered) == len(counts)
+
+
 def test_bfloat16_model_tracks_float32(checkpoint):
     path, cfg, weights = checkpoint
     model = load_pretrained(path, dtype=jnp.bfloat16)
