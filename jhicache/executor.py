@@ -73,7 +73,7 @@ class _Dispatched(NamedTuple):
 class StepExecutor:
     """Owns the runner, the step grid, the pool's load flags and the penalised requests' token
     history, and dispatches a step's programs over them: the inputs' patch of pending tokens,
-    the forward's two programs, the penalties where a request asks for them, a sampler, and
+    the forward's programs, the penalties where a request asks for them, a sampler, and
     the log-probability programs a step's requests ask for."""
 
     def __init__(self, runner: ModelRunner, grid: ShapeGrid, load_flags: jax.Array | None,
@@ -175,7 +175,7 @@ class StepExecutor:
                   sample_raw: bool = False) -> _Dispatched:
         """The programs of one step, in order: the patch of pending tokens (fed by `previous`,
         the step before's samples), the forward's first program, `between` (the later layers'
-        loads), its second program, where `penalties` gives rows the token history's row
+        loads), the programs after it, where `penalties` gives rows the token history's row
         writes and the penalties (else none of their programs), the `samplers` (host arrays
         made for the logits' rows) over the penalised logits (with `sample_raw`, the warm-up's,
         over the model's too), the sampled tokens counted in the history, then the

@@ -35,9 +35,10 @@ class Stepper:
     def step(self) -> tuple[list[Request], Launched | None]:
         """One step, in the order its transfers need: retire finished copies, schedule, start
         the batch's loads, dispatch its forward (the loads' later layers queued between the
-        forward's two programs), prefetch the next step's loads; on leaving `cache.step()`,
-        the queued write-backs and loads start; then end the step before (overlap) or this
-        one, and commit. Returns the requests that gained a token, and the step launched."""
+        forward's first program and the next), prefetch the next step's loads; on leaving
+        `cache.step()`, the queued write-backs and loads start; then end the step before
+        (overlap) or this one, and commit. Returns the requests that gained a token, and the
+        step launched."""
         with self.cache.step() as transfers:
             batch, gained, ended_early = self._schedule(transfers)
             previous = None if self.in_flight is None else self.in_flight.sampled

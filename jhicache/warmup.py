@@ -3,7 +3,7 @@
 Two passes over the engine's `ShapeGrid`, both through the one list of a step's programs that
 `StepExecutor` keeps:
 1. Ahead of time (`StepExecutor.lower`), on a thread pool: for each shape, every program a step
-   of it dispatches (the forward's two programs, the samplers, the log probabilities, a
+   of it dispatches (the forward's programs, the samplers, the log probabilities, a
    decode's patch of pending tokens and its first program over the patched tokens), and each
    write-back gather size, lowered with arguments typed as a real call's (the engine's own
    arrays, shardings included) and compiled (`jit(...).lower(...).compile()`, which JAX keeps

@@ -105,7 +105,7 @@ def _programs(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.Gr
 
 def _over_mesh(first: Callable, middle: Callable, rest: Callable, head_rows: Callable,
                specs: _Specs) -> tuple[Callable, Callable, Callable, Callable]:
-    """The two programs as `shard_map`s over the mesh: weights and pages enter as each device's
+    """The programs as `shard_map`s over the mesh: weights and pages enter as each device's
     shard, everything else (tokens, metadata, hidden states, logits) replicated.
 
     Why shard_map over whole programs rather than GSPMD annotations with shard_map around the
@@ -157,7 +157,7 @@ class _Jitted(NamedTuple):
 @functools.lru_cache(maxsize=16)
 def _jitted(embed_def: nnx.GraphDef, layer_def: nnx.GraphDef, head_def: nnx.GraphDef,
             trees: tuple[PyTreeDef, PyTreeDef, PyTreeDef], specs: _Specs | None = None) -> _Jitted:
-    """The two programs for one model structure (and layout); cached so engines of the same
+    """The programs for one model structure (and layout); cached so engines of the same
     shape share compiles. `specs` None: one device, no shard_map. The pages are donated."""
     comm = LOCAL if specs is None else specs.tp.collectives
     first, middle, rest, head_rows = _programs(embed_def, layer_def, head_def, trees, comm)
