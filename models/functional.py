@@ -207,6 +207,14 @@ class ModelPrograms:
             self.head_leaves, head_specs = tp.place(head_state)
             specs = _Specs(tp, embed_specs, placed[0][1], head_specs)
         self.tp = tp
+        # layers each program runs (`program_layers`, read once: every step dispatches them)
+        self.program_layers = program_layers(self.num_layers)
+        counts = self.program_layers
+        assert len(counts) >= 2 and counts[0] >= 1 and sum(counts) == self.num_layers, counts
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        # (start, stop) of the layers of each program between the first and the last
+        self._middles = [(starts[i], starts[i] + counts[i]) for i in range(1, len(counts) - 1)]
+        self._last = starts[-1]  # the last program's first layer
         self._jit = _jitted(embed_def, layer_def, head_def,
                             (embed_tree, flat_layers[0][1], head_tree), specs)
 
@@ -218,19 +226,6 @@ class ModelPrograms:
     def first_layers(self) -> int:
         """Layers the first program runs."""
         return self.program_layers[0]
-
-    @property
-    def program_layers(self) -> tuple[int, ...]:
-        """Layers each program runs (`program_layers`)."""
-        counts = program_layers(self.num_layers)
-        assert len(counts) >= 2 and counts[0] >= 1 and sum(counts) == self.num_layers, counts
-        return counts
-
-    def _middles(self) -> list[tuple[int, int]]:
-        """(start, stop) of the layers of each program between the first and the last."""
-        counts = self.program_layers
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        return [(starts[i], starts[i] + counts[i]) for i in range(1, len(counts) - 1)]
 
     def forward(self, k_pages: Pages, v_pages: Pages, tokens: jax.Array, meta: AttentionMetadata,
                 rows: jax.Array) -> tuple[jax.Array, Pages, Pages]:
@@ -256,11 +251,11 @@ class ModelPrograms:
         hidden state of every row, for `head_rows`)."""
         new_k: Pages = ()
         new_v: Pages = ()
-        for start, stop in self._middles():
+        for start, stop in self._middles:
             hidden, k, v = self._jit.middle(self.layer_leaves[start:stop], k_pages[start:stop],
                                             v_pages[start:stop], hidden, meta, start=start)
             new_k, new_v = new_k + k, new_v + v
-        last = self.num_layers - self.program_layers[-1]
+        last = self._last
         logits, k, v, hidden = self._jit.rest(
             self.layer_leaves[last:], self.head_leaves, k_pages[last:], v_pages[last:], hidden,
             meta, rows, start=last)
@@ -295,8 +290,8 @@ class ModelPrograms:
         first and the last takes and gives a hidden state of `hidden`'s type)."""
         lowered = [self._jit.middle.lower(self.layer_leaves[start:stop], k_pages[start:stop],
                                           v_pages[start:stop], hidden, meta, start=start)
-                   for start, stop in self._middles()]
-        last = self.num_layers - self.program_layers[-1]
+                   for start, stop in self._middles]
+        last = self._last
         return lowered + [self._jit.rest.lower(
             self.layer_leaves[last:], self.head_leaves, k_pages[last:], v_pages[last:], hidden,
             meta, rows, start=last)]

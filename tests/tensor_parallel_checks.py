@@ -379,6 +379,7 @@ def check_gated_forward_matches_ungated() -> None:
     split = functional.program_layers  # a program between the first and the last, sharded too
     functional.program_layers = lambda n: (1, n - 1, 0)
     try:
+        programs = ModelPrograms(tp_model(), tp)
         assert len(programs.program_layers) == 3
         three, three_k, _ = programs.forward(pages(), pages(), tokens, gated_meta, rows)
     finally:
