@@ -208,8 +208,7 @@ class ModelPrograms:
             specs = _Specs(tp, embed_specs, placed[0][1], head_specs)
         self.tp = tp
         # layers each program runs (`program_layers`, read once: every step dispatches them)
-        self.program_layers = program_layers(self.num_layers)
-        counts = self.program_layers
+        self.program_layers = counts = program_layers(self.num_layers)
         assert len(counts) >= 2 and counts[0] >= 1 and sum(counts) == self.num_layers, counts
         starts = [sum(counts[:i]) for i in range(len(counts))]
         # (start, stop) of the layers of each program between the first and the last

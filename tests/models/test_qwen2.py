@@ -130,8 +130,8 @@ def test_eager_jit_and_fused_paths_agree_and_donate(model):
 @pytest.mark.parametrize("counts", [(1, 1, 1, 1), (2, 1, 1), (1, 3), (4, 0)])
 def test_programs_split_any_way_agree(counts, monkeypatch):
     """However the layers are split into programs (middle ones included, a last one of only the
-    head), the forward gives the eager model's logits and last hidden state, and donates every
-    layer's pages."""
+    head), the forward gives the eager model's logits, returns and donates every layer's pages,
+    and lowers as one program per part."""
     import dataclasses
 
     from jhicache.models import Qwen2ForCausalLM, functional, init_random, preset_config
