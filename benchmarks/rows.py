@@ -454,7 +454,8 @@ def config_change(start: str, best: str) -> str:
 
 def attention(files: list[Json], args: Json) -> Figures:
     """An attention target: the best config's per-layer time (best by the row's `ranked_by`
-    clock), what it changes, against HBM read or a peer."""
+    clock), what it changes, against HBM read or a peer; where the run measured the matmul
+    ceiling, the device clock's fraction of it and what the target asks of it."""
     data = files[0]
     case = data["attention_targets"][args["case"]]
     sweep = list(case["sweep_per_layer_ms"])
@@ -483,6 +484,13 @@ def attention(files: list[Json], args: Json) -> Figures:
         ceiling += f"; a layer's bytes read alone {num(read['wall_fraction'], 2)}"
         if "device_fraction" in read:
             ceiling += f" (device clock {num(read['device_fraction'], 2)})"
+    floor = case.get("floor")
+    if isinstance(floor, dict) and "target_needs_fraction_of_matmul" in floor:
+        ceiling += (f"; matmul {data['matmul_tflops']:.0f} TFLOP/s: the layer's FLOPs "
+                    f"{floor['matmul_us']:.1f} us, the target asks for "
+                    f"{num(floor['target_needs_fraction_of_matmul'], 2)} of it")
+        if "device_fraction_of_matmul" in case:
+            text += f" ({num(case['device_fraction_of_matmul'], 2)} of matmul)"
     return Figures(text, ceiling, checks={"fraction": [frac]})
 
 

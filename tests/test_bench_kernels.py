@@ -35,7 +35,7 @@ def test_python_dash_m_runs_the_package_and_lists_its_parts() -> None:
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert set(cli.PARTS) <= listed
-    assert cli.PARTS == ("ceilings", "hbm_read", "transfers", "kv_write", "gathers",
+    assert cli.PARTS == ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "gathers",
                          *TARGET_PARTS)
 
 
@@ -234,20 +234,24 @@ def test_the_reference_check_in_small_chunks_still_passes(case: AttnCase,
     assert check["within_tolerance"], check
 
 
-def test_main_runs_the_target_parts_between_two_read_ceilings(tmp_path,
-                                                              monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
-    read = timing.hbm_read
+def test_main_runs_the_target_parts_between_two_pairs_of_ceilings(tmp_path,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    read, matmul = timing.hbm_read, timing.matmul_ceiling
     monkeypatch.setattr(attention, "hbm_read",
                         lambda res: read(res, mib=1, buffers=2, reps=1, warm=1))
+    monkeypatch.setattr(attention, "matmul_ceiling",
+                        lambda res: matmul(res, n=64, count=2, reps=1, warm=1))
     monkeypatch.setattr(attention, "target_cases", lambda: {"extend_long": (EXTEND,),
                                                             "decode_long": (DECODE,),
                                                             "prefill": (PREFILL,)})
     out = tmp_path / "k.json"
     res = cli.main(["--only", "extend_long,prefill", "--out", str(out)])
     assert "errors" not in res, res["errors"]
-    assert res["hbm_read"]["passes"] == 2
+    assert res["hbm_read"]["passes"] == res["matmul_passes"] == 2
     assert set(res["attention_summary"]) == {EXTEND.name, PREFILL.name}
+    floor = res["attention_targets"][EXTEND.name]["floor"]  # both ceilings reached the judge
+    assert set(floor) == {"matmul_us", "hbm_read_us"}  # a target of 0 asks for no time
     assert all(row["met"] is not None for row in res["attention_summary"].values())
     assert out.read_text().startswith("{")
     rows = res["page_rows"]  # the run's own page rows, judged against each case's target
@@ -269,6 +273,47 @@ def test_a_case_whose_every_config_fails_raises_and_is_not_met() -> None:
     row = res["attention_targets"][case.name]
     assert row["sweep_per_layer_ms"]["bk32_splits0_w4_s2"].startswith("ERROR")
     assert row["met"] is None
+
+
+def test_matmul_ceiling_reports_flops_per_second_and_keeps_its_best() -> None:
+    res: dict = {}
+    timing.matmul_ceiling(res, n=64, count=2, reps=1, warm=1)
+    first = res["matmul_tflops"]
+    assert isinstance(first, float) and first > 0 and res["matmul_passes"] == 1
+    timing.matmul_ceiling(res, n=64, count=2, reps=1, warm=1)
+    assert res["matmul_passes"] == 2 and res["matmul_tflops"] >= first
+    assert "[64, 64]" in res["matmul_note"]
+
+
+def test_a_case_counts_the_flops_of_every_key_each_new_token_sees() -> None:
+    # extend: 8 new tokens over 128 cached; each sees the prefix and the new tokens up to itself
+    pairs = 8 * 128 + (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8)
+    assert EXTEND.flops == 4 * EXTEND.batch * EXTEND.heads * EXTEND.dim * pairs
+    assert DECODE.flops == 4 * DECODE.batch * DECODE.heads * DECODE.dim * DECODE.seq_len
+    assert PREFILL.flops == 4 * PREFILL.batch * PREFILL.heads * PREFILL.dim * (24 * 25 // 2)
+    ext = target_cases()["extend_long"][0]  # 7B: about 450 FLOPs a byte of K and V
+    assert 440 < ext.flops / ext.kv_bytes < 450
+
+
+def test_judge_sets_the_rows_floors_against_both_ceilings() -> None:
+    row = {"bytes": 8000, "gbps": 2.0, "per_layer_ms": 4e-3, "flops": 40_000_000,
+           "target": {"metric": "fraction_of_hbm_read", "at_least": 0.5},
+           "device_time": {"per_layer_us": 2.0}}
+    res = {"attention_targets": {"x": row}, "hbm_read_gbps": 4.0, "matmul_tflops": 10.0}
+    attention.judge(res, ["x"])
+    row = res["attention_targets"]["x"]
+    # 40 MFLOP at 10 TFLOP/s take 4 us: all of the ceiling in 4 us of wall clock, half of it
+    # would be 8 us; the device's 2 us is twice the ceiling (a wrong ceiling would show so)
+    assert row["fraction_of_matmul"] == pytest.approx(1.0)
+    assert row["device_fraction_of_matmul"] == pytest.approx(2.0)
+    # the bytes at 4 GB/s take 2 us; a target of half the rate gives 4 us: all of the 4 us
+    # the FLOPs need at the matmul ceiling
+    assert row["floor"] == pytest.approx({"matmul_us": 4.0, "hbm_read_us": 2.0,
+                                          "target_needs_fraction_of_matmul": 1.0})
+    assert res["attention_summary"]["x"]["fraction_of_matmul"] == pytest.approx(1.0)
+    del res["matmul_tflops"], row["floor"], row["fraction_of_matmul"]
+    attention.judge(res, ["x"])  # no matmul ceiling in this run: no compute fractions
+    assert "floor" not in res["attention_targets"]["x"]
 
 
 def test_the_target_parts_cases_derive_from_the_model_shapes() -> None:

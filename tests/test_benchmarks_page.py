@@ -194,3 +194,11 @@ def test_an_attention_row_shows_the_device_clock_and_a_layer_read_where_the_run_
     assert fig.ceiling == ("HBM read 2731 GB/s; a layer's bytes read alone 0.10 "
                            "(device clock 0.49)")
     assert fig.checks == {"fraction": [0.059]}  # the target is judged on the wall clock
+    data["matmul_tflops"] = 700.0  # a run with the matmul ceiling: what the target asks of it
+    case.update(device_fraction_of_matmul=0.16,
+                floor={"matmul_us": 2.69, "hbm_read_us": 1.55,
+                       "target_needs_fraction_of_matmul": 0.69})
+    fig = rows.attention([data], {"case": "x"})
+    assert fig.result == "26.0 us; 0.059; device clock 16.4 us, 0.094 (0.16 of matmul)"
+    assert fig.ceiling.endswith("; matmul 700 TFLOP/s: the layer's FLOPs 2.7 us, the target "
+                                "asks for 0.69 of it")

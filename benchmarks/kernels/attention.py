@@ -32,6 +32,7 @@ from benchmarks.kernels.timing import (
     hbm_read,
     kernel_times,
     layer_read,
+    matmul_ceiling,
     on_gpu,
     per_layer_seconds,
     safe,
@@ -47,7 +48,8 @@ TIMING_NOTE = ("per-layer time from one program running the kernel over L layers
                "layer's output; median of reps after warm-up, blocked on around the whole "
                "program, divided by L. It includes the ops around the kernel (extend's split-K "
                "merge kernel, decode's XLA merge), which the model pays too")
-SUMMARY_KEYS = ("per_layer_ms", "bytes", "fraction_of_hbm_read", "ours_over_peer", "target", "met")
+SUMMARY_KEYS = ("per_layer_ms", "bytes", "fraction_of_hbm_read", "fraction_of_matmul",
+                "ours_over_peer", "target", "met")
 
 
 def _over_layers(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -157,6 +159,7 @@ def attention_case(res: dict, case: AttnCase, reps: int = 7, warm: int = 2) -> d
            "layers": case.layers, "batch": case.batch, "seq_len": case.seq_len,
            "query_len": case.query_len, "bytes": case.kv_bytes,
            "bytes_note": "K+V of every request's seq_len tokens, bf16, per layer",
+           "flops": case.flops, "flops_note": "QK and PV of every query head, per layer",
            "timing": TIMING_NOTE,
            "sweep_per_layer_ms": {c.label(): t * 1e3 if isinstance(t, float) else t
                                   for c, t in times.items()},
@@ -229,10 +232,32 @@ def _device_fractions(row: dict, ceiling: object) -> None:
                 read[f"{clock}_fraction"] = read["bytes"] / read[f"{clock}_us"] / 1e3 / ceiling
 
 
+def _compute_fractions(row: dict, tflops: object, hbm: object) -> None:
+    """Against this run's matmul ceiling: the fraction of it the row's FLOPs reach (wall clock;
+    device clock where traced), and the layer's floors: its FLOPs at that ceiling, its bytes at
+    the HBM read ceiling and, for a fraction-of-HBM target, the fraction of the matmul ceiling
+    the target's time asks for (above 1: the target is past what the GPU can compute)."""
+    if not isinstance(tflops, float) or "flops" not in row:
+        return
+    rate = tflops * 1e12  # FLOP/s
+    row["fraction_of_matmul"] = row["flops"] / (row["per_layer_ms"] * 1e-3) / rate
+    device = row.get("device_time")
+    if isinstance(device, dict) and device["per_layer_us"] > 0:
+        row["device_fraction_of_matmul"] = row["flops"] / (device["per_layer_us"] * 1e-6) / rate
+    floor = {"matmul_us": row["flops"] / rate * 1e6}
+    if isinstance(hbm, float):
+        floor["hbm_read_us"] = row["bytes"] / hbm / 1e3
+        if row["target"].get("at_least", 0) > 0:
+            target_us = floor["hbm_read_us"] / row["target"]["at_least"]
+            floor["target_needs_fraction_of_matmul"] = floor["matmul_us"] / target_us
+    row["floor"] = floor
+
+
 def judge(res: dict, names: list[str]) -> None:
-    """For the named rows of this run: fraction of this run's hbm_read_gbps and `met` (the target
-    met and the reference check passed; None: not judged, for want of the ceiling or the peer);
-    then res["attention_summary"] over every row on record."""
+    """For the named rows of this run: fraction of this run's hbm_read_gbps (and of its
+    matmul_tflops, where measured) and `met` (the target met and the reference check passed;
+    None: not judged, for want of the ceiling or the peer); then res["attention_summary"] over
+    every row on record."""
     rows = res.get("attention_targets", {})
     ceiling = res.get("hbm_read_gbps")
     for name in names:
@@ -241,6 +266,7 @@ def judge(res: dict, names: list[str]) -> None:
             row["fraction_of_hbm_read"] = (row["gbps"] / ceiling if isinstance(ceiling, float)
                                            else None)
             _device_fractions(row, ceiling)
+            _compute_fractions(row, res.get("matmul_tflops"), ceiling)
         row["met"] = _met(row)
         # the summary fields first, for whoever reads the JSON
         rows[name] = {**{k: row[k] for k in SUMMARY_KEYS if k in row}, **row}
@@ -249,14 +275,20 @@ def judge(res: dict, names: list[str]) -> None:
 
 
 def run_targets(res: dict, only: set[str], targets: list[str]) -> None:
-    """hbm_read (if selected), the target parts' cases, hbm_read again after them (so a cold GPU
-    cannot understate the ceiling and overstate the fractions), then `judge`."""
+    """hbm_read and matmul (those selected), the target parts' cases, both ceilings again after
+    them (so a cold GPU cannot understate a ceiling and overstate the fractions), then
+    `judge`."""
     def record(err: object, what: str) -> None:
         if isinstance(err, str):
             res.setdefault("errors", []).append(f"{what}: {err}")
 
-    if "hbm_read" in only:
-        record(safe(lambda: hbm_read(res)), "hbm_read")
+    def ceilings(when: str) -> None:
+        if "hbm_read" in only:
+            record(safe(lambda: hbm_read(res)), f"hbm_read{when}")
+        if "matmul" in only:
+            record(safe(lambda: matmul_ceiling(res)), f"matmul{when}")
+
+    ceilings("")
     names = []
     for part in targets:
         for case in target_cases()[part]:
@@ -264,6 +296,6 @@ def run_targets(res: dict, only: set[str], targets: list[str]) -> None:
             if case.name in res.get("attention_targets", {}):
                 names.append(case.name)
     if targets:
-        record(safe(lambda: hbm_read(res)), "hbm_read (after the targets)")
+        ceilings(" (after the targets)")
         judge(res, names)
 

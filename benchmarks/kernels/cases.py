@@ -81,6 +81,15 @@ class AttnCase:
         """Bytes of K and V the kernel must read per layer: every request's cached tokens."""
         return 2 * self.batch * self.seq_len * self.kv_heads * self.dim * jnp.dtype(DT).itemsize
 
+    @property
+    def flops(self) -> int:
+        """FLOPs of the attention per layer: QK and PV, 2 a multiply-add each, for every query
+        head of every new token against each key it sees (the prefix, and the new tokens up to
+        itself)."""
+        prefix = self.seq_len - self.query_len
+        pairs = self.query_len * prefix + self.query_len * (self.query_len + 1) // 2
+        return 4 * self.batch * self.heads * self.dim * pairs
+
 
 @dataclasses.dataclass(frozen=True)
 class CaseInputs:

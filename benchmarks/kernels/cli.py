@@ -23,6 +23,7 @@ Kernel benchmark on the GPU: pallas_kernels ops at Qwen2 shapes, ceilings, atten
 Page 64, bf16. Parts (--only, comma-separated; default: all):
   ceilings     PCIe both ways (device_put of pinned host arrays); HBM copy (x + 1 on 1 GiB)
   hbm_read     HBM read ceiling: read-only reductions over 4 distinct 1 GiB arrays, one program
+  matmul       matmul ceiling: 4 distinct bf16 8192^3 matmuls in one program (TFLOP/s)
   transfers    the host tier's write-back and load-back of scattered pages
   kv_write     write_kv vs XLA's scatter
   gathers      the write-back's staging gather
@@ -32,11 +33,13 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   prefill      target: 4 x 2048 and 1 x 8192 fresh tokens, 7B heads, <= 1.05 x cuDNN's time
 The target parts time per layer from one program over the model's layers (attention.TIMING_NOTE),
 sweep the kernel's tuning arguments, check the fastest config against the float32 reference, and
-run hbm_read before and after them (its best counts). Results: attention_targets (every config)
-and attention_summary (per case: per_layer_ms, bytes, fraction_of_hbm_read, target, met).
+run hbm_read and matmul before and after them (their best counts). Results: attention_targets
+(every config) and attention_summary (per case: per_layer_ms, bytes, fraction_of_hbm_read,
+fraction_of_matmul, target, met); each row's `floor` holds its FLOPs' time at the matmul ceiling,
+its bytes' at the read ceiling, and the fraction of the matmul ceiling its target asks for.
 """
 
-PARTS = ("ceilings", "hbm_read", "transfers", "kv_write", "gathers", *TARGET_PARTS)
+PARTS = ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "gathers", *TARGET_PARTS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -55,12 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
     if only - set(PARTS):
         parser.error(f"unknown parts {sorted(only - set(PARTS))}; choose from {PARTS}")
     targets = [p for p in TARGET_PARTS if p in only]
-    if targets:  # their fractions are of the read ceiling measured in the same run
-        only.add("hbm_read")
+    if targets:  # their fractions are of the ceilings measured in the same run
+        only |= {"hbm_read", "matmul"}
     res = json.load(open(args.merge)) if args.merge else {}
-    if "hbm_read" in only:  # a merged ceiling is another run's
-        for key in ("hbm_read", "hbm_read_gbps", "hbm_read_note"):
-            res.pop(key, None)
+    for part, keys in (("hbm_read", ("hbm_read", "hbm_read_gbps", "hbm_read_note")),
+                       ("matmul", ("matmul_tflops", "matmul_passes", "matmul_note"))):
+        if part in only:  # a merged ceiling is another run's
+            for key in keys:
+                res.pop(key, None)
     if args.merge:  # the kernels' numbers before this round stay on record beside the new ones
         res.setdefault("previous_round",
                        {k: res[k] for k in ("date", "hbm_copy_gbps", "kv_write") if k in res})

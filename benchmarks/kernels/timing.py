@@ -1,5 +1,5 @@
 """Timers (median of calls; per layer of one program) and the PCIe, HBM copy and read ceilings
-(of 1 GiB arrays, and of one layer's bytes)."""
+(of 1 GiB arrays, and of one layer's bytes), and the matmul ceiling."""
 
 from __future__ import annotations
 
@@ -152,6 +152,28 @@ def hbm_read(res: dict, mib: int = 1024, buffers: int = 4, reps: int = 21, warm:
                             f"arrays in one program, bytes read / per-array time; the best of "
                             f"{len(READS)} passes (variants_gbps) over {row['passes']} "
                             f"measurement(s) in this run")
+
+
+def matmul_ceiling(res: dict, n: int = 8192, count: int = 4, reps: int = 11,
+                   warm: int = 5) -> None:
+    """Tensor ceiling: `count` distinct bf16 [n, n] x [n, n] matmuls (XLA's GEMM, float32
+    accumulation) in one program; 2 n^3 FLOPs / per-matmul time. Like `hbm_read`, a second call
+    in the same run keeps the best, so a cold first measurement cannot understate it. Attention
+    over a cached prefix does one FLOP per byte of K and V it reads per query row of a kv head
+    (its group's heads x the new tokens): 448 for a 64-token turn of Qwen2's groups of 7, past
+    what an H100 or H200 computes per byte it reads, so this ceiling can bind before HBM's."""
+    pairs = tuple((random_array(70 + 2 * i, (n, n)), random_array(71 + 2 * i, (n, n)))
+                  for i in range(count))
+    seconds = per_layer_seconds(
+        lambda pairs: [jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+                       for a, b in pairs], (pairs,), count, reps, warm)
+    tflops = 2 * n**3 / seconds / 1e12
+    old = res.get("matmul_tflops")
+    res["matmul_tflops"] = max(tflops, old) if isinstance(old, float) else tflops
+    res["matmul_passes"] = res.get("matmul_passes", 0) + 1
+    res["matmul_note"] = (f"jitted bf16 [{n}, {n}] x [{n}, {n}] matmuls (float32 accumulation), "
+                          f"{count} distinct pairs in one program, 2 n^3 FLOPs / per-matmul time; "
+                          f"the best of {res['matmul_passes']} measurement(s) in this run")
 
 
 def layer_read(nbytes: int, layers: int, reps: int = 7, warm: int = 2) -> dict:
