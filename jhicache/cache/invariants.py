@@ -63,9 +63,11 @@ def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: P
     """Raises InvariantError on the first violated invariant."""
     device: dict[str, list[int]] = {"requests": list(extra_device_pages)}
     host: dict[str, list[int]] = {"requests": list(extra_host_pages)}
-    evictable = protected = 0
+    evictable = protected = host_only = 0
     for node in tree.nodes():
         _check_node(tree, node)
+        if node.device_pages is None:
+            host_only += len(node.host_pages or ())
         if node.device_pages is not None:
             device[f"node {node.node_id}"] = node.device_pages
             if node.lock_count:
@@ -77,6 +79,8 @@ def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: P
     _check((evictable, protected) == (tree.evictable_pages, tree.protected_pages),
            f"tree counters evictable/protected {tree.evictable_pages}/{tree.protected_pages} "
            f"!= recomputed {evictable}/{protected}")
+    _check(tree.host_only == host_only,
+           f"tree counter host_only {tree.host_only} != recomputed {host_only}")
     _check_tier("device", device_alloc, device)
     held = len(device["requests"])
     _check(device_alloc.num_free + evictable + protected + held == device_alloc.capacity,

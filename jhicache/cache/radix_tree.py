@@ -7,6 +7,8 @@ Pure Python (imports no JAX or numpy; page keys are hashlib's SHA-256). Invarian
   4. Only nodes with device pages are locked; a locked node is never device-evicted.
 Device accounting: `evictable_pages` / `protected_pages` count device pages of unlocked /
 locked non-root nodes, so `free + evictable + protected (+ pages held by requests) == capacity`.
+Host accounting: `host_only` counts the host pages of host-only nodes (kept as they change: the
+host tier asks for it on every allocation that must evict, so it must not walk the tree).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class RadixTree:
         self.root.device_pages, self.root.host_pages, self.root.lock_count = [], [], 1
         self.evictable_pages = 0
         self.protected_pages = 0
+        self.host_only = 0
 
     # -- walking -------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -215,6 +218,7 @@ class RadixTree:
             leaf.last_access = self._tick()
             leaf.host_pages = list(host_pages[(end - start) // self.page_size:])
             node.children[leaf.key[:self.page_size]] = leaf
+            self.host_only += len(leaf.host_pages)
         return list(host_pages[:(end - start) // self.page_size])
 
     def page_keys(self, node: Node) -> list[bytes]:
@@ -244,6 +248,7 @@ class RadixTree:
         assert node.device_pages is None and node.lock_count == 0
         node.device_pages = pages
         self.evictable_pages += len(pages)
+        self.host_only -= len(node.host_pages or ())  # a host-only node is on device again
 
     # -- locks ---------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -288,6 +293,7 @@ class RadixTree:
         assert not any(c.device_pages is not None for c in node.children.values())
         pages, node.device_pages = node.device_pages, None
         self.evictable_pages -= len(pages)
+        self.host_only += len(node.host_pages)
         return pages
 
     def remove_subtree(self, node: Node) -> tuple[list[int], list[int], int]:
@@ -306,6 +312,7 @@ class RadixTree:
                 self.evictable_pages -= len(n.device_pages)
             else:
                 host_only_tokens += len(n.key)
+                self.host_only -= len(n.host_pages or ())
             host += n.host_pages or []
         del node.parent.children[node.key[:self.page_size]]
         node.parent = None
@@ -319,7 +326,7 @@ class RadixTree:
         device = [p for n in nodes for p in n.device_pages or ()]
         host = [p for n in nodes for p in n.host_pages or ()]
         self.root.children = {}
-        self.evictable_pages = 0
+        self.evictable_pages = self.host_only = 0
         return device, host
 
     def _subtree(self, node: Node) -> Iterator[Node]:
@@ -370,4 +377,14 @@ class RadixTree:
 
     def host_only_pages(self) -> int:
         """Host pages of host-only nodes: all reclaimable by repeated host eviction."""
-        return sum(len(n.host_pages or ()) for n in self.nodes() if n.device_pages is None)
+        return self.host_only
+
+    def in_tree(self, node: Node) -> bool:
+        """Whether `node` is still reachable from the root (not in a removed subtree)."""
+        walk: Node | None = node
+        while walk is not None and walk is not self.root:
+            parent = walk.parent
+            if parent is None or parent.children.get(walk.key[:self.page_size]) is not walk:
+                return False
+            walk = parent
+        return walk is self.root

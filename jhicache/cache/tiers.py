@@ -151,8 +151,13 @@ class HostTier(Tier):
         total = self.tree.host_only_pages()
         if not self.pinned and not self.locked:
             return total
-        seeds = [n for n in self.tree.nodes() if n.device_pages is None
-                 and (n in self.pinned or any(p in self.locked for p in n.host_pages or ()))]
+        # Pinned nodes are at hand; a locked page's node only by a walk of the tree, which only
+        # a storage backup in flight (the one user of locks) costs.
+        seeds = [n for n in self.pinned if n.device_pages is None and self.tree.in_tree(n)]
+        if self.locked:
+            seeds += [n for n in self.tree.nodes() if n.device_pages is None
+                      and n not in self.pinned
+                      and any(p in self.locked for p in n.host_pages or ())]
         blocked: set[Node] = set()
         for node in seeds:
             walk: Node | None = node

@@ -105,3 +105,38 @@ def test_eviction_candidates() -> None:
     assert [n.key for n in tree.host_eviction_candidates()] == [(3,)]
     tree.lock(tree.match([1, 5]).last_node)
     assert [n.key for n in tree.device_eviction_candidates()] == [(2,)]
+
+
+def test_host_only_pages_follow_every_residency_change() -> None:
+    """The counter the host tier reads on each short allocation, against a recount after each
+    change: a write-back eviction, a split, a load back, a host insert and removals."""
+    tree = RadixTree(2)
+
+    def recount() -> int:
+        return sum(len(n.host_pages or ()) for n in tree.nodes() if n.device_pages is None)
+
+    tree.insert([1, 2], [1])
+    _host_only(tree, [1, 2, 3, 4, 5, 6], [7, 8])
+    assert tree.host_only_pages() == recount() == 2
+    upper = tree.match([1, 2, 3, 4]).last_node  # a split: both halves host-only
+    assert tree.host_only_pages() == recount() == 2
+    tree.attach_device_pages(upper, [20])  # loaded back
+    assert tree.host_only_pages() == recount() == 1
+    assert tree.insert_host([1, 2, 3, 4, 9, 9, 9, 9], [30, 31], 2) == []
+    assert tree.host_only_pages() == recount() == 3
+    (lower,) = (c for c in upper.children.values() if c.key == (5, 6))
+    tree.remove_subtree(lower)
+    assert tree.host_only_pages() == recount() == 2
+    tree.clear()
+    assert tree.host_only_pages() == recount() == 0
+
+
+def test_in_tree_is_false_below_a_removed_node() -> None:
+    tree = RadixTree(2)
+    tree.insert([1, 2], [1])
+    _host_only(tree, [1, 2, 3, 4, 5, 6], [7, 8])
+    upper = tree.match([1, 2, 3, 4]).last_node
+    (lower,) = upper.children.values()
+    assert tree.in_tree(upper) and tree.in_tree(lower)
+    tree.remove_subtree(upper)
+    assert not tree.in_tree(upper) and not tree.in_tree(lower)
