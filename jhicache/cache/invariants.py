@@ -79,8 +79,8 @@ def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: P
     _check((evictable, protected) == (tree.evictable_pages, tree.protected_pages),
            f"tree counters evictable/protected {tree.evictable_pages}/{tree.protected_pages} "
            f"!= recomputed {evictable}/{protected}")
-    _check(tree.host_only == host_only,
-           f"tree counter host_only {tree.host_only} != recomputed {host_only}")
+    _check(tree.host_only_pages == host_only,
+           f"tree counter host_only_pages {tree.host_only_pages} != recomputed {host_only}")
     _check_tier("device", device_alloc, device)
     held = len(device["requests"])
     _check(device_alloc.num_free + evictable + protected + held == device_alloc.capacity,

@@ -7,8 +7,9 @@ Pure Python (imports no JAX or numpy; page keys are hashlib's SHA-256). Invarian
   4. Only nodes with device pages are locked; a locked node is never device-evicted.
 Device accounting: `evictable_pages` / `protected_pages` count device pages of unlocked /
 locked non-root nodes, so `free + evictable + protected (+ pages held by requests) == capacity`.
-Host accounting: `host_only` counts the host pages of host-only nodes (kept as they change: the
-host tier asks for it on every allocation that must evict, so it must not walk the tree).
+Host accounting: `host_only_pages` counts the host pages of host-only nodes, all reclaimable by
+repeated host eviction (kept as they change: the host tier reads it on every allocation that
+must evict, so it must not walk the tree).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class RadixTree:
         self.root.device_pages, self.root.host_pages, self.root.lock_count = [], [], 1
         self.evictable_pages = 0
         self.protected_pages = 0
-        self.host_only = 0
+        self.host_only_pages = 0
 
     # -- walking -------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -218,7 +219,7 @@ class RadixTree:
             leaf.last_access = self._tick()
             leaf.host_pages = list(host_pages[(end - start) // self.page_size:])
             node.children[leaf.key[:self.page_size]] = leaf
-            self.host_only += len(leaf.host_pages)
+            self.host_only_pages += len(leaf.host_pages)
         return list(host_pages[:(end - start) // self.page_size])
 
     def page_keys(self, node: Node) -> list[bytes]:
@@ -248,7 +249,7 @@ class RadixTree:
         assert node.device_pages is None and node.lock_count == 0
         node.device_pages = pages
         self.evictable_pages += len(pages)
-        self.host_only -= len(node.host_pages or ())  # a host-only node is on device again
+        self.host_only_pages -= len(node.host_pages or ())  # a host-only node is on device again
 
     # -- locks ---------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -293,7 +294,7 @@ class RadixTree:
         assert not any(c.device_pages is not None for c in node.children.values())
         pages, node.device_pages = node.device_pages, None
         self.evictable_pages -= len(pages)
-        self.host_only += len(node.host_pages)
+        self.host_only_pages += len(node.host_pages)
         return pages
 
     def remove_subtree(self, node: Node) -> tuple[list[int], list[int], int]:
@@ -312,7 +313,7 @@ class RadixTree:
                 self.evictable_pages -= len(n.device_pages)
             else:
                 host_only_tokens += len(n.key)
-                self.host_only -= len(n.host_pages or ())
+                self.host_only_pages -= len(n.host_pages or ())
             host += n.host_pages or []
         del node.parent.children[node.key[:self.page_size]]
         node.parent = None
@@ -326,7 +327,7 @@ class RadixTree:
         device = [p for n in nodes for p in n.device_pages or ()]
         host = [p for n in nodes for p in n.host_pages or ()]
         self.root.children = {}
-        self.evictable_pages = self.host_only = 0
+        self.evictable_pages = self.host_only_pages = 0
         return device, host
 
     def _subtree(self, node: Node) -> Iterator[Node]:
@@ -374,10 +375,6 @@ class RadixTree:
         """Host-only leaves, least recently used first."""
         leaves = [n for n in self.nodes() if self.is_host_leaf(n)]
         return sorted(leaves, key=lambda n: (n.last_access, n.node_id))
-
-    def host_only_pages(self) -> int:
-        """Host pages of host-only nodes: all reclaimable by repeated host eviction."""
-        return self.host_only
 
     def in_tree(self, node: Node) -> bool:
         """Whether `node` is still reachable from the root (not in a removed subtree)."""

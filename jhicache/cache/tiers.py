@@ -148,7 +148,7 @@ class HostTier(Tier):
     def evictable_pages(self) -> int:
         """Host-only pages, less those of pinned or locked nodes and of their host-only
         ancestors (a node with such a descendant never becomes a leaf)."""
-        total = self.tree.host_only_pages()
+        total = self.tree.host_only_pages
         if not self.pinned and not self.locked:
             return total
         # Pinned nodes are at hand; a locked page's node only by a walk of the tree, which only

@@ -117,18 +117,18 @@ def test_host_only_pages_follow_every_residency_change() -> None:
 
     tree.insert([1, 2], [1])
     _host_only(tree, [1, 2, 3, 4, 5, 6], [7, 8])
-    assert tree.host_only_pages() == recount() == 2
+    assert tree.host_only_pages == recount() == 2
     upper = tree.match([1, 2, 3, 4]).last_node  # a split: both halves host-only
-    assert tree.host_only_pages() == recount() == 2
+    assert tree.host_only_pages == recount() == 2
     tree.attach_device_pages(upper, [20])  # loaded back
-    assert tree.host_only_pages() == recount() == 1
+    assert tree.host_only_pages == recount() == 1
     assert tree.insert_host([1, 2, 3, 4, 9, 9, 9, 9], [30, 31], 2) == []
-    assert tree.host_only_pages() == recount() == 3
+    assert tree.host_only_pages == recount() == 3
     (lower,) = (c for c in upper.children.values() if c.key == (5, 6))
     tree.remove_subtree(lower)
-    assert tree.host_only_pages() == recount() == 2
+    assert tree.host_only_pages == recount() == 2
     tree.clear()
-    assert tree.host_only_pages() == recount() == 0
+    assert tree.host_only_pages == recount() == 0
 
 
 def test_in_tree_is_false_below_a_removed_node() -> None:
