@@ -66,14 +66,14 @@ def check_invariants(tree: RadixTree, device_alloc: PageAllocator, host_alloc: P
     evictable = protected = host_only = 0
     for node in tree.nodes():
         _check_node(tree, node)
-        if node.device_pages is None:
-            host_only += len(node.host_pages or ())
         if node.device_pages is not None:
             device[f"node {node.node_id}"] = node.device_pages
             if node.lock_count:
                 protected += len(node.device_pages)
             else:
                 evictable += len(node.device_pages)
+        else:
+            host_only += len(node.host_pages or ())
         if node.host_pages is not None:
             host[f"node {node.node_id}"] = node.host_pages
     _check((evictable, protected) == (tree.evictable_pages, tree.protected_pages),

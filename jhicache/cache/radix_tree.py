@@ -378,10 +378,9 @@ class RadixTree:
 
     def in_tree(self, node: Node) -> bool:
         """Whether `node` is still reachable from the root (not in a removed subtree)."""
-        walk: Node | None = node
-        while walk is not None and walk is not self.root:
-            parent = walk.parent
-            if parent is None or parent.children.get(walk.key[:self.page_size]) is not walk:
+        while node is not self.root:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key[:self.page_size]) is not node:
                 return False
-            walk = parent
-        return walk is self.root
+            node = parent
+        return True
