@@ -12,16 +12,18 @@ buffers (CUDA graphs) save; the result records the flags.
 - `kernel_rows`: one array in and out through a chain of `layers` dependent small matmuls
   (each with a tanh, so each is a kernel of its own), alone (`xla_only`) or each followed by a
   trivial Pallas call lowered by Pallas's Triton backend (`with_pallas`) or by its Mosaic GPU
-  backend (`with_mosaic`): host dispatch time. Triton calls split XLA's command buffers on jax
-  0.11.2; jaxlib registers Mosaic GPU's custom call as command-buffer compatible, which
-  `with_mosaic` against `xla_only` shows or refutes.
+  backend (`with_mosaic`): host dispatch time, and for the 28-layer chains where the compiled
+  program's custom calls run (`custom_calls`: per target, how many sit inside XLA's command
+  buffers and how many outside). Triton calls split XLA's command buffers on jax 0.11.2;
+  jaxlib registers Mosaic GPU's custom call as command-buffer compatible, which `with_mosaic`
+  against `xla_only` shows or refutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +52,7 @@ def _doubled(x: jax.Array, backend: str) -> jax.Array:
     return plmgpu.kernel(kernel, out_type=out, interpret=use_interpreter())(x)
 
 
-def _chain(layers: int, backend: str | None) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def _chain(layers: int, backend: str | None) -> jax.stages.Wrapped:
     def run(x: jax.Array, w: jax.Array) -> jax.Array:
         for _ in range(layers):
             x = jnp.tanh(x @ w)
@@ -58,6 +60,23 @@ def _chain(layers: int, backend: str | None) -> Callable[[jax.Array, jax.Array],
                 x = _doubled(x, backend)
         return x
     return jax.jit(run)
+
+
+def custom_call_placement(hlo: str) -> dict[str, dict[str, int]]:
+    """Custom-call targets in an optimized HLO module's text, counted by where they sit: inside a
+    command buffer (a computation XLA's command-buffer pass outlined, named `command_buffer...`,
+    which runs as one CUDA graph) or outside one (launched on its own)."""
+    placement: dict[str, dict[str, int]] = {}
+    computation = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.removeprefix("ENTRY ").lstrip("%").split(" ", 1)[0]
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if target:
+            where = "in_command_buffer" if computation.startswith("command_buffer") else "outside"
+            counts = placement.setdefault(target.group(1), {"in_command_buffer": 0, "outside": 0})
+            counts[where] += 1
+    return placement
 
 
 def kernel_rows(reps: int) -> list[dict]:
@@ -78,6 +97,9 @@ def kernel_rows(reps: int) -> list[dict]:
             else:
                 rows.append({"layers": layers, "program": program,
                              "dispatch_us": dispatch_us(lambda: fn(x, w), reps)})
+                if layers == 28:  # where its calls run (compiling once more, so only the shortest)
+                    hlo = fn.lower(x, w).compile().as_text() or ""
+                    rows[-1]["custom_calls"] = custom_call_placement(hlo)
             print(rows[-1], flush=True)
         if {"with_pallas", "with_mosaic"} <= outputs.keys():  # the same computation
             rows[-1]["outputs_equal"] = bool((outputs["with_pallas"]

@@ -16,10 +16,10 @@ import json
 
 import torch
 from jhicache.models import PRESETS, preset_config
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 
-def hf_config(preset: str) -> AutoConfig:
+def hf_config(preset: str) -> PretrainedConfig:
     """transformers' config of the preset's shape and family, from our config.json writer (JAX
     is imported but starts no backend: torch has the GPU to itself)."""
     d = preset_config(preset).to_hf_dict()
