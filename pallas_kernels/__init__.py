@@ -1,7 +1,7 @@
 """Pallas kernels for paged KV: extend and decode attention (which can wait on the device for a
-layer's loaded pages), and the KV write; extend attention hands a long batch's new tokens'
-attention among themselves to cuDNN (`fresh_attention`). `skinny_matmul` takes a few rows through
-a large weight."""
+layer's loaded pages), and the KV write (alone, or fused with RoPE: `rope_write`); extend
+attention hands a long batch's new tokens' attention among themselves to cuDNN
+(`fresh_attention`). `skinny_matmul` takes a few rows through a large weight."""
 
 # No name bound here is also a submodule's name, so `import jhicache.pallas_kernels.<module>`
 # always gives the module.

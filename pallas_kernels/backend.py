@@ -1,4 +1,5 @@
-"""Which Pallas backend the kernels lower to: Triton on GPU, the interpreter elsewhere.
+"""Which Pallas backend the kernels lower to, and how: Triton through jaxlib's FFI call on GPU,
+the interpreter elsewhere.
 
 Why Triton, which jax 0.11 marks deprecated, and not Mosaic GPU: the kernels must also run in
 interpret mode on the CPU, where CI tests them with jax 0.10, and there Mosaic GPU interprets a
@@ -9,9 +10,35 @@ second, CPU-only path, and the one in CI would not be the one that runs.
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 
 
 def use_interpreter() -> bool:
     """True when no GPU backs the default device, so kernels must run with `interpret=True`."""
     return jax.default_backend() != "gpu"
+
+
+def lower_to_ffi_calls() -> bool:
+    """Has Pallas-Triton calls lower to jaxlib's FFI custom call (`triton_kernel_call_ffi`)
+    rather than XLA's `__gpu$xla.gpu.triton`; returns whether that lowering is in force.
+
+    Why: jaxlib registers the FFI handler as command-buffer compatible, so XLA captures our
+    kernels in its command buffers (CUDA graphs) with the fusions around them, and a forward
+    replays as a few graph launches instead of a host launch per kernel. The XLA call is not
+    captured, and split every command buffer it sat in. jax 0.11 has the FFI lowering behind a
+    module switch (off by default); jax 0.10 has no switch and keeps the XLA call. Programs
+    lowered before this call keep the lowering they had, so it runs before any is built.
+    """
+    if use_interpreter():
+        return False
+    try:
+        registration = importlib.import_module(
+            "jax._src.pallas.triton.pallas_call_registration")
+    except ImportError:
+        return False
+    if not hasattr(registration, "USE_NEW_CUSTOM_CALL"):
+        return False
+    setattr(registration, "USE_NEW_CUSTOM_CALL", True)  # noqa: B010  (absent from jax 0.10 stubs)
+    return True

@@ -19,7 +19,7 @@ from jhicache.pallas_kernels.backend import use_interpreter
 # section of benchmarks/LOG.md, 2026-11-30).
 
 # ---------------------------------------------------------------- kernel
-def _slots_of_block(pt_ref, req_ref, pos_ref, *, block_t, count, page_size, max_pages):
+def slots_of_block(pt_ref, req_ref, pos_ref, *, block_t, count, page_size, max_pages):
     """Token rows and flat slots of this program's block_t tokens, computed once per token (no XLA
     prologue).
 
@@ -44,7 +44,7 @@ def _write_kernel(pt_ref, req_ref, pos_ref, k_new_ref, v_new_ref, _k_in, _v_in, 
                   block_t, count, chunk, page_size, max_pages):
     """block_t tokens per program: whole [H*D] rows, loaded as one 2-D block and stored as one 2-D
     scatter (each row contiguous and 16-byte aligned, so Triton emits vector loads/stores)."""
-    src, dst, any_live = _slots_of_block(pt_ref, req_ref, pos_ref, block_t=block_t, count=count,
+    src, dst, any_live = slots_of_block(pt_ref, req_ref, pos_ref, block_t=block_t, count=count,
                                          page_size=page_size, max_pages=max_pages)
     shape = (block_t, chunk)
     mask = jnp.broadcast_to(any_live, shape)
@@ -126,11 +126,11 @@ def _validate(k_pages, v_pages, k_new, v_new, page_table, token_req, positions) 
         check(x.shape == (t,) and x.dtype == np.int32,
               f"{name} must be int32 [{t}], got {x.dtype} {x.shape}")
     if all(is_concrete(x) for x in (page_table, token_req, positions)):
-        _check_referenced_pages(np.asarray(page_table), np.asarray(token_req),
+        check_referenced_pages(np.asarray(page_table), np.asarray(token_req),
                                 np.asarray(positions), k_pages.shape[0], k_pages.shape[1])
 
 
-def _check_referenced_pages(table, req, pos, num_pages: int, page_size: int) -> None:
+def check_referenced_pages(table, req, pos, num_pages: int, page_size: int) -> None:
     """Only the entries the tokens use must be valid: padding columns of the table may hold
     anything."""
     live = req >= 0

@@ -35,8 +35,8 @@ def test_python_dash_m_runs_the_package_and_lists_its_parts() -> None:
     assert done.returncode == 0, done.stderr
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     assert set(cli.PARTS) <= listed
-    assert cli.PARTS == ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "gathers",
-                         *TARGET_PARTS)
+    assert cli.PARTS == ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "rope_write",
+                         "gathers", *TARGET_PARTS)
 
 
 def test_gathers_time_the_engines_staging_of_the_pages() -> None:
@@ -46,6 +46,17 @@ def test_gathers_time_the_engines_staging_of_the_pages() -> None:
     assert row["staging_is_the_pages"] is True
     assert row["bytes_read_and_written"] == 2 * 2 * 2 * 6 * PAGE * 2 * 8 * 2
     assert row["xla_gather_ms"] > 0 and row["xla_gather_gbps"] > 0
+
+
+def test_rope_write_times_the_kernel_and_the_xla_path_per_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory_ops, "ROPE_TURNS", ((4, 130), (64, 0)))
+    res: dict = {}
+    memory_ops.rope_write(res, "tiny", layers=2, kv_heads=2, dim=8, heads=4)
+    rows = res["rope_write"]["tiny"]
+    assert set(rows) == {"4_after_130", "64_after_0"}
+    for row in rows.values():
+        assert row["pallas_us_per_layer"] > 0 and row["xla_us_per_layer"] > 0, row
 
 
 # ---------------------------------------------------------------- attention targets

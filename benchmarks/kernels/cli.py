@@ -12,7 +12,7 @@ import jax
 from benchmarks.kernels import attention
 from benchmarks.kernels.attention import run_targets
 from benchmarks.kernels.cases import TARGET_PARTS
-from benchmarks.kernels.memory_ops import gathers, kv_write, transfers
+from benchmarks.kernels.memory_ops import gathers, kv_write, rope_write, transfers
 from benchmarks.kernels.shapes import PAGE, SHAPES
 from benchmarks.kernels.timing import ceilings, safe
 from benchmarks.rows import Rule, Target, page_row
@@ -26,6 +26,7 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   matmul       matmul ceiling: 4 distinct bf16 8192^3 matmuls in one program (TFLOP/s)
   transfers    the host tier's write-back and load-back of scattered pages
   kv_write     write_kv vs XLA's scatter
+  rope_write   rope_write vs the XLA path it fuses (split, rotations, scatter), per layer
   gathers      the write-back's staging gather
   extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
   decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read (and the time of
@@ -39,7 +40,8 @@ fraction_of_matmul, target, met); each row's `floor` holds its FLOPs' time at th
 its bytes' at the read ceiling, and the fraction of the matmul ceiling its target asks for.
 """
 
-PARTS = ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "gathers", *TARGET_PARTS)
+PARTS = ("ceilings", "hbm_read", "matmul", "transfers", "kv_write", "rope_write", "gathers",
+         *TARGET_PARTS)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
         if isinstance(err, str):
             res.setdefault("errors", []).append(err)
     for name, shape in SHAPES.items():
-        for key, memory_op in (("kv_write", kv_write), ("gathers", gathers)):
+        for key, memory_op in (("kv_write", kv_write), ("rope_write", rope_write),
+                               ("gathers", gathers)):
             if key in only:
                 err = safe(functools.partial(memory_op, res, name, **shape))
                 if isinstance(err, str):

@@ -1,4 +1,5 @@
-"""The memory parts: the host tier's transfers, write_kv against XLA's scatter, the gather."""
+"""The memory parts: the host tier's transfers, write_kv against XLA's scatter, rope_write
+against the XLA path it fuses, the gather."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import jhicache.pallas_kernels as pk
 import numpy as np
+from jhicache.models.decoder import rope_inv_freq
 from jhicache.pallas_kernels.kv_write import write_kv_reference
+from jhicache.pallas_kernels.rope_write import rope_write as rope_write_kernel
+from jhicache.pallas_kernels.rope_write import rope_write_reference
 
 from benchmarks.kernels.shapes import DT, PAGE, random_array
 from benchmarks.kernels.timing import GB, safe, timeit
@@ -112,6 +116,46 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
             return lk
         out[f"jit_{layers}_layers_{label}"] = safe(functools.partial(_rate, layers * nbytes, step))
     res.setdefault("kv_write", {})[name] = {"tokens": tokens, "gbps": out}
+
+
+# rope_write's cases: (new tokens, tokens cached before them)
+ROPE_TURNS: tuple[tuple[int, int], ...] = ((64, 8192), (8192, 0))
+
+
+def rope_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, heads: int,
+               **_: int) -> None:
+    """Per layer, `rope_write` against the XLA path it fuses (`rope_write_reference`: the
+    projection's split, both rotations and the scatter into the pages, as XLA compiles them),
+    every layer of a step in one jit (distinct rows and pages per layer, each layer's rotated
+    queries returned, so neither path is cut short), for each of ROPE_TURNS: a short turn over a
+    long prefix and a prefill chunk."""
+    inv_freq = rope_inv_freq(dim, 1_000_000.0)
+    out: dict[str, dict[str, float | str]] = {}
+    for tokens, cached in ROPE_TURNS:
+        seq = cached + tokens
+        table = jnp.arange(-(-seq // PAGE), dtype=jnp.int32)[None, :]
+        req = jnp.zeros((tokens,), jnp.int32)
+        pos = jnp.arange(cached, seq, dtype=jnp.int32)
+        rows = [random_array(20 + i, (tokens, (heads + 2 * kv_heads) * dim))
+                for i in range(layers)]
+        pages = [jnp.zeros((table.shape[1], PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
+        times: dict[str, float | str] = {}
+        for label, write in (("pallas", rope_write_kernel), ("xla", rope_write_reference)):
+            def all_layers(pages_kv: list[jax.Array], qkv: list[jax.Array], *meta: jax.Array,
+                           write: Callable = write) -> tuple[list[jax.Array], list[jax.Array]]:
+                done = [write(qkv[i], pages_kv[2 * i], pages_kv[2 * i + 1], *meta, inv_freq,
+                              heads=heads) for i in range(layers)]
+                return ([x for d in done for x in (d.k_pages, d.v_pages)], [d.q for d in done])
+            f = jax.jit(all_layers, donate_argnums=(0,))
+
+            def step(f: Callable = f) -> list[jax.Array]:
+                pages[:], qs = f(pages, rows, table, req, pos)
+                return [*pages, *qs]
+            def per_layer_us(step: Callable[[], object] = step) -> float:
+                return timeit(step) / layers * 1e6
+            times[f"{label}_us_per_layer"] = safe(per_layer_us)
+        out[f"{tokens}_after_{cached}"] = times
+    res.setdefault("rope_write", {})[name] = out
 
 
 def _rate(nbytes: int, step: Callable[[], object]) -> float:
