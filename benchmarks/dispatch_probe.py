@@ -3,7 +3,7 @@ and against how many kernels it launches and of which kind: the probe behind the
 sets a step's host time (the forward's programs take every layer's weights and K/V pages as
 separate arrays, and launch XLA's kernels with Pallas calls between them).
 
-Usage: PYTHONPATH=. python3 benchmarks/dispatch_probe.py [--reps 200] --out FILE.json
+Usage: PYTHONPATH=. python3 benchmarks/dispatch_probe.py [--reps 200] [--ffi-calls] --out FILE.json
 Run it again under `XLA_FLAGS=--xla_gpu_enable_command_buffer=` to see what XLA's command
 buffers (CUDA graphs) save; the result records the flags.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as pltriton
-from jhicache.pallas_kernels.backend import use_interpreter
+from jhicache.pallas_kernels.backend import lower_to_ffi_calls, use_interpreter
 
 from benchmarks.kernels.timing import dispatch_us
 from jhicache.bench.command import save_json
@@ -111,7 +111,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ffi-calls", action="store_true",
+                        help="lower the Pallas-Triton calls to jaxlib's FFI call "
+                             "(`backend.lower_to_ffi_calls`), before any program is built")
     args = parser.parse_args()
+    ffi_calls = lower_to_ffi_calls() if args.ffi_calls else False
     rows = []
     for n in (14, 56, 112, 364):
         xs = [jnp.ones((64, 64), jnp.bfloat16) for _ in range(n)]
@@ -127,7 +131,7 @@ def main() -> None:
                      "donated_in_place_us": dispatch_us(update_in_place, args.reps)})
         print(rows[-1], flush=True)
     save_json({"device": str(jax.devices()[0]), "jax": jax.__version__, "reps": args.reps,
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "ffi_calls": ffi_calls, "rows": rows,
                "kernel_rows": kernel_rows(args.reps)}, args.out)
 
 

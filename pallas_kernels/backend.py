@@ -1,5 +1,5 @@
-"""Which Pallas backend the kernels lower to, and how: Triton through jaxlib's FFI call on GPU,
-the interpreter elsewhere.
+"""Which Pallas backend the kernels lower to: Triton on GPU, the interpreter elsewhere; and the
+switch to the FFI form of the Triton call.
 
 Why Triton, which jax 0.11 marks deprecated, and not Mosaic GPU: the kernels must also run in
 interpret mode on the CPU, where CI tests them with jax 0.10, and there Mosaic GPU interprets a
@@ -24,12 +24,14 @@ def lower_to_ffi_calls() -> bool:
     """Has Pallas-Triton calls lower to jaxlib's FFI custom call (`triton_kernel_call_ffi`)
     rather than XLA's `__gpu$xla.gpu.triton`; returns whether that lowering is in force.
 
-    Why: jaxlib registers the FFI handler as command-buffer compatible, so XLA captures our
-    kernels in its command buffers (CUDA graphs) with the fusions around them, and a forward
-    replays as a few graph launches instead of a host launch per kernel. The XLA call is not
-    captured, and split every command buffer it sat in. jax 0.11 has the FFI lowering behind a
-    module switch (off by default); jax 0.10 has no switch and keeps the XLA call. Programs
-    lowered before this call keep the lowering they had, so it runs before any is built.
+    Why: XLA's command-buffer pass does not capture `__gpu$xla.gpu.triton`, so every Pallas
+    call splits the CUDA graph it sits in (BENCHMARKS.md's dispatch rows), while jaxlib
+    registers the FFI handler as command-buffer compatible: a forward could then replay as a
+    few graph launches. Whether XLA captures it, and what that saves, is for
+    `benchmarks/dispatch_probe.py --ffi-calls` and the forward's floor to show on a GPU; the
+    engine does not call this yet. jax 0.11 has the FFI lowering behind a module switch (off by
+    default); jax 0.10 has none and keeps the XLA call. The switch is process-wide, and
+    programs lowered before the call keep the lowering they had.
     """
     if use_interpreter():
         return False
