@@ -4,6 +4,7 @@ NaN-poisoned pages (untouched slots stay NaN)."""
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jhicache.models.config import Llama3Scaling
 from jhicache.models.decoder import RMSNorm, rope_inv_freq
+from jhicache.pallas_kernels import rope_write as rw
 from jhicache.pallas_kernels.rope_write import QKNorm, rope_write, rope_write_reference
 
 from tests.kernels.batches import make_batch
@@ -133,6 +135,27 @@ def _bad_calls():
 def test_rope_write_invalid_arguments_raise(index):
     with pytest.raises(ValueError):
         _bad_calls()[index]()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (28, 4, 128)])
+def test_rope_write_lowers_to_triton(heads, kv_heads, dim, monkeypatch):
+    """Lowered for CUDA (Pallas -> Triton IR, no GPU needed) at the Qwen2 head shapes, page 64,
+    bf16, with and without the norm and the new rows: every operation of the kernel has a Triton
+    lowering rule, which the interpreter tests cannot show."""
+    monkeypatch.setattr(rw, "use_interpreter", lambda: False)
+    spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    pages = spec(130, 64, kv_heads, dim, dtype=jnp.bfloat16)
+    weight = spec(dim, dtype=jnp.bfloat16)
+    for normed, new_rows in ((False, False), (True, True)):
+        def run(qkv, k, v, table, req, pos, inv, qw, kw, normed=normed, new_rows=new_rows):
+            norm = QKNorm(qw, kw, 1e-6) if normed else None
+            return rope_write(qkv, k, v, table, req, pos, inv, heads=heads, norm=norm,
+                              new_rows=new_rows)
+        text = (jax.jit(run).trace(spec(64, (heads + 2 * kv_heads) * dim, dtype=jnp.bfloat16),
+                                   pages, pages, spec(1, 130), spec(64), spec(64),
+                                   spec(dim // 2, dtype=jnp.float32), weight, weight)
+                .lower(lowering_platforms=("cuda",)).as_text())
+        assert text.count("triton") >= 1
 
 
 @pytest.mark.gpu
