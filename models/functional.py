@@ -179,6 +179,15 @@ def program_layers(num_layers: int) -> tuple[int, ...]:
     return first, num_layers - first
 
 
+def _lowered(program: Any, platforms: tuple[str, ...] | None, *args: Any,
+             **static: Any) -> jax.stages.Lowered:
+    """`program` (a jitted function) lowered for `args`, for the default device's platform or
+    for `platforms`."""
+    if platforms is None:
+        return program.lower(*args, **static)
+    return program.trace(*args, **static).lower(lowering_platforms=platforms)
+
+
 class ModelPrograms:
     """The jitted programs of the whole model over one model's weights (flat leaf lists).
 
@@ -274,26 +283,29 @@ class ModelPrograms:
                                          block=block)
 
     def lower_first(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
-                    meta: AttentionMetadata) -> jax.stages.Lowered:
+                    meta: AttentionMetadata,
+                    platforms: tuple[str, ...] | None = None) -> jax.stages.Lowered:
         """The first program lowered for these arguments (arrays, or ShapeDtypeStructs typed as
         a call's would be): compiled, JAX keeps it for later `forward` calls with arguments of
-        the same types (`output_type` then types its hidden state for `lower_rest`)."""
+        the same types (`output_type` then types its hidden state for `lower_rest`).
+        `platforms`: lowered for those instead of the default device's (("cuda",) from a CPU
+        checks the GPU lowering; such a program is not for running here)."""
         split = self.first_layers
-        return self._jit.first.lower(self.embed_leaves, self.layer_leaves[:split],
-                                     k_pages[:split], v_pages[:split], tokens, meta)
+        return _lowered(self._jit.first, platforms, self.embed_leaves,
+                        self.layer_leaves[:split], k_pages[:split], v_pages[:split], tokens, meta)
 
     def lower_rest(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...],
-                   hidden: jax.ShapeDtypeStruct, meta: AttentionMetadata,
-                   rows: Any) -> list[jax.stages.Lowered]:
+                   hidden: jax.ShapeDtypeStruct, meta: AttentionMetadata, rows: Any,
+                   platforms: tuple[str, ...] | None = None) -> list[jax.stages.Lowered]:
         """As `lower_first`, for the programs after the first, in order (a program between the
         first and the last takes and gives a hidden state of `hidden`'s type)."""
-        lowered = [self._jit.middle.lower(self.layer_leaves[start:stop], k_pages[start:stop],
-                                          v_pages[start:stop], hidden, meta, start=start)
+        lowered = [_lowered(self._jit.middle, platforms, self.layer_leaves[start:stop],
+                            k_pages[start:stop], v_pages[start:stop], hidden, meta, start=start)
                    for start, stop in self._middles]
         last = self._last
-        return lowered + [self._jit.rest.lower(
-            self.layer_leaves[last:], self.head_leaves, k_pages[last:], v_pages[last:], hidden,
-            meta, rows, start=last)]
+        return lowered + [_lowered(
+            self._jit.rest, platforms, self.layer_leaves[last:], self.head_leaves,
+            k_pages[last:], v_pages[last:], hidden, meta, rows, start=last)]
 
     def lower(self, k_pages: tuple[Any, ...], v_pages: tuple[Any, ...], tokens: Any,
               meta: AttentionMetadata, rows: Any) -> tuple[jax.stages.Lowered, ...]:
