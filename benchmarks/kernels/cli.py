@@ -26,7 +26,7 @@ Page 64, bf16. Parts (--only, comma-separated; default: all):
   matmul       matmul ceiling: 4 distinct bf16 8192^3 matmuls in one program (TFLOP/s)
   transfers    the host tier's write-back and load-back of scattered pages
   kv_write     write_kv vs XLA's scatter
-  rope_write   rope_write vs the XLA path it fuses (split, rotations, scatter), per layer
+  rope_write   rope_write vs XLA's rotations + write_kv, and vs its reference in XLA
   gathers      the write-back's staging gather
   extend_long  target: 64 new tokens over 8192 cached, 7B and 0.5B heads, >= 0.40 of hbm_read
   decode_long  target: 32 x 4096 and 8 x 32768, 7B heads, >= 0.50 of hbm_read (and the time of

@@ -1,11 +1,12 @@
 """The memory parts: the host tier's transfers, write_kv against XLA's scatter, rope_write
-against the XLA path it fuses, the gather."""
+against the forward's path without it, the gather."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,13 +123,24 @@ def kv_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, tokens:
 ROPE_TURNS: tuple[tuple[int, int], ...] = ((64, 8192), (8192, 0))
 
 
+def _rope_then_write_kv(qkv: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        *meta: jax.Array, heads: int) -> Any:
+    """The forward's path without rope_write: XLA's split and rotations, then `write_kv` (the
+    reference's own scatter is left unused, so XLA drops it)."""
+    table, req, pos, inv_freq = meta
+    rotated = rope_write_reference(qkv, k_pages, v_pages, table, req, pos, inv_freq, heads=heads)
+    assert rotated.k is not None and rotated.v is not None  # the reference returns them
+    k_pages, v_pages = pk.write_kv(k_pages, v_pages, rotated.k, rotated.v, table, req, pos)
+    return rotated._replace(k_pages=k_pages, v_pages=v_pages)
+
+
 def rope_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, heads: int,
                **_: int) -> None:
-    """Per layer, `rope_write` against the XLA path it fuses (`rope_write_reference`: the
-    projection's split, both rotations and the scatter into the pages, as XLA compiles them),
-    every layer of a step in one jit (distinct rows and pages per layer, each layer's rotated
-    queries returned, so neither path is cut short), for each of ROPE_TURNS: a short turn over a
-    long prefix and a prefill chunk."""
+    """Per layer, `rope_write` against the path it would replace in the forward (XLA's split
+    and rotations, then `write_kv`) and against its reference compiled whole by XLA (the
+    scatter too), every layer of a step in one jit (distinct rows and pages per layer, each
+    layer's rotated queries returned, so no path is cut short), for each of ROPE_TURNS: a short
+    turn over a long prefix and a prefill chunk."""
     inv_freq = rope_inv_freq(dim, 1_000_000.0)
     out: dict[str, dict[str, float | str]] = {}
     for tokens, cached in ROPE_TURNS:
@@ -140,7 +152,9 @@ def rope_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, heads
                 for i in range(layers)]
         pages = [jnp.zeros((table.shape[1], PAGE, kv_heads, dim), DT) for _ in range(2 * layers)]
         times: dict[str, float | str] = {}
-        for label, write in (("pallas", rope_write_kernel), ("xla", rope_write_reference)):
+        paths = (("pallas", rope_write_kernel), ("xla_rope_write_kv", _rope_then_write_kv),
+                 ("xla", rope_write_reference))
+        for label, write in paths:
             def all_layers(pages_kv: list[jax.Array], qkv: list[jax.Array], *meta: jax.Array,
                            write: Callable = write) -> tuple[list[jax.Array], list[jax.Array]]:
                 done = [write(qkv[i], pages_kv[2 * i], pages_kv[2 * i + 1], *meta, inv_freq,
@@ -151,6 +165,7 @@ def rope_write(res: dict, name: str, layers: int, kv_heads: int, dim: int, heads
             def step(f: Callable = f) -> list[jax.Array]:
                 pages[:], qs = f(pages, rows, table, req, pos)
                 return [*pages, *qs]
+
             def per_layer_us(step: Callable[[], object] = step) -> float:
                 return timeit(step) / layers * 1e6
             times[f"{label}_us_per_layer"] = safe(per_layer_us)
