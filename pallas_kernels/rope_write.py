@@ -189,7 +189,9 @@ def rope_write(
     each token's key and value at page_table[req, pos // page_size], offset pos % page_size."""
     _validate(qkv, k_pages, v_pages, page_table, token_req, positions, inv_freq, heads, norm)
     kv_heads, dim = k_pages.shape[2:]
-    if qkv.shape[0] == 0 or page_table.size == 0:  # nothing to write
+    # Nothing to write: no tokens, or no requests (every token pads, and padding rows may hold
+    # anything), so the rows are passed on unrotated.
+    if qkv.shape[0] == 0 or page_table.size == 0:
         q = qkv[:, :heads * dim].reshape(-1, heads, dim)
         empty = jnp.zeros((qkv.shape[0], kv_heads, dim), qkv.dtype) if new_rows else None
         return RopeWritten(q, k_pages, v_pages, empty, empty)
